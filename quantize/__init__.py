@@ -1,0 +1,15 @@
+"""Stream FP8 / BF16 GLM mixture-of-experts checkpoints into compressed-tensors INT4.
+
+The stages, in the order `pipeline.convert` runs them:
+
+    checkpoint.py   read: index, safetensors headers, validation, lazy tensor reads
+    layout.py       which tensors are quantization targets, the engines' ignore list
+    plan.py         the exact output tensors, shards and bytes, from headers alone
+    fp8.py          FP8 -> float dequantization (block and per-channel)
+    int4.py         group-wise INT4 round-to-nearest, pack/unpack (pack-quantized)
+    shards.py       write: streamed safetensors shards, index, config, atomic renames
+    pipeline.py     the recipe: validate, plan, stream units, write, finish
+    verify.py       reload the output and compare it with the source
+"""
+
+__version__ = "0.1.0"

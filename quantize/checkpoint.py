@@ -1,0 +1,380 @@
+"""Read a Hugging Face safetensors checkpoint lazily: index, headers, validation, tensor reads.
+
+A safetensors file is `u64 little-endian header length N`, then `N` bytes of JSON
+`{name: {"dtype": "F8_E4M3", "shape": [out, in], "data_offsets": [begin, end]}, ...}`,
+then the data; offsets are relative to the first byte after the header. We parse the
+header ourselves (no data read: `plan` and `inspect` stay header-only, and a truncated or
+corrupt file is named precisely) and read each tensor with one positioned read, so host
+memory holds only the tensors being converted, never a whole shard mapping.
+
+The source format is decided by `config.json`:
+
+    fp8-block    quant_method "fp8", weight_block_size [128, 128]   (GLM-5.x, DeepSeek-V3)
+                 `<m>.weight` F8_E4M3 [N, K] + `<m>.weight_scale_inv` F32 [ceil(N/128), ceil(K/128)]
+    fp8-channel  quant_method "compressed-tensors", format float-quantized (GLM-4.x FP8)
+                 `<m>.weight` F8_E4M3 [N, K] + `<m>.weight_scale` [N, 1]
+    bf16         no quantization_config; no F8 tensors allowed
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quantize.errors import Problem, QuantizeError
+
+__all__ = [
+    "DTYPES",
+    "Checkpoint",
+    "SourceFormat",
+    "TensorInfo",
+    "open_checkpoint",
+    "read_safetensors_header",
+]
+
+# safetensors dtype string -> (torch dtype, bytes per element)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+}
+TORCH_TO_ST = {v[0]: k for k, v in DTYPES.items()}
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_HEADER = 100 * 2**20  # safetensors' own limit is 100 MB
+
+
+class SourceFormat:
+    FP8_BLOCK = "fp8-block"
+    FP8_CHANNEL = "fp8-channel"
+    BF16 = "bf16"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: str  # shard file name, relative to the checkpoint folder
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint known from its config, index and shard headers. Data is read on demand."""
+
+    root: Path | None  # None for a Hub repo read header-only
+    name: str  # what the user passed, for messages
+    config: dict
+    tensors: dict[str, TensorInfo]
+    files: list[str]
+    file_sizes: dict[str, int]
+    source_format: str
+    block_size: tuple[int, int] | None = None
+    _handles: dict[str, object] = field(default_factory=dict, repr=False)
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", "unknown"))
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.config.get("num_hidden_layers", 0))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def read(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
+        """Read one tensor's bytes with a single positioned read (no mmap kept around)."""
+        if self.root is None:
+            raise QuantizeError(
+                f"{self.name} was opened header-only (Hub repo id); tensor data is not available",
+                [Problem(self.name, name, "no local files", "a local folder",
+                         "download it first: `quantize convert` accepts the repo id and downloads")],
+            )
+        info = self.tensors[name]
+        torch_dtype, _ = DTYPES[info.dtype]
+        buf = bytearray(info.nbytes)
+        with open(self.root / info.file, "rb", buffering=0) as f:
+            got = os.preadv(f.fileno(), [buf], info.begin) if info.nbytes else 0
+        if got != info.nbytes:
+            raise QuantizeError(
+                "a shard is shorter than its header says",
+                [Problem(info.file, name, f"read {got} of {info.nbytes} bytes",
+                         "the full tensor", "re-download the shard (it is truncated)")],
+            )
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=torch_dtype, device=device)
+        t = torch.frombuffer(buf, dtype=torch.uint8).view(torch_dtype).reshape(info.shape)
+        return t.to(device) if str(device) != "cpu" else t
+
+
+def read_safetensors_header(path: Path, shown_name: str) -> tuple[dict[str, dict], int]:
+    """Parse and validate one safetensors header; return (header, first data byte).
+
+    Raises QuantizeError naming the file and tensor when the header is corrupt or the file
+    is shorter than the header promises (a truncated download).
+    """
+
+    def bad(found: str, expected: str, fix: str = "re-download this shard") -> QuantizeError:
+        return QuantizeError("corrupt safetensors file", [Problem(shown_name, None, found, expected, fix)])
+
+    size = path.stat().st_size
+    if size < 8:
+        raise bad(f"{size} bytes", "at least the 8-byte header length")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > MAX_HEADER or n > size - 8:
+            raise bad(f"header length {n} in a {size}-byte file", "a header that fits in the file")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"header is not valid JSON ({e.__class__.__name__}: {e})", "a JSON header") from None
+    if not isinstance(header, dict):
+        raise bad(f"header is a {type(header).__name__}", "a JSON object")
+    data_start = 8 + n
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        ok = (
+            isinstance(entry, dict)
+            and entry.get("dtype") in DTYPES
+            and isinstance(entry.get("shape"), list)
+            and all(isinstance(d, int) and d >= 0 for d in entry["shape"])
+            and isinstance(entry.get("data_offsets"), list)
+            and len(entry["data_offsets"]) == 2
+        )
+        if not ok:
+            raise QuantizeError("corrupt safetensors header", [Problem(
+                shown_name, name, f"entry {json.dumps(entry)[:200]}",
+                f"dtype in {sorted(DTYPES)}, an integer shape and two data offsets",
+                "re-download this shard")])
+        begin, end = entry["data_offsets"]
+        need = math.prod(entry["shape"]) * DTYPES[entry["dtype"]][1]
+        if end - begin != need or begin < 0:
+            raise QuantizeError("corrupt safetensors header", [Problem(
+                shown_name, name, f"data_offsets {begin}..{end} ({end - begin} bytes)",
+                f"{need} bytes for {entry['dtype']}{entry['shape']}", "re-download this shard")])
+        if data_start + end > size:
+            raise QuantizeError("truncated safetensors file", [Problem(
+                shown_name, name, f"data ends at byte {data_start + end} but the file has {size}",
+                "the whole tensor inside the file",
+                "re-download this shard (the download or copy was cut short)")])
+    return header, data_start
+
+
+def _safe_member(root: Path, name: str, index_file: str) -> Path:
+    """The path of a shard named by the index, refusing anything that leaves `root`."""
+    p = Path(name)
+    problem = None
+    if p.is_absolute() or name.startswith(("/", "\\")):
+        problem = "an absolute path"
+    elif any(part == ".." for part in p.parts) or "\\" in name:
+        problem = "a path that climbs out of the folder"
+    elif len(p.parts) != 1:
+        problem = "a path into a subfolder"
+    if problem is None:
+        full = root / name
+        if full.is_symlink() or full.exists():
+            real = full.resolve()
+            if root.resolve() not in real.parents:
+                problem = f"a link that points outside the model folder (to {real})"
+        if problem is None:
+            return full
+    raise QuantizeError("the index names a shard outside the model folder", [Problem(
+        index_file, None, f"shard name {name!r} is {problem}",
+        "a plain file name inside the model folder",
+        "this checkpoint is malformed or hostile; do not use it, or fix the index by hand")])
+
+
+def _detect_format(config: dict, tensors: dict[str, TensorInfo]) -> tuple[str, tuple[int, int] | None]:
+    qc = config.get("quantization_config")
+    has_fp8 = any(t.dtype.startswith("F8") for t in tensors.values())
+    if qc is None:
+        if has_fp8:
+            first = next(t for t in tensors.values() if t.dtype.startswith("F8"))
+            raise QuantizeError("FP8 tensors without a quantization_config", [Problem(
+                "config.json", first.name, "F8 weights and no quantization_config",
+                "a quantization_config describing the FP8 scales",
+                "use the config.json that shipped with these weights")])
+        return SourceFormat.BF16, None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3" or not (isinstance(block, list) and len(block) == 2):
+            raise QuantizeError("unsupported FP8 layout", [Problem(
+                "config.json", None, f"fmt={fmt!r}, weight_block_size={block!r}",
+                "fmt e4m3 with a two-element weight_block_size (block FP8)",
+                "only DeepSeek-style block FP8 is supported for quant_method fp8")])
+        return SourceFormat.FP8_BLOCK, (int(block[0]), int(block[1]))
+    if method == "compressed-tensors":
+        fmt = qc.get("format")
+        groups = qc.get("config_groups") or {}
+        weights = [g.get("weights") or {} for g in groups.values()]
+        float8 = all(w.get("type") == "float" and w.get("num_bits") == 8 for w in weights) and weights
+        if fmt in ("float-quantized", "naive-quantized") and float8 and all(
+            w.get("strategy") in ("channel", "tensor") for w in weights
+        ):
+            return SourceFormat.FP8_CHANNEL, None
+        raise QuantizeError("unsupported compressed-tensors source", [Problem(
+            "config.json", None, f"format={fmt!r}, weights={weights}",
+            "float-quantized FP8 weights with per-channel or per-tensor scales (GLM-4.x FP8)",
+            "convert from the FP8 or BF16 release of the model")])
+    raise QuantizeError("unknown quantization method", [Problem(
+        "config.json", None, f"quant_method={method!r}",
+        "fp8 (block), compressed-tensors float-quantized FP8, or no quantization_config (BF16)",
+        "convert from the FP8 or BF16 release; already-quantized INT checkpoints cannot be re-quantized")])
+
+
+def _validate_scales(ckpt: Checkpoint) -> None:
+    """Every F8 tensor must be a 2-D `.weight` with a scale of the right dtype and shape."""
+    problems: list[Problem] = []
+    for t in ckpt.tensors.values():
+        if not t.dtype.startswith("F8"):
+            continue
+        if t.dtype != "F8_E4M3" or not t.name.endswith(".weight") or len(t.shape) != 2:
+            problems.append(Problem(t.file, t.name, f"{t.dtype}{list(t.shape)}",
+                                    "F8_E4M3 2-D `.weight` tensors only",
+                                    "this FP8 layout is not a supported release format"))
+            continue
+        n, k = t.shape
+        stem = t.name[: -len("weight")]
+        if ckpt.source_format == SourceFormat.FP8_BLOCK:
+            sname = stem + "weight_scale_inv"
+            bn, bk = ckpt.block_size
+            want_shape, want_dtypes = (math.ceil(n / bn), math.ceil(k / bk)), ("F32", "BF16")
+        else:
+            sname = stem + "weight_scale"
+            want_shape, want_dtypes = (n, 1), ("F32", "BF16", "F16")
+        s = ckpt.tensors.get(sname)
+        if s is None:
+            problems.append(Problem(t.file, t.name, f"no `{sname}` in the index",
+                                    f"its scale {sname} {want_dtypes[0]}{list(want_shape)}",
+                                    "re-download the checkpoint; an FP8 weight without its scale "
+                                    "cannot be dequantized"))
+        elif s.shape not in (want_shape, (n,)) or s.dtype not in want_dtypes or (
+            s.shape == (n,) and ckpt.source_format == SourceFormat.FP8_BLOCK
+        ):
+            problems.append(Problem(s.file, sname, f"{s.dtype}{list(s.shape)}",
+                                    f"{'/'.join(want_dtypes)}{list(want_shape)} for weight "
+                                    f"{list(t.shape)}", "the scale does not belong to this weight; "
+                                    "re-download the checkpoint"))
+    if ckpt.source_format == SourceFormat.FP8_CHANNEL:
+        for t in ckpt.tensors.values():
+            if t.name.endswith(".input_scale"):
+                problems.append(Problem(t.file, t.name, "a static activation scale",
+                                        "dynamic activations (no input_scale)",
+                                        "static-activation FP8 checkpoints are not supported"))
+    if problems:
+        raise QuantizeError("the FP8 weights and their scales do not match", problems)
+
+
+def open_checkpoint(src: str | Path) -> Checkpoint:
+    """Read config, index and every shard header of a local checkpoint; validate; read no data."""
+    root = Path(src)
+    if not root.is_dir():
+        raise QuantizeError("source not found", [Problem(
+            str(src), None, "no such folder", "a folder with config.json and *.safetensors",
+            "pass a local checkpoint folder or a Hub repo id (org/name)")])
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise QuantizeError("no config.json", [Problem(
+            str(config_path), None, "missing", "the model's config.json",
+            "copy config.json from the model release into the folder")])
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise QuantizeError("config.json is not valid JSON", [Problem(
+            str(config_path), None, str(e), "valid JSON", "restore the release's config.json")]) from None
+
+    index_path = root / INDEX_NAME
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise QuantizeError("unreadable index", [Problem(
+                str(index_path), None, f"{e.__class__.__name__}: {e}", "JSON with a weight_map",
+                "restore the release's model.safetensors.index.json")]) from None
+    elif (root / SINGLE_NAME).is_file():
+        header, _ = read_safetensors_header(root / SINGLE_NAME, SINGLE_NAME)
+        weight_map = {n: SINGLE_NAME for n in header if n != "__metadata__"}
+    else:
+        raise QuantizeError("no weights found", [Problem(
+            str(root), None, f"neither {INDEX_NAME} nor {SINGLE_NAME}", "safetensors weights",
+            "only safetensors checkpoints are supported (convert .bin files with transformers first)")])
+
+    files = sorted(set(weight_map.values()))
+    problems: list[Problem] = []
+    headers: dict[str, tuple[dict, int]] = {}
+    sizes: dict[str, int] = {}
+    for fname in files:
+        path = _safe_member(root, str(fname), INDEX_NAME)
+        if not path.is_file():
+            problems.append(Problem(INDEX_NAME, None, f"shard {fname} does not exist",
+                                    "every shard the index names", "download the missing shard"))
+            continue
+        headers[fname] = read_safetensors_header(path, fname)
+        sizes[fname] = path.stat().st_size
+    if problems:
+        raise QuantizeError("the index names missing files", problems)
+
+    tensors: dict[str, TensorInfo] = {}
+    for name, fname in weight_map.items():
+        header, data_start = headers[fname]
+        entry = header.get(name)
+        if entry is None:
+            problems.append(Problem(fname, name, "not in this shard's header",
+                                    "the tensor the index promises",
+                                    "the index and shards are from different revisions; re-download"))
+            continue
+        begin, end = entry["data_offsets"]
+        tensors[name] = TensorInfo(name, fname, entry["dtype"], tuple(entry["shape"]),
+                                   data_start + begin, end - begin)
+    if problems:
+        raise QuantizeError("tensors listed in the index are missing from their shards", problems)
+    fmt, block = _detect_format(config, tensors)
+    ckpt = Checkpoint(root, str(src), config, tensors, files, sizes, fmt, block)
+    _validate_scales(ckpt)
+    return ckpt
+
+
+def checkpoint_from_headers(name: str, config: dict, headers: dict[str, dict]) -> Checkpoint:
+    """Build a header-only Checkpoint (no data access), e.g. from the Hub's metadata API.
+
+    `headers` maps file name -> {tensor: {"dtype", "shape", "data_offsets"}}.
+    """
+    tensors = {
+        t: TensorInfo(t, fname, e["dtype"], tuple(e["shape"]), 0,
+                      e["data_offsets"][1] - e["data_offsets"][0])
+        for fname, h in headers.items() for t, e in h.items() if t != "__metadata__"
+    }
+    fmt, block = _detect_format(config, tensors)
+    sizes = {f: sum(e["data_offsets"][1] - e["data_offsets"][0] for t, e in h.items()
+                    if t != "__metadata__") for f, h in headers.items()}
+    ckpt = Checkpoint(None, name, config, tensors, sorted(headers), sizes, fmt, block)
+    _validate_scales(ckpt)
+    return ckpt

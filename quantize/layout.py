@@ -1,0 +1,119 @@
+"""What each tensor of a GLM checkpoint is, which Linears become INT4, and the `ignore` list.
+
+Roles, decided by name (the release layouts in ../shared/reference/formats.md):
+
+    routed    model.layers.L.mlp.experts.E.{gate,up,down}_proj      INT4 by default
+    shared    model.layers.L.mlp.shared_experts.{gate,up,down}_proj  INT4 on request
+    dense     model.layers.L.mlp.{gate,up,down}_proj (dense layers)  INT4 on request
+    attention model.layers.L.self_attn.*  (MLA / GQA and the DSA indexer)
+    router    model.layers.L.mlp.gate
+    other     embeddings, lm_head, norms, MTP eh_proj / shared_head, biases
+
+The engines match `ignore` against *their* module names, which fuse projections
+(`gate_up_proj`, `fused_qkv_a_proj`, `qkv_proj`), so the regexes cover the fused names too:
+`ignore_patterns` is checked against both spellings.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "ROLES",
+    "fused_names",
+    "ignore_patterns",
+    "is_ignored",
+    "layer_of",
+    "linear_role",
+    "module_of",
+    "natural_key",
+]
+
+ROLES = ("routed", "shared", "dense")
+
+_ROUTED = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj$")
+_SHARED = re.compile(r".*\.mlp\.shared_experts\.(gate|up|down)_proj$")
+_DENSE = re.compile(r".*\.mlp\.(gate|up|down)_proj$")
+_ATTN = re.compile(r".*\.self_attn\..*")
+_ROUTER = re.compile(r".*\.mlp\.gate$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+# Always ignored: everything that is not an MLP projection.
+_BASE_IGNORE = (
+    "lm_head",
+    r"re:.*embed_tokens.*",
+    r"re:.*self_attn.*",
+    r"re:.*mlp\.gate$",
+    r"re:.*eh_proj.*",
+    r"re:.*shared_head.*",
+)
+_IGNORE_SHARED = r"re:.*shared_experts.*"
+_IGNORE_DENSE = r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"
+
+
+def module_of(weight_name: str) -> str:
+    """`a.b.weight` -> `a.b`."""
+    return weight_name.rsplit(".", 1)[0]
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key that puts layers.10 after layers.9 and expert 10 after expert 9."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def linear_role(module: str) -> str:
+    """Role of a Linear module name (no `.weight` suffix)."""
+    if _ROUTED.match(module):
+        return "routed"
+    if _SHARED.match(module):
+        return "shared"
+    if _DENSE.match(module):
+        return "dense"
+    if _ATTN.match(module):
+        return "attention"
+    if _ROUTER.match(module):
+        return "router"
+    return "other"
+
+
+def ignore_patterns(targets: frozenset[str], other_linears: list[str]) -> list[str]:
+    """The `ignore` list: fixed regexes for the roles left in BF16, plus the exact name of any
+    non-target Linear the regexes miss (so every Linear is a target or ignored)."""
+    pats = list(_BASE_IGNORE)
+    if "shared" not in targets:
+        pats.append(_IGNORE_SHARED)
+    if "dense" not in targets:
+        pats.append(_IGNORE_DENSE)
+    pats += sorted({m for m in other_linears if not is_ignored(m, pats)}, key=natural_key)
+    return pats
+
+
+def is_ignored(module: str, patterns: list[str]) -> bool:
+    """compressed-tensors / vLLM matching: `re:` entries are regexes (re.match), others exact
+    names or a trailing component match."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], module):
+                return True
+        elif module == p or module.endswith("." + p):
+            return True
+    return False
+
+
+def fused_names(module: str) -> list[str]:
+    """The module name plus the names engines give it after fusing projections."""
+    names = [module]
+    for parts, fused in (
+        (("gate_proj", "up_proj"), "gate_up_proj"),
+        (("q_a_proj", "kv_a_proj_with_mqa"), "fused_qkv_a_proj"),
+        (("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+    ):
+        head, _, last = module.rpartition(".")
+        if last in parts:
+            names.append(f"{head}.{fused}" if head else fused)
+    return names

@@ -1,0 +1,126 @@
+"""`quantize-manifest.json`: what a conversion did, so it can resume and be verified.
+
+    {"status": "in-progress" | "complete",
+     "tool_version": "0.1.0",
+     "options": {...ConvertOptions...},
+     "plan_sha256": "...",                  # shard names and every planned tensor
+     "source": {"path": ..., "index_sha256": ..., "files": {name: [bytes, mtime_ns]}},
+     "files": {name: {"bytes": n, "sha256": "..."}}}   # every finished output file
+
+A folder whose manifest is not `complete` is not a finished checkpoint: `verify` and `push`
+refuse it. Resuming with other options or a changed source is refused with the difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from quantize import __version__
+from quantize.checkpoint import INDEX_NAME, Checkpoint
+from quantize.errors import Problem, QuantizeError
+from quantize.plan import Plan
+from quantize.shards import write_json_atomic
+
+__all__ = ["MANIFEST", "Manifest", "read_manifest", "source_fingerprint"]
+
+MANIFEST = "quantize-manifest.json"
+
+
+def source_fingerprint(ckpt: Checkpoint) -> dict:
+    root = ckpt.root
+    index = root / INDEX_NAME
+    index_sha = hashlib.sha256(index.read_bytes()).hexdigest() if index.is_file() else None
+    files = {}
+    for f in ckpt.files + ["config.json"]:
+        st = (root / f).stat()
+        files[f] = [st.st_size, st.st_mtime_ns]
+    return {"path": str(root.resolve()), "index_sha256": index_sha, "files": files}
+
+
+def plan_digest(plan: Plan) -> str:
+    h = hashlib.sha256()
+    for s in plan.shards:
+        h.update(s.file.encode())
+        for t in s.tensors:
+            h.update(f"{t.name}|{t.dtype}|{t.shape}".encode())
+    h.update(json.dumps(list(plan.ignore)).encode())
+    return h.hexdigest()
+
+
+def read_manifest(out_dir: Path) -> dict | None:
+    p = out_dir / MANIFEST
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise QuantizeError("the output's manifest is unreadable", [Problem(
+            str(p), None, str(e), "the JSON this tool writes",
+            "delete the output folder and convert again (or pass --overwrite)")]) from None
+
+
+class Manifest:
+    """The in-progress manifest of one conversion; every update is an atomic rewrite."""
+
+    def __init__(self, out_dir: Path, data: dict):
+        self.path = out_dir / MANIFEST
+        self.data = data
+
+    @classmethod
+    def start(cls, out_dir: Path, ckpt: Checkpoint, plan: Plan, extra: dict | None = None) -> Manifest:
+        data = {
+            "status": "in-progress",
+            "tool_version": __version__,
+            "options": plan.options.to_json(),
+            "plan_sha256": plan_digest(plan),
+            "source": source_fingerprint(ckpt),
+            "files": {},
+            **(extra or {}),
+        }
+        m = cls(out_dir, data)
+        m.save()
+        return m
+
+    @classmethod
+    def resume(cls, out_dir: Path, ckpt: Checkpoint, plan: Plan, previous: dict) -> Manifest:
+        """Continue `previous` if it was made by the same options from the same source."""
+        diffs = []
+        opts = plan.options.to_json()
+        for k, v in opts.items():
+            old = previous.get("options", {}).get(k)
+            if old != v:
+                diffs.append(f"option {k}: was {old!r}, now {v!r}")
+        fp = source_fingerprint(ckpt)
+        old_fp = previous.get("source", {})
+        if old_fp.get("index_sha256") != fp["index_sha256"]:
+            diffs.append("source index changed")
+        for f, stat in fp["files"].items():
+            if old_fp.get("files", {}).get(f) != stat:
+                diffs.append(f"source file {f} changed (size/mtime)")
+        if not diffs and previous.get("plan_sha256") != plan_digest(plan):
+            diffs.append("the planned output differs (tool version or layout changed)")
+        if diffs:
+            raise QuantizeError("cannot resume: this output was made differently", [Problem(
+                str(out_dir / MANIFEST), None, d, "the same options and source",
+                "rerun with the original options, or pass --overwrite to start over") for d in diffs])
+        m = cls(out_dir, previous)
+        m.data["status"] = "in-progress"
+        m.save()
+        return m
+
+    def done(self, name: str) -> dict | None:
+        return self.data["files"].get(name)
+
+    def record(self, name: str, nbytes: int, sha256: str) -> None:
+        self.data["files"][name] = {"bytes": nbytes, "sha256": sha256}
+        self.save()
+
+    def finish(self, **extra) -> None:
+        self.data.update(extra)
+        self.data["status"] = "complete"
+        self.save()
+
+    def save(self) -> None:
+        write_json_atomic(self.path, self.data)

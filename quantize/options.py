@@ -1,0 +1,57 @@
+"""The one frozen set of conversion options, validated once and passed explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from quantize.layout import ROLES
+
+__all__ = ["ConvertOptions", "parse_size"]
+
+METHODS = ("rtn",)
+GROUP_SIZES = (32, 64, 128)  # what vLLM's Marlin / SGLang WNA16 MoE kernels accept
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000, '512MiB' -> 536870912, '1000' -> 1000 (bytes)."""
+    t = text.strip().upper().replace(" ", "")
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+             "K": 10**3, "M": 10**6, "G": 10**9, "B": 1}
+    for u, mult in units.items():
+        if t.endswith(u):
+            return int(float(t[: -len(u)]) * mult)
+    return int(t)
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    method: str = "rtn"
+    # 32: the layout behind the published GLM-5.2 INT4 result; 64/128 trade accuracy for size.
+    group_size: int = 32
+    # Symmetric is what SGLang's MoE WNA16 path asserts and what transformers decompresses right.
+    symmetric: bool = True
+    # Routed experts hold ~95% of GLM-5.2's bytes; everything else stays BF16 by default.
+    targets: frozenset[str] = field(default_factory=lambda: frozenset({"routed"}))
+    # 5 GB shards: the Hub's recommended maximum file size.
+    max_shard_size: int = 5 * 10**9
+    num_bits: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"--group-size must be one of {GROUP_SIZES} (what the serving "
+                             f"kernels accept), got {self.group_size}")
+        bad = set(self.targets) - set(ROLES)
+        if bad or not self.targets:
+            raise ValueError(f"--targets must be a non-empty subset of {','.join(ROLES)}, "
+                             f"got {','.join(sorted(self.targets)) or '(empty)'}")
+        if self.max_shard_size < 1:
+            raise ValueError("--max-shard-size must be positive")
+        if self.num_bits != 4:
+            raise ValueError("only 4-bit weights are supported")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["targets"] = sorted(self.targets)
+        return d

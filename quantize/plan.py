@@ -1,0 +1,272 @@
+"""The exact output of a conversion, computed from the source's headers alone.
+
+`make_plan` decides, for every source tensor, one action:
+
+    quantize   a target Linear   -> weight_packed I32 (N, K/8), weight_scale BF16 (N, K/g),
+                                    weight_shape I64 (2,) [, weight_zero_point I32 (ceil(N/8), K/g)]
+    dequant    an FP8 weight     -> weight BF16 (N, K); its weight_scale_inv / weight_scale dropped
+    copy       everything else   -> the same bytes
+
+and assigns the outputs to shards of at most `max_shard_size` bytes, in layer order, keeping
+each source module's outputs in one shard. Because the shard headers are part of the plan
+too, `predicted file bytes == written file bytes` exactly; `convert` writes this plan and
+nothing else.
+
+GLM-5.2 FP8 as a worked number: 703.7 GiB in, routed experts at 0.5625 bytes/parameter
+(0.5 for the nibbles + 2/32 for a BF16 scale per 32) and the rest BF16 -> 419.9 GiB out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from quantize.checkpoint import DTYPES, Checkpoint, SourceFormat
+from quantize.errors import Problem, QuantizeError
+from quantize.layout import (
+    fused_names,
+    ignore_patterns,
+    is_ignored,
+    layer_of,
+    linear_role,
+    module_of,
+    natural_key,
+)
+from quantize.options import ConvertOptions
+
+__all__ = ["Check", "OutTensor", "Plan", "Shard", "Unit", "make_plan", "shard_header"]
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    name: str
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype][1]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One source tensor (with its scale) and what it becomes."""
+
+    source: str  # source tensor name
+    action: str  # "quantize" | "dequant" | "copy"
+    role: str  # layout role of the module, or "tensor" for non-Linear tensors
+    scale: str | None  # the FP8 scale tensor consumed with it
+    outputs: tuple[OutTensor, ...]
+    source_bytes: int  # bytes read from the source (tensor + scale)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.nbytes for o in self.outputs)
+
+
+@dataclass(frozen=True)
+class Shard:
+    file: str
+    units: tuple[Unit, ...]
+
+    @property
+    def tensors(self) -> list[OutTensor]:
+        return [o for u in self.units for o in u.outputs]
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+    @property
+    def file_bytes(self) -> int:
+        return len(shard_header(self.tensors)) + self.data_bytes
+
+
+@dataclass(frozen=True)
+class Check:
+    level: str  # "ok" | "warn" | "error"
+    what: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    options: ConvertOptions
+    source_format: str
+    source_bytes: int  # tensor data bytes in the source
+    units: tuple[Unit, ...]
+    shards: tuple[Shard, ...]
+    ignore: tuple[str, ...]
+    checks: tuple[Check, ...]
+    expert_width: int | None
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(s.data_bytes for s in self.shards)
+
+    @property
+    def output_file_bytes(self) -> int:
+        return sum(s.file_bytes for s in self.shards)
+
+    def bytes_by(self, key: str) -> dict[str, tuple[int, int]]:
+        """{role or action: (source bytes, output bytes)} for the summary tables."""
+        out: dict[str, tuple[int, int]] = {}
+        for u in self.units:
+            k = getattr(u, key)
+            s, o = out.get(k, (0, 0))
+            out[k] = (s + u.source_bytes, o + u.nbytes)
+        return out
+
+
+def shard_header(tensors: list[OutTensor]) -> bytes:
+    """The safetensors header (length prefix included) for tensors written in this order.
+
+    JSON padded with spaces to a multiple of 8 bytes, as the safetensors library writes it.
+    """
+    entries: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for t in tensors:
+        entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+        off += t.nbytes
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * ((-len(raw)) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _quantized_outputs(module: str, N: int, K: int, opts: ConvertOptions) -> tuple[OutTensor, ...]:
+    G = K // opts.group_size
+    outs = [
+        OutTensor(f"{module}.weight_packed", "I32", (N, math.ceil(K / 8))),
+        OutTensor(f"{module}.weight_scale", "BF16", (N, G)),
+        OutTensor(f"{module}.weight_shape", "I64", (2,)),
+    ]
+    if not opts.symmetric:
+        outs.append(OutTensor(f"{module}.weight_zero_point", "I32", (math.ceil(N / 8), G)))
+    return tuple(outs)
+
+
+def _scale_name(ckpt: Checkpoint, weight: str) -> str | None:
+    if ckpt.tensors[weight].dtype != "F8_E4M3":
+        return None
+    stem = weight[: -len("weight")]
+    return stem + ("weight_scale_inv" if ckpt.source_format == SourceFormat.FP8_BLOCK else "weight_scale")
+
+
+def _units(ckpt: Checkpoint, opts: ConvertOptions) -> list[Unit]:
+    scales = {s for w in ckpt.tensors if (s := _scale_name(ckpt, w))}
+    problems: list[Problem] = []
+    units = []
+    for name in sorted(ckpt.tensors, key=natural_key):
+        if name in scales:
+            continue
+        t = ckpt.tensors[name]
+        is_linear = name.endswith(".weight") and len(t.shape) == 2 and "embed_tokens" not in name
+        role = linear_role(module_of(name)) if is_linear else "tensor"
+        scale = _scale_name(ckpt, name)
+        src_bytes = t.nbytes + (ckpt.tensors[scale].nbytes if scale else 0)
+        if role in opts.targets:
+            N, K = t.shape
+            if K % opts.group_size:
+                problems.append(Problem(t.file, name, f"in_features {K}",
+                                        f"a multiple of --group-size {opts.group_size}",
+                                        "pick a --group-size that divides it, or leave this role "
+                                        "out of --targets (padding would break the engines' shapes)"))
+                continue
+            units.append(Unit(name, "quantize", role, scale, _quantized_outputs(module_of(name), N, K, opts),
+                              src_bytes))
+        elif scale is not None:
+            units.append(Unit(name, "dequant", role, scale, (OutTensor(name, "BF16", t.shape),), src_bytes))
+        else:
+            units.append(Unit(name, "copy", role, None, (OutTensor(name, t.dtype, t.shape),), src_bytes))
+    if problems:
+        raise QuantizeError("the group size does not tile these weights", problems)
+    if not any(u.action == "quantize" for u in units):
+        raise QuantizeError("nothing to quantize", [Problem(
+            "model.safetensors.index.json", None,
+            f"no Linear of role {','.join(sorted(opts.targets))}",
+            "routed experts (model.layers.L.mlp.experts.E.*_proj) or the requested --targets",
+            "check --targets; dense models need --targets dense")])
+    return units
+
+
+def _shards(units: list[Unit], max_bytes: int) -> list[Shard]:
+    groups: list[list[Unit]] = [[]]
+    size = 0
+    for u in units:
+        if groups[-1] and size + u.nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(u)
+        size += u.nbytes
+    n = len(groups)
+    return [Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", tuple(g)) for i, g in enumerate(groups)]
+
+
+def _expert_width(ckpt: Checkpoint) -> int | None:
+    w = ckpt.config.get("moe_intermediate_size")
+    if w:
+        return int(w)
+    for name, t in ckpt.tensors.items():
+        if linear_role(module_of(name)) == "routed" and name.endswith("gate_proj.weight"):
+            return t.shape[0]
+    return None
+
+
+def tp_checks(ckpt: Checkpoint, opts: ConvertOptions, tp: int, expert_width: int | None) -> list[Check]:
+    """What vLLM's Marlin MoE / SGLang WNA16 kernels require of the quantized layout at `tp`."""
+    checks: list[Check] = []
+    g = opts.group_size
+    hidden = ckpt.config.get("hidden_size")
+    if hidden:
+        lvl = "ok" if hidden % 128 == 0 else "error"
+        checks.append(Check(lvl, "hidden size % 128", f"{hidden} % 128 = {hidden % 128}"))
+    if expert_width and "routed" in opts.targets:
+        if expert_width % tp:
+            checks.append(Check("error", f"expert width / TP{tp}",
+                                f"{expert_width} is not divisible by {tp}; use a TP size that divides it"))
+        else:
+            part = expert_width // tp
+            need = max(64, g)
+            ok = part % need == 0
+            fix = ""
+            if not ok:
+                good_g = [x for x in (32, 64, 128) if part % max(64, x) == 0]
+                good_tp = [t for t in (1, 2, 4, 8, 16) if expert_width % t == 0
+                           and (expert_width // t) % need == 0]
+                fix = (f"; fix: --group-size {good_g[-1]}" if good_g else "") + (
+                    f" or serve at TP {', '.join(map(str, good_tp))}" if good_tp else "")
+                fix = fix or "; no group size or TP size in 1..16 satisfies the MoE kernels"
+            checks.append(Check("ok" if ok else "error", f"expert width / TP{tp} % max(64, group)",
+                                f"{expert_width}/{tp} = {part}, {part} % {need} = {part % need}{fix}"))
+    if not opts.symmetric:
+        checks.append(Check("warn", "asymmetric zero points",
+                            "SGLang's MoE WNA16 kernels assert symmetric weights and transformers "
+                            "ignores MoE zero points when decompressing; vLLM Marlin reads them"))
+    return checks
+
+
+def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
+    """Every output tensor, its shard and bytes, plus the serving checks at `tp`. Reads no data."""
+    units = _units(ckpt, opts)
+    others = [module_of(u.source) for u in units if u.action != "quantize" and u.role != "tensor"]
+    ignore = ignore_patterns(opts.targets, others)
+    problems = []
+    for u in units:
+        mod = module_of(u.source)
+        if u.action == "quantize" and any(is_ignored(n, ignore) for n in fused_names(mod)):
+            problems.append(Problem("config.json", u.source, "a target matched by the ignore list",
+                                    "targets outside `ignore`", "report this as a bug"))
+    if problems:
+        raise QuantizeError("internal: the ignore list would hide targets", problems)
+    width = _expert_width(ckpt)
+    return Plan(
+        options=opts,
+        source_format=ckpt.source_format,
+        source_bytes=ckpt.total_bytes,
+        units=tuple(units),
+        shards=tuple(_shards(units, opts.max_shard_size)),
+        ignore=tuple(ignore),
+        checks=tuple(tp_checks(ckpt, opts, tp, width)),
+        expert_width=width,
+    )
