@@ -293,24 +293,12 @@ def _validate_scales(ckpt: Checkpoint) -> None:
         raise QuantizeError("the FP8 weights and their scales do not match", problems)
 
 
-def open_checkpoint(src: str | Path) -> Checkpoint:
-    """Read config, index and every shard header of a local checkpoint; validate; read no data."""
-    root = Path(src)
-    if not root.is_dir():
-        raise QuantizeError("source not found", [Problem(
-            str(src), None, "no such folder", "a folder with config.json and *.safetensors",
-            "pass a local checkpoint folder or a Hub repo id (org/name)")])
-    config_path = root / "config.json"
-    if not config_path.is_file():
-        raise QuantizeError("no config.json", [Problem(
-            str(config_path), None, "missing", "the model's config.json",
-            "copy config.json from the model release into the folder")])
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise QuantizeError("config.json is not valid JSON", [Problem(
-            str(config_path), None, str(e), "valid JSON", "restore the release's config.json")]) from None
+def read_tensor_table(root: Path) -> tuple[dict[str, TensorInfo], list[str], dict[str, int]]:
+    """Index (or single file) + every shard header of a local folder -> tensors, files, sizes.
 
+    Refuses shard names that leave the folder, missing shards, corrupt or truncated headers,
+    and index entries absent from their shard.
+    """
     index_path = root / INDEX_NAME
     if index_path.is_file():
         try:
@@ -356,6 +344,28 @@ def open_checkpoint(src: str | Path) -> Checkpoint:
                                    data_start + begin, end - begin)
     if problems:
         raise QuantizeError("tensors listed in the index are missing from their shards", problems)
+    return tensors, files, sizes
+
+
+def open_checkpoint(src: str | Path) -> Checkpoint:
+    """Read config, index and every shard header of a local checkpoint; validate; read no data."""
+    root = Path(src)
+    if not root.is_dir():
+        raise QuantizeError("source not found", [Problem(
+            str(src), None, "no such folder", "a folder with config.json and *.safetensors",
+            "pass a local checkpoint folder or a Hub repo id (org/name)")])
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise QuantizeError("no config.json", [Problem(
+            str(config_path), None, "missing", "the model's config.json",
+            "copy config.json from the model release into the folder")])
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise QuantizeError("config.json is not valid JSON", [Problem(
+            str(config_path), None, str(e), "valid JSON", "restore the release's config.json")]) from None
+
+    tensors, files, sizes = read_tensor_table(root)
     fmt, block = _detect_format(config, tensors)
     ckpt = Checkpoint(root, str(src), config, tensors, files, sizes, fmt, block)
     _validate_scales(ckpt)

@@ -85,7 +85,7 @@ class Shard:
 
 @dataclass(frozen=True)
 class Check:
-    level: str  # "ok" | "warn" | "error"
+    level: str  # "ok" | "warn" | "fail" (the serving kernels would refuse it)
     what: str
     detail: str
 
@@ -219,11 +219,11 @@ def tp_checks(ckpt: Checkpoint, opts: ConvertOptions, tp: int, expert_width: int
     g = opts.group_size
     hidden = ckpt.config.get("hidden_size")
     if hidden:
-        lvl = "ok" if hidden % 128 == 0 else "error"
+        lvl = "ok" if hidden % 128 == 0 else "fail"
         checks.append(Check(lvl, "hidden size % 128", f"{hidden} % 128 = {hidden % 128}"))
     if expert_width and "routed" in opts.targets:
         if expert_width % tp:
-            checks.append(Check("error", f"expert width / TP{tp}",
+            checks.append(Check("fail", f"expert width / TP{tp}",
                                 f"{expert_width} is not divisible by {tp}; use a TP size that divides it"))
         else:
             part = expert_width // tp
@@ -237,7 +237,7 @@ def tp_checks(ckpt: Checkpoint, opts: ConvertOptions, tp: int, expert_width: int
                 fix = (f"; fix: --group-size {good_g[-1]}" if good_g else "") + (
                     f" or serve at TP {', '.join(map(str, good_tp))}" if good_tp else "")
                 fix = fix or "; no group size or TP size in 1..16 satisfies the MoE kernels"
-            checks.append(Check("ok" if ok else "error", f"expert width / TP{tp} % max(64, group)",
+            checks.append(Check("ok" if ok else "fail", f"expert width / TP{tp} % max(64, group)",
                                 f"{expert_width}/{tp} = {part}, {part} % {need} = {part % need}{fix}"))
     if not opts.symmetric:
         checks.append(Check("warn", "asymmetric zero points",

@@ -1,0 +1,229 @@
+"""`quantize`: the command line. One function per command, no logic beyond argument plumbing.
+
+Results go to stdout (tables, or JSON with --json); progress and messages to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from quantize.errors import QuantizeError
+
+app = typer.Typer(
+    help="Stream FP8/BF16 GLM MoE checkpoints into compressed-tensors INT4 (W4A16) checkpoints.\n\n"
+         "Typical run:  quantize inspect SRC; quantize plan SRC --tp 8; "
+         "quantize convert SRC DST; quantize verify SRC DST",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    add_completion=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+Src = Annotated[str, typer.Argument(help="Source checkpoint folder (config.json + safetensors).")]
+Dst = Annotated[Path, typer.Argument(help="Output folder for the INT4 checkpoint.")]
+GroupSize = Annotated[int, typer.Option("--group-size", "-g", help="INT4 group size: 32, 64 or 128.")]
+Targets = Annotated[str, typer.Option(
+    "--targets", help="Comma list of Linear roles to quantize: routed, shared, dense.")]
+Asym = Annotated[bool, typer.Option(
+    "--asymmetric", help="Store zero points (vLLM Marlin reads them; SGLang MoE and transformers do not).")]
+Tp = Annotated[int, typer.Option("--tp", help="Tensor-parallel size to check the layout against.")]
+Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
+
+
+def _options(method: str, group_size: int, targets: str, asymmetric: bool, max_shard_size: str = "5GB"):
+    from quantize.options import ConvertOptions, parse_size
+
+    return ConvertOptions(method=method, group_size=group_size, symmetric=not asymmetric,
+                          targets=frozenset(t.strip() for t in targets.split(",") if t.strip()),
+                          max_shard_size=parse_size(max_shard_size))
+
+
+def _fail(e: Exception, debug: bool, hint: str | None = None) -> None:
+    if debug:
+        raise e
+    err.print(f"[red]error:[/] {e}", highlight=False)
+    if hint:
+        err.print(hint, highlight=False)
+    raise typer.Exit(2)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
+                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                    console=err, transient=False)
+
+
+@app.command()
+def inspect(src: Src, json_: Json = False, debug: Debug = False) -> None:
+    """What a checkpoint holds: format, layers, experts, bytes by category. Reads headers only.
+
+    Example:  quantize inspect ./GLM-5.2-FP8
+    """
+    from quantize.checkpoint import open_checkpoint
+    from quantize.report import inspect_data, inspect_table
+
+    try:
+        d = inspect_data(open_checkpoint(src))
+    except (QuantizeError, ValueError) as e:
+        _fail(e, debug)
+    out.print_json(json.dumps(d)) if json_ else out.print(inspect_table(d))
+
+
+@app.command()
+def plan(
+    src: Src,
+    tp: Tp = 8,
+    group_size: GroupSize = 32,
+    targets: Targets = "routed",
+    asymmetric: Asym = False,
+    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")] = "5GB",
+    json_: Json = False,
+    strict: Annotated[bool, typer.Option(help="Exit 1 when a serving check fails.")] = False,
+    debug: Debug = False,
+) -> None:
+    """Predict the output size and per-GPU weight memory; check the serving kernels' rules.
+
+    Reads only the index and safetensors headers. The prediction is the exact byte count
+    `convert` writes.
+
+    Examples:
+      quantize plan ./GLM-5.2-FP8 --tp 8
+      quantize plan ./GLM-4.6-FP8 --tp 8 --group-size 128     # warns: 1536/8 = 192
+    """
+    from quantize.checkpoint import open_checkpoint
+    from quantize.plan import make_plan
+    from quantize.report import plan_data, plan_tables
+
+    try:
+        d = plan_data(make_plan(open_checkpoint(src), _options("rtn", group_size, targets, asymmetric,
+                                                                 max_shard_size), tp), tp)
+    except (QuantizeError, ValueError) as e:
+        _fail(e, debug)
+    if json_:
+        out.print_json(json.dumps(d))
+    else:
+        for t in plan_tables(d):
+            out.print(t)
+    failed = [c for c in d["checks"] if c["level"] == "fail"]
+    for c in failed:
+        err.print(f"[yellow]warning:[/] {c['what']}: {c['detail']}", highlight=False)
+    if failed and strict:
+        raise typer.Exit(1)
+
+
+@app.command()
+def convert(
+    src: Src,
+    dst: Dst,
+    method: Annotated[str, typer.Option(help="Rounding: rtn.")] = "rtn",
+    group_size: GroupSize = 32,
+    targets: Targets = "routed",
+    asymmetric: Asym = False,
+    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")] = "5GB",
+    device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted conversion in DST.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Delete DST's contents and start over.")] = False,
+    tp: Tp = 8,
+    debug: Debug = False,
+) -> None:
+    """Convert SRC to a compressed-tensors pack-quantized INT4 checkpoint in DST.
+
+    Streams one tensor at a time: memory stays bounded by the largest tensor, not the model.
+    Each shard is written atomically and recorded in DST/quantize-manifest.json, so an
+    interrupted run continues with --resume.
+
+    Examples:
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4
+      quantize convert ./GLM-4.6-FP8 ./GLM-4.6-INT4 --group-size 64 --targets routed,shared
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --resume
+    """
+    from quantize.checkpoint import open_checkpoint
+    from quantize.manifest import read_manifest
+    from quantize.pipeline import convert as run_convert
+    from quantize.plan import make_plan
+    from quantize.report import fmt_bytes
+
+    command = shlex.join(["quantize", *sys.argv[1:]]) if sys.argv[0].endswith("quantize") else None
+    try:
+        opts = _options(method, group_size, targets, asymmetric, max_shard_size)
+        ckpt = open_checkpoint(src)
+        plan_ = make_plan(ckpt, opts, tp)
+        for c in plan_.checks:
+            if c.level != "ok":
+                err.print(f"[yellow]warning:[/] {c.what}: {c.detail}", highlight=False)
+        prev = read_manifest(dst) if dst.is_dir() else None
+        if prev is not None and not resume and not overwrite:
+            err.print(f"{dst} holds a {prev.get('status')} conversion; add --resume to continue it "
+                      "or --overwrite to start over", highlight=False)
+        total = sum(u.source_bytes for u in plan_.units)
+        t0 = time.perf_counter()
+        with _progress() as bar:
+            task = bar.add_task("convert", total=total, rate="")
+
+            def step(unit) -> None:
+                bar.advance(task, unit.source_bytes)
+                done = bar.tasks[0].completed
+                bar.update(task, rate=f"{done / max(time.perf_counter() - t0, 1e-9) / 2**20:,.0f} MiB/s")
+
+            res = run_convert(src, dst, opts, device=device, resume=resume, overwrite=overwrite,
+                              on_unit=step, command=command)
+    except (QuantizeError, ValueError) as e:
+        _fail(e, debug, f"nothing was marked complete in {dst}; fix the input and rerun")
+    dt = time.perf_counter() - t0
+    err.print(f"[green]done[/] in {dt:.1f} s on {res.device}: {len(res.written)} shard(s) written, "
+              f"{len(res.skipped)} kept from an earlier run; {fmt_bytes(res.plan.output_bytes)} "
+              f"({fmt_bytes(total)} read, {total / dt / 2**20:,.0f} MiB/s)", highlight=False)
+    err.print(f"next: quantize verify {src} {dst}", highlight=False)
+
+
+@app.command()
+def verify(
+    src: Src,
+    dst: Dst,
+    min_sqnr: Annotated[float, typer.Option(help="Fail when an INT4 tensor's SQNR (dB) is below this.")] = 12.0,
+    device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
+    json_: Json = False,
+    debug: Debug = False,
+) -> None:
+    """Reload every output tensor and compare it with the source; write DST/verify.json.
+
+    INT4 tensors: relative error and SQNR against the dequantized source; everything else must
+    be bit-identical (or the exact BF16 dequant of its FP8 source); index, config, shapes and
+    the manifest's checksums must agree. Exit 1 when any check fails.
+
+    Example:  quantize verify ./GLM-5.2-FP8 ./GLM-5.2-INT4 --min-sqnr 15
+    """
+    from quantize.report import verify_table
+    from quantize.verify import verify as run_verify
+
+    try:
+        with _progress() as bar:
+            task = bar.add_task("verify", total=None, rate="")
+            rep = run_verify(src, dst, min_sqnr, device, on_unit=lambda u: bar.advance(task, 1))
+    except (QuantizeError, ValueError) as e:
+        _fail(e, debug)
+    if json_:
+        out.print_json(json.dumps(rep.to_json()["summary"]))
+    else:
+        out.print(verify_table(rep))
+    for p in rep.problems:
+        err.print(f"[red]problem:[/] {p}", highlight=False)
+    if not rep.ok:
+        raise typer.Exit(1)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    app()

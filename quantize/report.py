@@ -1,0 +1,134 @@
+"""Rich tables and JSON summaries for inspect / plan / convert / verify (no computation here)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from rich.table import Table
+
+from quantize.checkpoint import Checkpoint
+from quantize.layout import layer_of, linear_role, module_of
+from quantize.plan import Plan
+from quantize.verify import VerifyReport
+
+__all__ = ["fmt_bytes", "inspect_data", "inspect_table", "plan_data", "plan_tables", "verify_table"]
+
+GiB, GB = 2**30, 10**9
+
+
+def fmt_bytes(n: int) -> str:
+    if n >= GiB / 10:
+        return f"{n / GiB:,.1f} GiB ({n / GB:,.1f} GB)"
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def _role(name: str, ndim: int) -> str:
+    if name.endswith(("weight_scale_inv", "weight_scale")):
+        return "fp8 scales"
+    if name.endswith(".weight") and ndim == 2 and "embed_tokens" not in name:
+        return linear_role(module_of(name))
+    if "embed_tokens" in name:
+        return "embedding"
+    return "norms/biases/other"
+
+
+def inspect_data(ckpt: Checkpoint) -> dict:
+    by_role: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "dtypes": set()})
+    layers, experts = set(), set()
+    for t in ckpt.tensors.values():
+        r = by_role[_role(t.name, len(t.shape))]
+        r["tensors"] += 1
+        r["bytes"] += t.nbytes
+        r["dtypes"].add(t.dtype)
+        if (layer := layer_of(t.name)) is not None:
+            layers.add(layer)
+        if ".experts." in t.name:
+            experts.add(t.name.split(".experts.")[1].split(".")[0])
+    L = ckpt.num_hidden_layers
+    return {
+        "source": ckpt.name,
+        "model_type": ckpt.model_type,
+        "format": ckpt.source_format,
+        "block_size": list(ckpt.block_size) if ckpt.block_size else None,
+        "num_hidden_layers": L,
+        "layers_on_disk": len(layers),
+        "mtp_layers": sorted(x for x in layers if x >= L),
+        "routed_experts_per_layer": len(experts),
+        "expert_width": ckpt.config.get("moe_intermediate_size"),
+        "hidden_size": ckpt.config.get("hidden_size"),
+        "tensors": len(ckpt.tensors),
+        "shards": len(ckpt.files),
+        "bytes": ckpt.total_bytes,
+        "by_role": {k: {**v, "dtypes": sorted(v["dtypes"])} for k, v in sorted(by_role.items())},
+    }
+
+
+def inspect_table(d: dict) -> Table:
+    t = Table(title=f"{d['source']}: {d['model_type']}, {d['format']}"
+                    f"{' ' + str(d['block_size']) if d['block_size'] else ''}, "
+                    f"{d['num_hidden_layers']} layers + MTP {d['mtp_layers'] or 'none'}, "
+                    f"{d['routed_experts_per_layer']} experts x {d['expert_width']}")
+    for c in ("category", "tensors", "dtypes", "bytes", "share"):
+        t.add_column(c, justify="right" if c in ("tensors", "bytes", "share") else "left")
+    for role, v in sorted(d["by_role"].items(), key=lambda kv: -kv[1]["bytes"]):
+        t.add_row(role, f"{v['tensors']:,}", ",".join(v["dtypes"]), fmt_bytes(v["bytes"]),
+                  f"{100 * v['bytes'] / max(d['bytes'], 1):.1f}%")
+    t.add_row("total", f"{d['tensors']:,}", "", fmt_bytes(d["bytes"]), "100%", style="bold")
+    return t
+
+
+def plan_data(plan: Plan, tp: int) -> dict:
+    return {
+        "format_in": plan.source_format,
+        "options": plan.options.to_json(),
+        "source_bytes": plan.source_bytes,
+        "output_bytes": plan.output_bytes,
+        "output_file_bytes": plan.output_file_bytes,
+        "ratio": plan.output_bytes / plan.source_bytes,
+        "tp": tp,
+        "per_gpu_source_bytes": plan.source_bytes / tp,
+        "per_gpu_output_bytes": plan.output_bytes / tp,
+        "shards": len(plan.shards),
+        "quantized_linears": sum(u.action == "quantize" for u in plan.units),
+        "by_role": {k: {"source_bytes": s, "output_bytes": o} for k, (s, o) in plan.bytes_by("role").items()},
+        "ignore": list(plan.ignore),
+        "checks": [{"level": c.level, "what": c.what, "detail": c.detail} for c in plan.checks],
+    }
+
+
+def plan_tables(d: dict) -> list[Table]:
+    o = d["options"]
+    t = Table(title=f"plan: INT4 {'sym' if o['symmetric'] else 'asym'} group {o['group_size']}, "
+                    f"targets {','.join(o['targets'])}, method {o['method']}")
+    t.add_column("")
+    t.add_column("source", justify="right")
+    t.add_column("output", justify="right")
+    t.add_row("checkpoint", fmt_bytes(d["source_bytes"]), fmt_bytes(d["output_bytes"]))
+    t.add_row(f"per GPU at TP{d['tp']} (even split)", fmt_bytes(int(d["per_gpu_source_bytes"])),
+              fmt_bytes(int(d["per_gpu_output_bytes"])))
+    t.add_row("ratio", "", f"{d['ratio']:.3f}")
+    t.add_row("files (shards, headers incl.)", "", f"{d['shards']} / {fmt_bytes(d['output_file_bytes'])}")
+    r = Table(title="bytes by role")
+    for c in ("role", "source", "output"):
+        r.add_column(c, justify="left" if c == "role" else "right")
+    for role, v in sorted(d["by_role"].items(), key=lambda kv: -kv[1]["source_bytes"]):
+        r.add_row(role, fmt_bytes(v["source_bytes"]), fmt_bytes(v["output_bytes"]))
+    c = Table(title="serving checks")
+    for col in ("", "check", "detail"):
+        c.add_column(col)
+    style = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[red]FAIL[/]"}
+    for ch in d["checks"]:
+        c.add_row(style[ch["level"]], ch["what"], ch["detail"])
+    return [t, r, c]
+
+
+def verify_table(rep: VerifyReport) -> Table:
+    s = rep.summary()
+    t = Table(title=f"verify: {'[green]PASS[/]' if rep.ok else '[red]FAIL[/]'}  "
+                    f"{s['quantized']} INT4 tensors, min SQNR {s['min_sqnr_db']:.2f} dB, "
+                    f"mean {s['mean_sqnr_db']:.2f} dB; exact {s['exact_ok']}/{s['exact_total']}")
+    for c in ("worst tensors", "rel err", "SQNR dB", "ok"):
+        t.add_column(c, justify="left" if c == "worst tensors" else "right")
+    for w in rep.worst(10):
+        t.add_row(w.name, f"{w.rel_err:.4f}", f"{w.sqnr_db:.2f}", "yes" if w.ok else f"[red]{w.note}[/]")
+    return t
