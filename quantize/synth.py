@@ -12,6 +12,7 @@ shards, with one FP8 scale deliberately stored in another shard than its weight.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -24,7 +25,7 @@ from quantize.checkpoint import DTYPES, INDEX_NAME, SourceFormat
 from quantize.layout import natural_key
 from quantize.plan import OutTensor, shard_header
 
-__all__ = ["GLM52_CONFIG", "release_tensors", "tiny_config", "write_checkpoint"]
+__all__ = ["GLM52_CONFIG", "release_tensors", "tiny_config", "write_checkpoint", "write_tokenizer"]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -270,4 +271,47 @@ def write_checkpoint(out: str | Path, cfg: dict, fmt: str = SourceFormat.FP8_BLO
     (out / "config.json").write_text(json.dumps(source_config(cfg, fmt), indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": cfg.get("bos_token_id", 0), "eos_token_id": cfg.get("eos_token_id", 1)}))
+    return out
+
+
+# Special tokens first, so their ids match tiny_config's bos_token_id 0 / eos_token_id 1.
+_SPECIALS = ["<|begin|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
+_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@functools.lru_cache(maxsize=4)
+def _train_tokenizer(vocab_size: int) -> str:
+    """tokenizer.json text of a byte-level BPE trained on the default calibration set's first
+    200 kB (a second on one core; every byte is encodable, so any text tokenizes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from quantize.calib_data import DEFAULT_CALIB, read_documents
+
+    texts = [d if isinstance(d, str) else "\n".join(m["content"] for m in d)
+             for d in read_documents(DEFAULT_CALIB)]
+    corpus, n = [], 0
+    for t in texts:
+        corpus.append(t)
+        n += len(t)
+        if n > 200_000:
+            break
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    return tok.to_str()
+
+
+def write_tokenizer(out: str | Path, vocab_size: int) -> Path:
+    """Write tokenizer.json + tokenizer_config.json (with a chat template) of at most
+    `vocab_size` tokens into `out`, so tiny checkpoints calibrate offline."""
+    out = Path(out)
+    (out / "tokenizer.json").write_text(_train_tokenizer(vocab_size), encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": _SPECIALS[0],
+        "eos_token": _SPECIALS[1], "pad_token": _SPECIALS[1], "model_max_length": 1 << 20,
+        "chat_template": _CHAT_TEMPLATE}, indent=2))
     return out

@@ -1,0 +1,154 @@
+"""Calibration text -> a fixed (num_samples, seq_len) block of token ids.
+
+Accepted `--calib` sources (the default is the shipped `calib_data/default.jsonl`):
+
+    *.jsonl / *.json   one JSON object per line: {"text": ...} or {"messages": [{role, content}]};
+                       messages are rendered with the checkpoint's own chat template
+    *.txt / *.md       plain UTF-8 text, the whole file one document
+    *.parquet          a `text` or `messages` column (needs pyarrow)
+    a folder           a dataset saved with `datasets.Dataset.save_to_disk` (needs datasets)
+
+Sampling is deterministic for a given `seed`: the documents are shuffled with
+`torch.Generator().manual_seed(seed)`, tokenized, joined with the EOS token into one
+stream, and cut into consecutive windows of `seq_len` tokens. When the stream holds fewer
+than `num_samples * seq_len` tokens, the windows start at seeded random offsets instead and
+overlap (recorded in `CalibrationSet.overlapping`); a stream shorter than one window is an error.
+e.g. 1,000,000 tokens, 512 x 2048 requested: 488 full windows exist, so the 512 overlap.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantize.errors import Problem, QuantizeError
+
+__all__ = ["DEFAULT_CALIB", "CalibrationSet", "load_calibration", "read_documents"]
+
+DEFAULT_CALIB = Path(__file__).resolve().parent.parent / "calib_data" / "default.jsonl"
+
+
+@dataclass(frozen=True)
+class CalibrationSet:
+    tokens: torch.Tensor  # int64 (num_samples, seq_len)
+    source: str
+    documents: int
+    stream_tokens: int  # tokens in the joined stream the windows were cut from
+    overlapping: bool  # fewer tokens than num_samples * seq_len: windows overlap
+    chat_template: str  # "checkpoint" | "plain (the tokenizer has none)" | "unused"
+
+    def summary(self) -> dict:
+        return {"source": self.source, "documents": self.documents,
+                "stream_tokens": self.stream_tokens, "num_samples": self.tokens.shape[0],
+                "seq_len": self.tokens.shape[1], "overlapping": self.overlapping,
+                "chat_template": self.chat_template}
+
+
+def _error(file: str, found: str, expected: str, fix: str) -> QuantizeError:
+    return QuantizeError("unusable calibration data", [Problem(file, None, found, expected, fix)])
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise _error(str(path), f"not UTF-8 (byte {e.start}: {e.reason})", "UTF-8 text",
+                     "re-encode it, e.g. `iconv -f latin1 -t utf-8 IN > OUT`") from None
+
+
+def _record(rec: object, where: str) -> str | list[dict]:
+    if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+        return rec["text"]
+    if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+        return rec["messages"]
+    raise _error(where, f"a record without `text` or `messages`: {str(rec)[:80]}",
+                 'JSON objects with a "text" string or a "messages" list',
+                 "rename the field holding the text to `text`")
+
+
+def read_documents(path: str | Path) -> list[str | list[dict]]:
+    """The documents of a calibration source: strings, or chat message lists."""
+    p = Path(path)
+    if not p.exists():
+        raise _error(str(p), "no such file or folder", "a .jsonl, .txt, .parquet file or a "
+                     "saved datasets folder", "check the --calib path")
+    if p.is_dir():
+        try:
+            import datasets
+        except ImportError:
+            raise _error(str(p), "a folder, and the `datasets` package is not installed",
+                         "a dataset saved with save_to_disk", "pip install datasets, or export "
+                         "the text to JSONL") from None
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[next(iter(ds))]
+        docs = [_record(r, str(p)) for r in ds]
+    elif p.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise _error(str(p), "a parquet file, and `pyarrow` is not installed",
+                         "pyarrow to read it", "pip install pyarrow, or export to JSONL") from None
+        docs = [_record(r, str(p)) for r in pq.read_table(p).to_pylist()]
+    elif p.suffix in (".jsonl", ".json"):
+        docs = []
+        for i, line in enumerate(_read_text(p).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise _error(f"{p}:{i}", f"invalid JSON ({e.msg})", "one JSON object per line",
+                             "fix that line (JSONL, not a JSON array)") from None
+            docs.append(_record(rec, f"{p}:{i}"))
+    else:
+        docs = [_read_text(p)]
+    docs = [d for d in docs if (d.strip() if isinstance(d, str) else d)]
+    if not docs:
+        raise _error(str(p), "no text", "at least one non-empty document",
+                     "point --calib at a file with text, or leave it out for the default set")
+    return docs
+
+
+def _render(doc: str | list[dict], tokenizer) -> tuple[str, bool]:
+    """(text, used the checkpoint's chat template)."""
+    if isinstance(doc, str):
+        return doc, False
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(doc, tokenize=False), True
+    return "".join(f"{m['role']}: {m['content']}\n" for m in doc), False
+
+
+def load_calibration(path: str | Path | None, tokenizer, num_samples: int, seq_len: int,
+                     seed: int = 0) -> CalibrationSet:
+    """`num_samples` windows of `seq_len` token ids from `path` (default set when None)."""
+    p = Path(path) if path is not None else DEFAULT_CALIB
+    docs = read_documents(p)
+    order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed)).tolist()
+    eos = tokenizer.eos_token_id
+    stream: list[int] = []
+    chats = templated = 0
+    for i in order:
+        text, used = _render(docs[i], tokenizer)
+        chats += not isinstance(docs[i], str)
+        templated += used
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"]
+        if eos is not None:
+            stream.append(eos)
+    if len(stream) < seq_len:
+        raise _error(str(p), f"{len(stream)} tokens in all", f"at least --seq-len {seq_len} tokens",
+                     "add text, or lower --seq-len")
+    ids = torch.tensor(stream, dtype=torch.int64)
+    overlapping = len(stream) < num_samples * seq_len
+    if overlapping:
+        g = torch.Generator().manual_seed(seed + 1)
+        starts = torch.randint(0, len(stream) - seq_len + 1, (num_samples,), generator=g)
+        tokens = torch.stack([ids[s: s + seq_len] for s in starts.tolist()])
+    else:
+        tokens = ids[: num_samples * seq_len].view(num_samples, seq_len)  # (num_samples, seq_len)
+    template = "unused" if not chats else (
+        "checkpoint" if templated == chats else "plain role: content (the tokenizer has none)")
+    return CalibrationSet(tokens.clone(), str(p), len(docs), len(stream), overlapping, template)
