@@ -8,7 +8,8 @@ from quantize.layout import ROLES
 
 __all__ = ["ConvertOptions", "parse_size"]
 
-METHODS = ("rtn",)
+METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+EXPERT_CALIBRATION = ("routed", "all")
 GROUP_SIZES = (32, 64, 128)  # what vLLM's Marlin / SGLang WNA16 MoE kernels accept
 
 
@@ -35,6 +36,21 @@ class ConvertOptions:
     # 5 GB shards: the Hub's recommended maximum file size.
     max_shard_size: int = 5 * 10**9
     num_bits: int = 4
+    # Calibration (methods other than rtn). None: the shipped calib_data/default.jsonl.
+    calib: str | None = None
+    # 128 x 2048 = 262k tokens: GPTQ's Hessians settle well before that; GLM-5.2 top-8 over
+    # 256 experts gives each expert ~8k routed tokens on average.
+    num_samples: int = 128
+    seq_len: int = 2048
+    seed: int = 0
+    # routed: each expert's statistics from the tokens routed to it (the true distribution);
+    # all: every expert sees every token (llm-compressor's approach), gate/up Hessian shared.
+    expert_calibration: str = "routed"
+    # Below this many routed tokens an expert's statistics come from all tokens instead
+    # (a Hessian of rank < 16 over 2048+ inputs is mostly the dampening term).
+    min_expert_tokens: int = 16
+    # GPTQ dampening, relative to the mean Hessian diagonal (IST-DASLab `percdamp`).
+    percdamp: float = 0.01
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -48,6 +64,15 @@ class ConvertOptions:
                              f"got {','.join(sorted(self.targets)) or '(empty)'}")
         if self.max_shard_size < 1:
             raise ValueError("--max-shard-size must be positive")
+        if self.expert_calibration not in EXPERT_CALIBRATION:
+            raise ValueError(f"--expert-calibration must be one of {', '.join(EXPERT_CALIBRATION)}, "
+                             f"got {self.expert_calibration!r}")
+        if self.num_samples < 1 or self.seq_len < 1:
+            raise ValueError("--num-samples and --seq-len must be positive")
+        if self.min_expert_tokens < 0:
+            raise ValueError("--min-expert-tokens must be >= 0")
+        if not 0 < self.percdamp < 1:
+            raise ValueError("--percdamp must be in (0, 1)")
         if self.num_bits != 4:
             raise ValueError("only 4-bit weights are supported")
 

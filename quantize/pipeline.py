@@ -16,7 +16,8 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,18 +25,22 @@ from quantize import __version__
 from quantize.checkpoint import INDEX_NAME, Checkpoint, SourceFormat, open_checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.fp8 import dequant_block, dequant_channel
-from quantize.int4 import pack_int4, quantize_rtn
+from quantize.int4 import Int4Weight, pack_int4, quantize_rtn
 from quantize.manifest import MANIFEST, Manifest, read_manifest
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, Unit, make_plan
 from quantize.shards import PARTIAL, ShardWriter, copy_file_atomic, write_json_atomic
+
+if TYPE_CHECKING:
+    from quantize.calibrate import Calibrator
 
 __all__ = ["ConvertResult", "convert", "quantization_config", "resolve_device", "source_weight"]
 
 # Files never copied from the source: the weights we rewrite, the source's card (we write our
 # own), and VCS / cache folders.
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", PARTIAL)
-_SKIP_NAMES = {INDEX_NAME, "README.md", MANIFEST, "config.json", ".gitattributes"}
+CALIB_REPORT = "calibration-report.json"
+_SKIP_NAMES = {INDEX_NAME, "README.md", MANIFEST, "config.json", ".gitattributes", CALIB_REPORT}
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class ConvertResult:
     written: list[str]  # shards written by this run
     skipped: list[str]  # shards kept from an earlier run (resume)
     device: str
+    calibration: dict | None = None  # calibration-report.json, when a calibrated method ran
 
 
 def resolve_device(device: str) -> torch.device:
@@ -101,9 +107,22 @@ def _nonfinite(ckpt: Checkpoint, name: str, t: torch.Tensor) -> QuantizeError:
         "token routed through it, so it is never passed on)")])
 
 
-def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.device
-                 ) -> list[torch.Tensor]:
-    """The output tensors of one unit, in plan order."""
+def _int4_outputs(q: Int4Weight) -> list[torch.Tensor]:
+    N, K = q.q.shape
+    outs = [pack_int4(q.q), q.scale, torch.tensor([N, K], dtype=torch.int64)]
+    if q.zero_point is not None:
+        outs.append(pack_int4(q.zero_point, dim=0))
+    return outs
+
+
+def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.device,
+                 calib: Calibrator | None = None) -> list[torch.Tensor]:
+    """The output tensors of one unit, in plan order (`calib`: calibrated results first)."""
+    done = calib.result(unit) if calib is not None else None
+    if isinstance(done, Int4Weight):
+        return _int4_outputs(done)
+    if done is not None:  # a BF16 tensor AWQ rescaled (norm, router, non-target Linear)
+        return [done]
     if unit.action == "copy":
         t = ckpt.read(unit.source)
         if t.is_floating_point() and not torch.isfinite(t).all():
@@ -114,12 +133,7 @@ def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: tor
         raise _nonfinite(ckpt, unit.source, W)
     if unit.action == "dequant":
         return [W.to(torch.bfloat16)]
-    N, K = W.shape
-    q = quantize_rtn(W, opts.group_size, opts.symmetric)
-    outs = [pack_int4(q.q), q.scale, torch.tensor([N, K], dtype=torch.int64)]
-    if q.zero_point is not None:
-        outs.append(pack_int4(q.zero_point, dim=0))
-    return outs
+    return _int4_outputs(quantize_rtn(W, opts.group_size, opts.symmetric))
 
 
 def _prepare_out(src: Path, out: Path, resume: bool, overwrite: bool) -> dict | None:
@@ -196,6 +210,11 @@ def convert(
     dev = resolve_device(device)
     previous = _prepare_out(src, out, resume, overwrite)
     _check_scales(ckpt, plan)
+    calib = None
+    if opts.method != "rtn":  # calibration data and the model's layer classes, checked up front
+        from quantize.calibrate import Calibrator
+
+        calib = Calibrator(ckpt, plan, opts, dev)
     extra = {"command": command, "source_format": ckpt.source_format, "model_type": ckpt.model_type}
     if previous is not None:
         manifest = Manifest.resume(out, ckpt, plan, previous)
@@ -214,7 +233,7 @@ def convert(
             continue
         with ShardWriter(out / shard.file, shard.tensors) as w:
             for unit in shard.units:
-                for t in compute_unit(ckpt, unit, opts, dev):
+                for t in compute_unit(ckpt, unit, opts, dev, calib):
                     w.write(t)
                 if on_unit:
                     on_unit(unit)
@@ -231,13 +250,17 @@ def convert(
     config.setdefault("torch_dtype", "bfloat16")
     write_json_atomic(out / "config.json", config)
     aux = _copy_aux_files(src, out)
+    if calib is not None:
+        write_json_atomic(out / CALIB_REPORT, calib.report())
+        aux.append(CALIB_REPORT)
     from quantize.shards import sha256_file
 
     for name in [INDEX_NAME, "config.json", *aux]:
         manifest.data["files"][name] = {"bytes": (out / name).stat().st_size,
                                         "sha256": sha256_file(out / name)}
     manifest.finish(tool_version=__version__)
-    return ConvertResult(out, plan, written, skipped, str(dev))
+    return ConvertResult(out, plan, written, skipped, str(dev),
+                         calib.report() if calib is not None else None)
 
 
 def load_index(out: Path) -> dict:

@@ -1,0 +1,717 @@
+"""Calibrated rounding (GPTQ, AWQ, AWQ+GPTQ), layer by layer, memory bounded by one layer.
+
+    tokens  = load_calibration(...)                      (num_samples, seq_len) int64
+    h       = embed_tokens[tokens]                       (num_samples, seq_len, H), in chunks
+    for L in 0 .. num_hidden_layers - 1:
+        layer = transformers' own decoder layer L, built on the meta device, filled from the
+                checkpoint (FP8 dequantized by pipeline.source_weight)
+        pass 1: run it over h with the MLP replaced by `moe_forward` / `dense_forward`, which
+                compute the same output and feed `MLPStats` (Hessians, routed token counts,
+                activation samples)
+        quantize the layer's target Linears (batched over experts), AWQ scales folded exactly
+        pass 2: h = layer(h) with the quantized weights (what the engines will compute)
+        free the layer
+
+The model's own classes give the attention (GQA, MLA, the DSA indexer and its shared top-k)
+for free; only the MLP needs a calibration forward, because transformers v5 fuses the experts
+into 3-D parameters (`experts.gate_up_proj` (E, 2I, H), `experts.down_proj` (E, H, I)) and
+exposes no per-expert inputs. `moe_forward` mirrors `GlmMoeDsaMoE.forward` /
+`Glm4MoeMoE.forward` op for op (tests/test_calibrate.py proves them equal).
+
+MoE statistics (`expert_calibration`):
+    routed  expert e's gate/up Hessian from the tokens routed to e, its down Hessian from its
+            intermediate activations on those tokens. An expert with fewer than
+            `min_expert_tokens` routed tokens falls back to all-token statistics (the layer's
+            all-token gate/up Hessian; down Hessian from a sample of all tokens run through e),
+            and the report says which and why.
+    all     every expert's statistics from every token: the gate/up Hessian is the layer's
+            single all-token Hessian (one GPTQ solve shared by all experts' rows), the down
+            Hessians from every token through every expert; only routed outputs flow on.
+
+The MTP layer (index num_hidden_layers) needs the final hidden states and next-token
+embeddings through `eh_proj`; it is not run here and gets RTN, recorded in the report.
+
+Hidden states stay on the compute device while they take less than half its free memory,
+else they are spilled to disk in chunks (`HiddenStates`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from quantize.checkpoint import DTYPES, Checkpoint
+from quantize.errors import Problem, QuantizeError
+from quantize.int4 import Int4Weight, dequantize, quantize_rtn
+from quantize.layout import layer_of
+from quantize.options import ConvertOptions
+from quantize.plan import Plan, Unit
+
+try:  # the agreed call sites; the stopgap goes once quantize/gptq.py and awq.py are on main
+    from quantize.awq import (
+        AWQConfig,
+        awq_search,
+        fold_into_linear_rows,
+        fold_into_norm,
+        scale_linear_inputs,
+    )
+    from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
+except ImportError:
+    from quantize._stopgap import (
+        AWQConfig,
+        GPTQConfig,
+        accumulate_hessian,
+        awq_search,
+        fold_into_linear_rows,
+        fold_into_norm,
+        gptq_quantize,
+        scale_linear_inputs,
+    )
+
+__all__ = ["Calibrator", "HiddenStates", "MLPStats", "build_skeleton", "dense_forward",
+           "load_layer", "moe_forward", "run_layer"]
+
+CHUNK_TOKENS = 8192  # tokens per layer forward: enough to fill a GPU, small on the CPU
+SAMPLE_TOKENS = 2048  # all-token MLP inputs kept for AWQ's search and expert fallbacks
+SAMPLE_EXPERT_TOKENS = 256  # routed intermediate activations kept per expert for AWQ
+EXPERT_BATCH = 32  # experts per batched GPTQ solve / all-expert pass (bounds GPU memory)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hidden states
+
+
+class HiddenStates:
+    """The calibration activations between layers: a list of (b, S, H) chunks, on the compute
+    device when they fit, else one file per chunk in a temporary folder."""
+
+    def __init__(self, chunks: list[torch.Tensor], device: torch.device, spill: bool) -> None:
+        self.device = device
+        self._dir = tempfile.TemporaryDirectory(prefix="calib-hidden-") if spill else None
+        self._chunks: list[torch.Tensor | None] = [None] * len(chunks)
+        for i, c in enumerate(chunks):
+            self.put(i, c)
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def _path(self, i: int) -> Path:
+        return Path(self._dir.name) / f"{i:06d}.pt"
+
+    def get(self, i: int) -> torch.Tensor:
+        if self._dir is None:
+            return self._chunks[i]
+        return torch.load(self._path(i), map_location=self.device)
+
+    def put(self, i: int, t: torch.Tensor) -> None:
+        if self._dir is None:
+            self._chunks[i] = t.to(self.device)
+        else:
+            torch.save(t.cpu(), self._path(i))
+
+    @staticmethod
+    def should_spill(nbytes: int, device: torch.device) -> bool:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return nbytes > free // 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer, from transformers' classes and the checkpoint
+
+
+def build_skeleton(config: dict):
+    """The whole model on the meta device (no memory): its layer classes, rotary and config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {k: v for k, v in config.items() if k != "quantization_config"}
+    model_type = cfg.pop("model_type", None)
+    try:
+        hf_config = AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError) as e:
+        raise QuantizeError("calibration needs a model transformers knows", [Problem(
+            "config.json", None, f"model_type {model_type!r} ({e})",
+            "a decoder-only architecture of the installed transformers",
+            "use --method rtn, which needs no forward pass")]) from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not hasattr(model.model, "rotary_emb"):
+        raise QuantizeError("calibration supports decoder-only models with model.model.layers", [
+            Problem("config.json", None, f"{type(model).__name__} has no model.model.layers / rotary_emb",
+                    "a Llama-like decoder (GLM-4.x, GLM-5.x, Llama, Qwen, ...)",
+                    "use --method rtn")])
+    return model
+
+
+def _mlp_kind(mlp: torch.nn.Module) -> str:
+    experts = getattr(mlp, "experts", None)
+    if experts is not None and hasattr(experts, "gate_up_proj") and hasattr(mlp, "gate"):
+        return "moe"
+    if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        return "dense"
+    return "unsupported"
+
+
+def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit], L: int,
+               device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """Layer L of `skeleton` filled from the checkpoint, in `dtype` on `device` (router and
+    fp32-kept modules stay float32), plus the float32 source weight of every Linear by name."""
+    from quantize.pipeline import _nonfinite, source_weight
+
+    layer = skeleton.model.layers[L]
+    prefix = f"model.layers.{L}."
+    state, weights, missing = {}, {}, []
+
+    def weight(name: str) -> torch.Tensor:
+        if name not in units:
+            missing.append(name)
+            return torch.empty(0)
+        w = source_weight(ckpt, units[name], device)
+        if not torch.isfinite(w).all():
+            raise _nonfinite(ckpt, name, w)
+        weights[name] = w
+        return w
+
+    for key, p in layer.state_dict().items():
+        if key.endswith("experts.gate_up_proj"):
+            E = p.shape[0]
+            m = prefix + key[: -len("gate_up_proj")]
+            state[key] = torch.stack([torch.cat([weight(f"{m}{e}.gate_proj.weight"),
+                                                 weight(f"{m}{e}.up_proj.weight")]) for e in range(E)])
+        elif key.endswith("experts.down_proj"):
+            m = prefix + key[: -len("down_proj")]
+            state[key] = torch.stack([weight(f"{m}{e}.down_proj.weight") for e in range(p.shape[0])])
+        else:
+            state[key] = weight(prefix + key)
+    if missing:
+        raise QuantizeError("the checkpoint lacks tensors the layer class needs", [Problem(
+            "model.safetensors.index.json", n, "missing", "every parameter of the transformers layer",
+            "the config and weights disagree; re-download the checkpoint") for n in missing])
+    layer.to_empty(device=device)
+    layer.load_state_dict({k: v.to(device) for k, v in state.items()})
+    layer.to(dtype)
+    keep32 = list(getattr(skeleton, "_keep_in_fp32_modules", None) or []) + \
+        list(getattr(skeleton, "_keep_in_fp32_modules_strict", None) or [])
+    for name, mod in layer.named_modules():
+        if any(k in name.split(".") or name.endswith(k) for k in keep32):
+            mod.float()
+    if _mlp_kind(layer.mlp) == "moe":
+        layer.mlp.gate.float()  # routing in float32, as transformers keeps it
+    layer.eval()
+    return layer, weights
+
+
+def free_layer(layer: torch.nn.Module) -> None:
+    layer.to_empty(device="meta")
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics and the calibration forwards of the MLP
+
+
+@dataclass
+class MLPStats:
+    """What pass 1 collects for one layer's MLP; which parts are filled depends on the method."""
+
+    kind: str  # "moe" | "dense"
+    hessians: bool  # GPTQ needs them
+    samples: bool  # AWQ needs activation samples
+    all_experts: bool  # expert_calibration == "all"
+    num_experts: int = 0
+    tokens: int = 0
+    H_in: torch.Tensor | None = None  # (H, H) all MLP-input tokens
+    H_down: torch.Tensor | None = None  # dense / shared down_proj (I, I)
+    n_down: int = 0
+    expert_tokens: list[int] = field(default_factory=list)  # routed tokens per expert
+    H_in_e: dict[int, torch.Tensor] = field(default_factory=dict)  # routed gate/up Hessians
+    n_in_e: dict[int, int] = field(default_factory=dict)
+    H_down_e: dict[int, torch.Tensor] = field(default_factory=dict)
+    n_down_e: dict[int, int] = field(default_factory=dict)
+    x_sample: list[torch.Tensor] = field(default_factory=list)  # all-token MLP inputs (float32)
+    inter_sample: list[torch.Tensor] = field(default_factory=list)  # dense/shared down inputs
+    inter_e: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # routed down inputs
+
+    def __post_init__(self) -> None:
+        self.expert_tokens = [0] * self.num_experts
+
+    @staticmethod
+    def _keep(buf: list[torch.Tensor], x: torch.Tensor, limit: int) -> None:
+        have = sum(t.shape[0] for t in buf)
+        if have < limit:
+            buf.append(x[: limit - have].float().clone())
+
+    def mlp_input(self, x: torch.Tensor) -> None:  # x (T, H)
+        self.tokens += x.shape[0]
+        if self.hessians:
+            self.H_in, _ = accumulate_hessian(self._zeros(self.H_in, x.shape[-1], x), x,
+                                              self.tokens - x.shape[0])
+        self._keep(self.x_sample, x, SAMPLE_TOKENS)
+
+    def down_input(self, inter: torch.Tensor) -> None:  # dense / shared (T, I)
+        if self.hessians:
+            self.H_down, self.n_down = accumulate_hessian(
+                self._zeros(self.H_down, inter.shape[-1], inter), inter, self.n_down)
+        if self.samples:
+            self._keep(self.inter_sample, inter, SAMPLE_TOKENS)
+
+    def routed(self, e: int, x: torch.Tensor, inter: torch.Tensor) -> None:
+        self.expert_tokens[e] += x.shape[0]
+        if self.hessians and not self.all_experts:
+            self.H_in_e[e], self.n_in_e[e] = accumulate_hessian(
+                self._zeros(self.H_in_e.get(e), x.shape[-1], x), x, self.n_in_e.get(e, 0))
+            self.expert_down(e, inter)
+        if self.samples:
+            self._keep(self.inter_e.setdefault(e, []), inter, SAMPLE_EXPERT_TOKENS)
+
+    def expert_down(self, e: int, inter: torch.Tensor) -> None:
+        self.H_down_e[e], self.n_down_e[e] = accumulate_hessian(
+            self._zeros(self.H_down_e.get(e), inter.shape[-1], inter), inter, self.n_down_e.get(e, 0))
+
+    @staticmethod
+    def _zeros(H: torch.Tensor | None, K: int, like: torch.Tensor) -> torch.Tensor:
+        return H if H is not None else torch.zeros(K, K, device=like.device)
+
+
+def _expert_inter(experts: torch.nn.Module, es: range, x: torch.Tensor) -> torch.Tensor:
+    """act(gate_e x) * up_e x for experts `es` on all tokens x (T, H) -> (len(es), T, I)."""
+    gu = torch.matmul(x.unsqueeze(0), experts.gate_up_proj[es.start:es.stop].transpose(1, 2))
+    gate, up = gu.chunk(2, dim=-1)  # (e, T, I) each
+    return experts.act_fn(gate) * up
+
+
+def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = None) -> torch.Tensor:
+    """`GlmMoeDsaMoE.forward` / `Glm4MoeMoE.forward`, op for op, exposing each expert's routed
+    tokens (and, with `stats.all_experts`, every expert's activations on every token)."""
+    shape = x.shape
+    _, topk_weights, topk_indices = moe.gate(x)  # (T, k) each
+    xf = x.reshape(-1, shape[-1])  # (T, H)
+    experts = moe.experts
+    E = experts.num_experts
+    out = torch.zeros_like(xf)
+    with torch.no_grad():
+        expert_mask = F.one_hot(topk_indices, num_classes=E + 1).permute(2, 1, 0)  # (E+1, k, T)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in expert_hit[:, 0].tolist():
+        if e == E:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[e])
+        current = xf[token_idx]
+        gate, up = F.linear(current, experts.gate_up_proj[e]).chunk(2, dim=-1)
+        inter = experts.act_fn(gate) * up
+        y = F.linear(inter, experts.down_proj[e]) * topk_weights[token_idx, top_k_pos, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+        if stats is not None:
+            stats.routed(e, current, inter)
+    sh = moe.shared_experts
+    inter_s = sh.act_fn(sh.gate_proj(x)) * sh.up_proj(x)
+    if stats is not None:
+        stats.mlp_input(xf)
+        stats.down_input(inter_s.reshape(-1, inter_s.shape[-1]))
+        if stats.all_experts and stats.hessians:
+            for s in range(0, E, EXPERT_BATCH):
+                es = range(s, min(s + EXPERT_BATCH, E))
+                inter_all = _expert_inter(experts, es, xf)  # (e, T, I)
+                for i, ee in enumerate(es):
+                    stats.expert_down(ee, inter_all[i])
+    return out.view(*shape) + sh.down_proj(inter_s)
+
+
+def dense_forward(mlp: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = None) -> torch.Tensor:
+    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))` (GLM / Llama MLP), feeding `stats`."""
+    inter = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+    if stats is not None:
+        stats.mlp_input(x.reshape(-1, x.shape[-1]))
+        stats.down_input(inter.reshape(-1, inter.shape[-1]))
+    return mlp.down_proj(inter)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a layer over the calibration activations
+
+
+@dataclass
+class LayerInputs:
+    """What every decoder layer takes besides the hidden states (shared by all layers)."""
+
+    position_ids: torch.Tensor  # (1, S)
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    masks: dict[int, torch.Tensor | None]  # batch size -> causal mask
+
+
+def layer_inputs(skeleton, seq_len: int, device: torch.device, dtype: torch.dtype) -> LayerInputs:
+    rotary = type(skeleton.model.rotary_emb)(config=skeleton.config).to(device)
+    pos = torch.arange(seq_len, device=device).unsqueeze(0)
+    probe = torch.zeros(1, seq_len, 1, device=device, dtype=dtype)
+    return LayerInputs(pos, rotary(probe, pos), {})
+
+
+def _mask(skeleton, inputs: LayerInputs, h: torch.Tensor) -> torch.Tensor | None:
+    from transformers.masking_utils import create_causal_mask
+
+    b = h.shape[0]
+    if b not in inputs.masks:
+        inputs.masks[b] = create_causal_mask(config=skeleton.config, inputs_embeds=h,
+                                             attention_mask=None, past_key_values=None,
+                                             position_ids=inputs.position_ids.expand(b, -1),
+                                             allow_is_causal_skip=False)
+    return inputs.masks[b]
+
+
+def run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Tensor,
+              topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One decoder layer on (b, S, H); returns the output and the DSA top-k indices it carries."""
+    kwargs = {}
+    if "prev_topk_indices" in inspect.signature(layer.forward).parameters:
+        kwargs["prev_topk_indices"] = topk
+    b = h.shape[0]
+    out = layer(h, attention_mask=_mask(skeleton, inputs, h),
+                position_ids=inputs.position_ids.expand(b, -1),
+                position_embeddings=inputs.position_embeddings, **kwargs)
+    if isinstance(out, tuple):
+        return out[0], (out[1] if len(out) > 1 and torch.is_tensor(out[1]) else topk)
+    return out, topk
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing one layer's MLP from its statistics
+
+
+@dataclass
+class Target:
+    """One Linear weight of the layer's MLP: where it lives on disk and in the module."""
+
+    name: str  # checkpoint tensor name (`...weight`)
+    quantize: bool  # a --targets Linear (else a BF16 tensor that AWQ may rescale)
+
+
+def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+class Calibrator:
+    """Runs the layers in order, lazily; `result(unit)` is the calibrated Int4Weight of a target
+    unit, the rescaled tensor of an AWQ-folded unit, or None (the plain path applies)."""
+
+    def __init__(self, ckpt: Checkpoint, plan: Plan, opts: ConvertOptions, device: torch.device,
+                 log=None) -> None:
+        from transformers import AutoTokenizer
+
+        from quantize.calib_data import load_calibration
+
+        self.ckpt, self.plan, self.opts, self.device = ckpt, plan, opts, device
+        self.log = log or (lambda msg: None)
+        self.units = {u.source: u for u in plan.units}
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        try:
+            tok = AutoTokenizer.from_pretrained(str(ckpt.root))
+        except (OSError, ValueError) as e:
+            raise QuantizeError("calibration needs the checkpoint's tokenizer", [Problem(
+                str(ckpt.root), None, f"no loadable tokenizer ({e.__class__.__name__})",
+                "tokenizer.json / tokenizer_config.json next to config.json",
+                "copy the tokenizer files from the model release, or use --method rtn")]) from None
+        self.calib = load_calibration(opts.calib, tok, opts.num_samples, opts.seq_len, opts.seed)
+        self.skeleton = build_skeleton(ckpt.config)
+        self.num_layers = len(self.skeleton.model.layers)
+        self.inputs = layer_inputs(self.skeleton, opts.seq_len, device, self.dtype)
+        self.next_layer = 0
+        self.results: dict[str, Int4Weight | torch.Tensor] = {}
+        self.layers: list[dict] = []
+        self.mtp: dict[int, dict] = {}
+        self.hidden: HiddenStates | None = None
+        self.topk: list[torch.Tensor | None] = []
+        self.gptq_cfg = GPTQConfig(group_size=opts.group_size, symmetric=opts.symmetric,
+                                   percdamp=opts.percdamp)
+        self.awq_cfg = AWQConfig(group_size=opts.group_size, symmetric=opts.symmetric)
+
+    # -- the provider interface pipeline.compute_unit consults --------------------------------
+
+    def result(self, unit: Unit) -> Int4Weight | torch.Tensor | None:
+        L = layer_of(unit.source)
+        if L is None:
+            return None
+        if L >= self.num_layers:  # the MTP layer: RTN, recorded
+            if unit.action == "quantize":
+                entry = self.mtp.setdefault(L, {"layer": L, "mtp": True, "method": "rtn",
+                                                "modules": 0, "reason":
+                                                "the MTP layer is not run during calibration "
+                                                "(needs final hidden states through eh_proj); "
+                                                "its targets are rounded to nearest"})
+                entry["modules"] += 1
+            return None
+        if L < self.next_layer - 1:
+            raise RuntimeError(f"internal: layer {L} requested after layer {self.next_layer - 1}")
+        while self.next_layer <= L:
+            self._run(self.next_layer)
+            self.next_layer += 1
+        return self.results.get(unit.source)
+
+    def report(self) -> dict:
+        o = self.opts
+        return {"method": o.method, "expert_calibration": o.expert_calibration,
+                "min_expert_tokens": o.min_expert_tokens, "percdamp": o.percdamp,
+                "group_size": o.group_size, "calibration": self.calib.summary(),
+                "device": str(self.device), "compute_dtype": str(self.dtype).replace("torch.", ""),
+                "layers": self.layers + list(self.mtp.values())}
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _embed(self) -> None:
+        emb = self.ckpt.read("model.embed_tokens.weight", self.device)  # (V, H)
+        n, S = self.calib.tokens.shape
+        b = max(1, CHUNK_TOKENS // S)
+        chunks = [emb[self.calib.tokens[i: i + b].to(self.device)].to(self.dtype)
+                  for i in range(0, n, b)]  # (b, S, H) each
+        nbytes = n * S * emb.shape[1] * torch.finfo(self.dtype).bits // 8
+        spill = HiddenStates.should_spill(2 * nbytes, self.device)
+        self.hidden = HiddenStates(chunks, self.device, spill)
+        self.topk = [None] * len(chunks)
+        self.spilled = spill
+
+    def _targets(self, L: int, layer: torch.nn.Module) -> dict[str, Target]:
+        prefix = f"model.layers.{L}.mlp."
+        return {n: Target(n, u.action == "quantize") for n, u in self.units.items()
+                if n.startswith(prefix) and n.endswith("_proj.weight")}
+
+    @torch.no_grad()
+    def _run(self, L: int) -> None:
+        t0 = time.perf_counter()
+        if self.hidden is None:
+            self._embed()
+        self.results = {}  # the previous layer's results were consumed
+        layer, weights = load_layer(self.skeleton, self.ckpt, self.units, L, self.device, self.dtype)
+        kind = _mlp_kind(layer.mlp)
+        targets = self._targets(L, layer)
+        active = any(t.quantize for t in targets.values())
+        if kind == "unsupported" and active:
+            raise QuantizeError("calibration does not know this MLP", [Problem(
+                "config.json", f"model.layers.{L}.mlp", type(layer.mlp).__name__,
+                "a GLM/DeepSeek-style MoE (experts, gate, shared_experts) or a gate/up/down MLP",
+                "use --method rtn for this model")])
+        entry: dict = {"layer": L, "mlp": kind}
+        if not active:
+            for i in range(len(self.hidden)):
+                h, self.topk[i] = run_layer(self.skeleton, layer, self.inputs, self.hidden.get(i),
+                                            self.topk[i])
+                self.hidden.put(i, h)
+            entry["quantized"] = 0
+        else:
+            entry.update(self._calibrate(L, layer, kind, weights, targets))
+        free_layer(layer)
+        entry["seconds"] = round(time.perf_counter() - t0, 3)
+        self.layers.append(entry)
+        self.log(f"layer {L}: {entry.get('quantized', 0)} Linears calibrated in {entry['seconds']} s")
+
+    def _calibrate(self, L: int, layer, kind: str, weights: dict[str, torch.Tensor],
+                   targets: dict[str, Target]) -> dict:
+        o = self.opts
+        method = o.method
+        mlp = layer.mlp
+        E = mlp.experts.num_experts if kind == "moe" else 0
+        stats = MLPStats(kind, hessians="gptq" in method, samples="awq" in method,
+                         all_experts=o.expert_calibration == "all", num_experts=E)
+        fwd = moe_forward if kind == "moe" else dense_forward
+        mlp.forward = lambda x: fwd(mlp, x, stats)  # pass 1: the same output, statistics on
+        ref0 = None
+        for i in range(len(self.hidden)):
+            out, _ = run_layer(self.skeleton, layer, self.inputs, self.hidden.get(i), self.topk[i])
+            if i == 0:
+                ref0 = out
+        del mlp.forward  # back to the class's forward
+
+        p = f"model.layers.{L}.mlp."
+        W = {n: weights[n].float() for n in targets}  # float32 source weights, rescaled by AWQ
+        report: dict = {"tokens": stats.tokens}
+        fallback: list[dict] = []
+        if kind == "moe":
+            report["expert_tokens"] = list(stats.expert_tokens)
+            if stats.all_experts:
+                pass  # every expert saw every token
+            else:
+                for e, n in enumerate(stats.expert_tokens):
+                    if n < max(o.min_expert_tokens, 1) and (stats.hessians or stats.samples):
+                        fallback.append({"expert": e, "tokens": n, "reason":
+                                         f"{n} routed tokens < --min-expert-tokens "
+                                         f"{o.min_expert_tokens}: all-token statistics"})
+            report["fallback"] = fallback
+        x_sample = torch.cat(stats.x_sample)  # (T', H) float32, all tokens
+        fb = {f["expert"] for f in fallback}
+
+        def expert_inter_sample(e: int) -> torch.Tensor:
+            if e in fb or stats.all_experts or e not in stats.inter_e:
+                W_gu = torch.cat([weights[f"{p}experts.{e}.gate_proj.weight"],
+                                  weights[f"{p}experts.{e}.up_proj.weight"]]).float()  # unscaled
+                gate, up = (x_sample @ W_gu.t()).chunk(2, dim=-1)
+                return mlp.experts.act_fn(gate) * up
+            return torch.cat(stats.inter_e[e])
+
+        # ---- AWQ: search scales, fold them into the producing ops (exactly, before rounding)
+        awq: dict = {}
+        mods: dict[str, torch.Tensor] = {}  # non-Linear tensors rescaled (norm, router)
+        s_down: dict[str, torch.Tensor] = {}  # down_proj name -> its input scales
+        s_in = None
+        if "awq" in method:
+            alphas = []
+            pairs = ([(f"{p}experts.{e}.", e) for e in range(E)] if kind == "moe" else []) + \
+                [(p + ("shared_experts." if kind == "moe" else ""), None)]
+            for stem, e in pairs:
+                down, up = stem + "down_proj.weight", stem + "up_proj.weight"
+                if down not in targets or not targets[down].quantize:
+                    continue
+                X = expert_inter_sample(e) if e is not None else torch.cat(stats.inter_sample)
+                r = awq_search([W[down]], X, self.awq_cfg)
+                W[down] = scale_linear_inputs(W[down], r.scales)
+                W[up] = fold_into_linear_rows(W[up], r.scales)
+                s_down[down] = r.scales
+                alphas.append(r.alpha)
+            gate_up = [n for n, t in targets.items() if t.quantize and
+                       n.endswith(("gate_proj.weight", "up_proj.weight"))]
+            if gate_up:
+                r = awq_search([W[n] for n in gate_up], x_sample, self.awq_cfg)
+                s_in = r.scales
+                for n in targets:  # every consumer of the post-attention norm's output
+                    if n.endswith(("gate_proj.weight", "up_proj.weight")):
+                        W[n] = scale_linear_inputs(W[n], s_in)
+                norm = f"model.layers.{L}.post_attention_layernorm.weight"
+                mods[norm] = fold_into_norm(self.ckpt.read(norm, self.device).float(), s_in)
+                if kind == "moe":
+                    router = p + "gate.weight"
+                    mods[router] = scale_linear_inputs(self.ckpt.read(router, self.device).float(), s_in)
+                awq["alpha_in"] = r.alpha
+                awq["error_vs_rtn_in"] = [r.error, r.rtn_error]
+            if alphas:
+                awq["alpha_down_mean"] = sum(alphas) / len(alphas)
+            report["awq"] = awq
+
+        # ---- rounding: GPTQ batched over experts, or RTN of the (rescaled) weights
+        q: dict[str, Int4Weight] = {}
+        damps, retries = [], 0
+
+        def H_scaled(H: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+            return H if s is None else H / (s.unsqueeze(-1) * s.unsqueeze(-2))  # inputs x / s
+
+        def solve(names: list[str], Ws: torch.Tensor, H: torch.Tensor) -> None:
+            nonlocal retries
+            r = gptq_quantize(Ws, H, self.gptq_cfg)
+            damps.append(r.damp)
+            retries += r.retries
+            w = r.weight
+            rows = Ws.shape[-2] // len(names) if Ws.dim() == 2 else None
+            for i, n in enumerate(names):
+                if Ws.dim() == 3:  # (e, N, K): one expert per batch entry
+                    sl = (i,)
+                    q[n] = Int4Weight(w.q[sl], w.scale[sl], None if w.zero_point is None else w.zero_point[sl])
+                else:  # (len(names) * N, K) rows sharing one Hessian
+                    sl = slice(i * rows, (i + 1) * rows)
+                    q[n] = Int4Weight(w.q[sl], w.scale[sl], None if w.zero_point is None else w.zero_point[sl])
+
+        quant = [n for n, t in targets.items() if t.quantize]
+        if "gptq" not in method:
+            for n in quant:
+                q[n] = quantize_rtn(W[n], o.group_size, o.symmetric)
+        else:
+            H_in = H_scaled(stats.H_in, s_in)
+            routed = [e for e in range(E) if f"{p}experts.{e}.gate_proj.weight" in quant]
+            rest = [n for n in quant if ".experts." not in n]
+            if routed:
+                # gate and up of an expert share its input Hessian: one (2I, H) solve each.
+                if stats.all_experts:
+                    for s in range(0, len(routed), EXPERT_BATCH):
+                        es = routed[s: s + EXPERT_BATCH]
+                        names = [f"{p}experts.{e}.{k}_proj.weight" for e in es for k in ("gate", "up")]
+                        solve(names, torch.cat([W[n] for n in names]), H_in)  # (e*2I, H), shared H
+                else:
+                    for s in range(0, len(routed), EXPERT_BATCH):
+                        es = routed[s: s + EXPERT_BATCH]
+                        Hs = torch.stack([H_scaled(stats.H_in_e[e], s_in) if e in stats.H_in_e
+                                          and e not in fb else H_in for e in es])  # (e, H, H)
+                        Ws = torch.stack([torch.cat([W[f"{p}experts.{e}.gate_proj.weight"],
+                                                     W[f"{p}experts.{e}.up_proj.weight"]]) for e in es])
+                        r = gptq_quantize(Ws, Hs, self.gptq_cfg)  # (e, 2I, H)
+                        damps.append(r.damp)
+                        retries += r.retries
+                        half = Ws.shape[1] // 2
+                        for i, e in enumerate(es):
+                            for k, sl in (("gate", slice(0, half)), ("up", slice(half, None))):
+                                zp = r.weight.zero_point
+                                q[f"{p}experts.{e}.{k}_proj.weight"] = Int4Weight(
+                                    r.weight.q[i, sl], r.weight.scale[i, sl], None if zp is None else zp[i, sl])
+                for s in range(0, len(routed), EXPERT_BATCH):
+                    es = routed[s: s + EXPERT_BATCH]
+                    Hs = []
+                    for e in es:
+                        name = f"{p}experts.{e}.down_proj.weight"
+                        if e in stats.H_down_e and e not in fb:
+                            H = stats.H_down_e[e]
+                        else:
+                            H, _ = accumulate_hessian(torch.zeros_like(stats.H_down_e.get(e, torch.zeros(
+                                W[name].shape[1], W[name].shape[1], device=self.device))),
+                                expert_inter_sample(e), 0)
+                        Hs.append(H_scaled(H, s_down.get(name)))
+                    names = [f"{p}experts.{e}.down_proj.weight" for e in es]
+                    solve(names, torch.stack([W[n] for n in names]), torch.stack(Hs))
+            if rest:
+                gu = [n for n in rest if n.endswith(("gate_proj.weight", "up_proj.weight"))]
+                if gu:
+                    solve(gu, torch.cat([W[n] for n in gu]), H_in)
+                for n in rest:
+                    if n.endswith("down_proj.weight"):
+                        solve([n], W[n], H_scaled(stats.H_down, s_down.get(n)))
+            report["gptq"] = {"damp_max": max(damps) if damps else None, "retries": retries}
+
+        # ---- results as they will be written, and the layer's weights set to them
+        written: dict[str, torch.Tensor] = {}
+        for n, w in q.items():
+            self.results[n] = w
+            written[n] = dequantize(w, torch.float32)
+        for n, t in targets.items():
+            if not t.quantize and not torch.equal(W[n], weights[n].float()):
+                t = W[n].to(DTYPES[self.units[n].outputs[0].dtype][0])
+                self.results[n] = t
+                written[n] = t.float()
+        for n, t in mods.items():
+            t = t.to(DTYPES[self.units[n].outputs[0].dtype][0])
+            self.results[n] = t
+            written[n] = t.float()
+        self._set_weights(L, layer, kind, written)
+
+        # ---- pass 2: the next layer's inputs through the quantized layer
+        for i in range(len(self.hidden)):
+            out, self.topk[i] = run_layer(self.skeleton, layer, self.inputs, self.hidden.get(i),
+                                          self.topk[i])
+            if i == 0:
+                h0 = self.hidden.get(0)
+                report["output_rel_error"] = _relerr(out - h0, ref0 - h0)
+            self.hidden.put(i, out)
+        report["quantized"] = len(q)
+        report["modified_bf16"] = sorted(n for n in self.results if n not in q)
+        return report
+
+    def _set_weights(self, L: int, layer, kind: str, written: dict[str, torch.Tensor]) -> None:
+        """Copy the written values into the module (fused experts included)."""
+        prefix = f"model.layers.{L}."
+        params = dict(layer.named_parameters())
+        with torch.no_grad():
+            for n, t in written.items():
+                key = n[len(prefix):]
+                if ".experts." in key:
+                    head, e, proj, _ = key.rsplit(".", 3)  # mlp.experts, E, gate_proj, weight
+                    e = int(e)
+                    if proj == "down_proj":
+                        params[f"{head}.down_proj"][e].copy_(t)
+                    else:
+                        fused = params[f"{head}.gate_up_proj"]
+                        half = fused.shape[1] // 2
+                        sl = slice(0, half) if proj == "gate_proj" else slice(half, None)
+                        fused[e, sl].copy_(t)
+                else:
+                    params[key].copy_(t)
