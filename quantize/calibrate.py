@@ -577,7 +577,9 @@ class Calibrator:
                        n.endswith(("gate_proj.weight", "up_proj.weight"))]
             if gate_up:
                 r = awq_search([W[n] for n in gate_up], x_sample, self.awq_cfg)
-                s_in = r.scales
+                # Powers of two: dividing the BF16 norm and multiplying the BF16 router (and
+                # non-target shared experts) by them is exact, so the fold changes no math.
+                s_in = torch.exp2(torch.round(torch.log2(r.scales)))
                 for n in targets:  # every consumer of the post-attention norm's output
                     if n.endswith(("gate_proj.weight", "up_proj.weight")):
                         W[n] = scale_linear_inputs(W[n], s_in)

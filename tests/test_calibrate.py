@@ -1,0 +1,154 @@
+"""Layer-by-layer calibration on tiny glm_moe_dsa and glm4_moe checkpoints (CPU, offline)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantize.calibrate import (
+    Calibrator,
+    HiddenStates,
+    MLPStats,
+    build_skeleton,
+    load_layer,
+    moe_forward,
+)
+from quantize.checkpoint import open_checkpoint
+from quantize.options import ConvertOptions
+from quantize.pipeline import convert
+from quantize.plan import make_plan
+from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+ARCHS = {"glm_moe_dsa": "fp8-block", "glm4_moe": "fp8-channel"}
+CALIB = {"num_samples": 8, "seq_len": 64}
+
+
+def _patch(src, name: str, fn) -> None:
+    """Rewrite one tensor of a synthetic checkpoint in place."""
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    f = src / index["weight_map"][name]
+    tensors = load_file(f)
+    tensors[name] = fn(tensors[name])
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def ckpt_dir(request, tmp_path_factory):
+    mt = request.param
+    src = tmp_path_factory.mktemp(mt)
+    cfg = tiny_config(mt)
+    write_checkpoint(src, cfg, ARCHS[mt])
+    write_tokenizer(src, cfg["vocab_size"])
+    # A few outlier input channels after the post-attention norm, as real LLMs have
+    # (the case AWQ exists for); routing and attention are unchanged in kind.
+    for L in range(cfg["num_hidden_layers"]):
+        def outliers(w: torch.Tensor) -> torch.Tensor:
+            w = w.clone()
+            w[:: cfg["hidden_size"] // 4] *= 8
+            return w
+        _patch(src, f"model.layers.{L}.post_attention_layernorm.weight", outliers)
+    return src
+
+
+def _calibrate(src, **kw) -> dict:
+    ck = open_checkpoint(src)
+    opts = ConvertOptions(**{**CALIB, **kw})
+    c = Calibrator(ck, make_plan(ck, opts), opts, torch.device("cpu"))
+    for u in c.plan.units:
+        c.result(u)
+    return c.report()
+
+
+def test_moe_forward_equals_module(ckpt_dir):
+    """Our per-expert calibration forward is the module's forward (same ops, same order)."""
+    ck = open_checkpoint(ckpt_dir)
+    skel = build_skeleton(ck.config)
+    units = {u.source: u for u in make_plan(ck, ConvertOptions()).units}
+    layer, _ = load_layer(skel, ck, units, 1, torch.device("cpu"), torch.float32)
+    x = torch.randn(2, 16, ck.config["hidden_size"], generator=torch.Generator().manual_seed(0))
+    stats = MLPStats("moe", hessians=True, samples=True, all_experts=False,
+                     num_experts=ck.config["n_routed_experts"])
+    with torch.no_grad():
+        ref = layer.mlp(x)
+        ours = moe_forward(layer.mlp, x, stats)
+    diff = (ours - ref).abs()
+    assert torch.allclose(ours, ref, rtol=0, atol=1e-6), f"max {diff.max()}, mean {diff.mean()}"
+    # every token reached exactly top-k experts, and every hit expert got a Hessian
+    assert sum(stats.expert_tokens) == 32 * ck.config["num_experts_per_tok"]
+    assert set(stats.H_in_e) == {e for e, n in enumerate(stats.expert_tokens) if n}
+
+
+def test_layer_error_below_rtn(ckpt_dir):
+    """Per-layer output error (same input, quantized vs source weights): GPTQ and AWQ < RTN."""
+    err = {m: [lay.get("output_rel_error") for lay in _calibrate(ckpt_dir, method=m)["layers"]]
+           for m in ("rtn", "gptq", "awq")}
+    calibrated = [i for i, e in enumerate(err["rtn"]) if e is not None]
+    assert calibrated, err
+    for i in calibrated:
+        # RTN's relative error here is ~0.13; GPTQ halves it, AWQ gains a few percent on
+        # the outlier channels. Strict inequality is the claim; the margins are printed.
+        assert err["gptq"][i] < err["rtn"][i], err
+        assert err["awq"][i] < err["rtn"][i], err
+
+
+def test_expert_counts_and_zero_token_fallback(tmp_path):
+    """An expert the router never picks gets all-token statistics, visibly."""
+    cfg = tiny_config("glm_moe_dsa")
+    write_checkpoint(tmp_path, cfg, "fp8-block")
+    write_tokenizer(tmp_path, cfg["vocab_size"])
+
+    def starve(b: torch.Tensor) -> torch.Tensor:
+        b = b.clone()
+        b[7] = -100.0  # sigmoid scores are in (0, 1): expert 7 never makes the top-k
+        return b
+    _patch(tmp_path, "model.layers.1.mlp.gate.e_score_correction_bias", starve)
+    rep = _calibrate(tmp_path, method="gptq")
+    layer1 = next(lay for lay in rep["layers"] if lay["layer"] == 1)
+    counts = layer1["expert_tokens"]
+    assert len(counts) == cfg["n_routed_experts"] and counts[7] == 0
+    assert sum(counts) == layer1["tokens"] * cfg["num_experts_per_tok"]
+    assert {f["expert"] for f in layer1["fallback"]} >= {7}
+    assert "all-token" in layer1["fallback"][0]["reason"]
+    assert layer1["quantized"] == 3 * cfg["n_routed_experts"]
+    mtp = [lay for lay in rep["layers"] if lay.get("mtp")]
+    assert mtp and mtp[0]["method"] == "rtn" and mtp[0]["modules"] == 3 * cfg["n_routed_experts"]
+
+    all_rep = _calibrate(tmp_path, method="gptq", expert_calibration="all")
+    layer1 = next(lay for lay in all_rep["layers"] if lay["layer"] == 1)
+    assert layer1["expert_tokens"][7] == 0 and layer1["fallback"] == []
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
+def test_converted_checkpoint_loads_in_transformers(ckpt_dir, tmp_path, method):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    res = convert(ckpt_dir, out, ConvertOptions(method=method, **CALIB), device="cpu")
+    report = json.loads((out / "calibration-report.json").read_text())
+    assert report["method"] == method and report == res.calibration
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["quantization_method"] == method
+    # Same layout as RTN: identical tensor names, shapes and shards.
+    rtn = make_plan(open_checkpoint(ckpt_dir), ConvertOptions())
+    assert [s.file for s in res.plan.shards] == [s.file for s in rtn.shards]
+    assert [t for s in res.plan.shards for t in s.tensors] == [t for s in rtn.shards for t in s.tensors]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([[0, 5, 17, 42, 99, 3]])
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, 6, cfg["vocab_size"]) and torch.isfinite(logits).all()
+
+
+def test_hidden_states_spill_roundtrip():
+    chunks = [torch.randn(2, 4, 8) for _ in range(3)]
+    hs = HiddenStates(chunks, torch.device("cpu"), spill=True)
+    assert len(hs) == 3 and all(torch.equal(hs.get(i), c) for i, c in enumerate(chunks))
+    hs.put(1, chunks[0])
+    assert torch.equal(hs.get(1), chunks[0])
