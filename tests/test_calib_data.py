@@ -1,0 +1,99 @@
+"""The calibration loader: formats, deterministic sampling, and errors that name the file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+from quantize.calib_data import DEFAULT_CALIB, load_calibration, read_documents
+from quantize.errors import QuantizeError
+from quantize.synth import write_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer(d, 512)
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+def test_default_set_checksum_matches_readme():
+    readme = (DEFAULT_CALIB.parent / "README.md").read_text()
+    want = re.search(r"([0-9a-f]{64})  default\.jsonl", readme).group(1)
+    assert hashlib.sha256(DEFAULT_CALIB.read_bytes()).hexdigest() == want
+    docs = read_documents(DEFAULT_CALIB)
+    assert any(isinstance(d, list) for d in docs) and any(isinstance(d, str) for d in docs)
+
+
+def test_default_sampling_is_deterministic(tok):
+    a = load_calibration(None, tok, 4, 32, seed=0)
+    b = load_calibration(None, tok, 4, 32, seed=0)
+    c = load_calibration(None, tok, 4, 32, seed=1)
+    assert a.tokens.shape == (4, 32) and a.tokens.dtype == torch.int64
+    assert torch.equal(a.tokens, b.tokens) and not torch.equal(a.tokens, c.tokens)
+    assert not a.overlapping and a.chat_template == "checkpoint"
+
+
+def test_jsonl_messages_use_the_chat_template(tok, tmp_path):
+    p = tmp_path / "chat.jsonl"
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": "hello there " * 20},
+                                          {"role": "assistant", "content": "general kenobi " * 20}]})
+                 + "\n" + json.dumps({"text": "plain record " * 30}) + "\n")
+    cs = load_calibration(p, tok, 2, 16, seed=0)
+    assert cs.documents == 2 and cs.chat_template == "checkpoint"
+    user = tok.convert_tokens_to_ids("<|user|>")
+    assert (cs.tokens == user).any()  # the template's role marker made it into the tokens
+
+
+def test_plain_text_and_overlap(tok, tmp_path):
+    p = tmp_path / "a.txt"
+    p.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    cs = load_calibration(p, tok, 50, 32, seed=3)
+    assert cs.tokens.shape == (50, 32) and cs.overlapping  # fewer tokens than 50 x 32
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"", "no text"),
+    (b"\xff\xfe not utf-8 \x80", "not UTF-8"),
+    (b"too short", "tokens in all"),
+])
+def test_errors_name_the_file_and_the_fix(tok, tmp_path, content, needle):
+    p = tmp_path / "bad.txt"
+    p.write_bytes(content)
+    with pytest.raises(QuantizeError) as e:
+        load_calibration(p, tok, 4, 512, seed=0)
+    msg = str(e.value)
+    assert needle in msg and "bad.txt" in msg and "Fix:" in msg
+
+
+def test_bad_jsonl_line_is_named(tok, tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_text('{"text": "ok"}\n{broken\n')
+    with pytest.raises(QuantizeError, match=r"x\.jsonl:2"):
+        read_documents(p)
+    p.write_text('{"body": "no text field"}\n')
+    with pytest.raises(QuantizeError, match="rename the field"):
+        read_documents(p)
+
+
+def test_optional_formats_say_what_is_missing(tmp_path):
+    (tmp_path / "ds").mkdir()
+    if "datasets" not in sys.modules:
+        try:
+            import datasets  # noqa: F401
+        except ImportError:
+            with pytest.raises(QuantizeError, match="pip install datasets"):
+                read_documents(tmp_path / "ds")
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        (tmp_path / "a.parquet").write_bytes(b"PAR1")
+        with pytest.raises(QuantizeError, match="pip install pyarrow"):
+            read_documents(tmp_path / "a.parquet")
