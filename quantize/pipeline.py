@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -59,7 +59,11 @@ def resolve_device(device: str) -> torch.device:
 def quantization_config(plan: Plan) -> dict:
     """config.json `quantization_config`, built with compressed-tensors' own classes."""
     import compressed_tensors
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
 
     o = plan.options
     args = QuantizationArgs(num_bits=o.num_bits, type="int", symmetric=o.symmetric, strategy="group",
