@@ -12,11 +12,11 @@
 
 from __future__ import annotations
 
-import json
 import shutil
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,12 +29,15 @@ from quantize.int4 import Int4Weight, pack_int4, quantize_rtn
 from quantize.manifest import MANIFEST, Manifest, read_manifest
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, Unit, make_plan
-from quantize.shards import PARTIAL, ShardWriter, copy_file_atomic, write_json_atomic
+from quantize.shards import PARTIAL, ShardWriter, copy_file_atomic, sha256_file, write_json_atomic
 
 if TYPE_CHECKING:
     from quantize.calibrate import Calibrator
 
-__all__ = ["ConvertResult", "convert", "quantization_config", "resolve_device", "source_weight"]
+__all__ = [
+    "ConvertResult", "compute_unit", "convert", "quantization_config", "read_unit", "resolve_device",
+    "source_weight",
+]
 
 # Files never copied from the source: the weights we rewrite, the source's card (we write our
 # own), and VCS / cache folders.
@@ -65,7 +68,11 @@ def resolve_device(device: str) -> torch.device:
 def quantization_config(plan: Plan) -> dict:
     """config.json `quantization_config`, built with compressed-tensors' own classes."""
     import compressed_tensors
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
 
     o = plan.options
     args = QuantizationArgs(num_bits=o.num_bits, type="int", symmetric=o.symmetric, strategy="group",
@@ -83,12 +90,20 @@ def quantization_config(plan: Plan) -> dict:
     return qc
 
 
-def source_weight(ckpt: Checkpoint, unit: Unit, device: torch.device) -> torch.Tensor:
+def read_unit(ckpt: Checkpoint, unit: Unit) -> dict[str, torch.Tensor]:
+    """The source tensors a unit needs (weight, and its FP8 scale), read from disk to host."""
+    names = [unit.source] + ([unit.scale] if unit.scale else [])
+    return {n: ckpt.read(n) for n in names}
+
+
+def source_weight(ckpt: Checkpoint, unit: Unit, device: torch.device,
+                  raw: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """The unit's source weight as float32 on `device` (FP8 dequantized exactly)."""
-    w = ckpt.read(unit.source, device)
+    raw = raw if raw is not None else read_unit(ckpt, unit)
+    w = raw[unit.source].to(device)
     if unit.scale is None:
         return w.float()
-    s = ckpt.read(unit.scale, device)
+    s = raw[unit.scale].to(device)
     if ckpt.source_format == SourceFormat.FP8_BLOCK:
         return dequant_block(w, s, ckpt.block_size)
     return dequant_channel(w, s)
@@ -116,19 +131,22 @@ def _int4_outputs(q: Int4Weight) -> list[torch.Tensor]:
 
 
 def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.device,
-                 calib: Calibrator | None = None) -> list[torch.Tensor]:
-    """The output tensors of one unit, in plan order (`calib`: calibrated results first)."""
+                 raw: dict[str, torch.Tensor] | None = None, calib: Calibrator | None = None
+                 ) -> list[torch.Tensor]:
+    """The output tensors of one unit, in plan order (`raw`: its tensors already read;
+    `calib`: calibrated results first)."""
     done = calib.result(unit) if calib is not None else None
     if isinstance(done, Int4Weight):
         return _int4_outputs(done)
     if done is not None:  # a BF16 tensor AWQ rescaled (norm, router, non-target Linear)
         return [done]
+    raw = raw if raw is not None else read_unit(ckpt, unit)
     if unit.action == "copy":
-        t = ckpt.read(unit.source)
+        t = raw[unit.source]
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise _nonfinite(ckpt, unit.source, t)
         return [t]
-    W = source_weight(ckpt, unit, device)  # (N, K) float32
+    W = source_weight(ckpt, unit, device, raw)  # (N, K) float32
     if not torch.isfinite(W).all():
         raise _nonfinite(ckpt, unit.source, W)
     if unit.action == "dequant":
@@ -231,9 +249,15 @@ def convert(
                 for u in shard.units:
                     on_unit(u)
             continue
-        with ShardWriter(out / shard.file, shard.tensors) as w:
-            for unit in shard.units:
-                for t in compute_unit(ckpt, unit, opts, dev, calib):
+        # Read the next unit on a thread while this one is computed and written (torch and
+        # file I/O release the GIL); at most two units' source tensors are in memory.
+        with ShardWriter(out / shard.file, shard.tensors) as w, ThreadPoolExecutor(1) as reader:
+            ahead = reader.submit(read_unit, ckpt, shard.units[0])
+            for i, unit in enumerate(shard.units):
+                raw = ahead.result()
+                if i + 1 < len(shard.units):
+                    ahead = reader.submit(read_unit, ckpt, shard.units[i + 1])
+                for t in compute_unit(ckpt, unit, opts, dev, raw, calib):
                     w.write(t)
                 if on_unit:
                     on_unit(unit)
@@ -253,7 +277,6 @@ def convert(
     if calib is not None:
         write_json_atomic(out / CALIB_REPORT, calib.report())
         aux.append(CALIB_REPORT)
-    from quantize.shards import sha256_file
 
     for name in [INDEX_NAME, "config.json", *aux]:
         manifest.data["files"][name] = {"bytes": (out / name).stat().st_size,
@@ -261,7 +284,3 @@ def convert(
     manifest.finish(tool_version=__version__)
     return ConvertResult(out, plan, written, skipped, str(dev),
                          calib.report() if calib is not None else None)
-
-
-def load_index(out: Path) -> dict:
-    return json.loads((out / INDEX_NAME).read_text())
