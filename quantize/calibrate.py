@@ -163,14 +163,14 @@ def _mlp_kind(mlp: torch.nn.Module) -> str:
 
 
 def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit], L: int,
-               device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+               device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """Layer L of `skeleton` filled from the checkpoint, in `dtype` on `device` (router and
-    fp32-kept modules stay float32), plus the float32 source weight of every Linear by name."""
+    fp32-kept modules stay float32)."""
     from quantize.pipeline import _nonfinite, source_weight
 
     layer = skeleton.model.layers[L]
     prefix = f"model.layers.{L}."
-    state, weights, missing = {}, {}, []
+    state, missing = {}, []
 
     def weight(name: str) -> torch.Tensor:
         if name not in units:
@@ -179,8 +179,7 @@ def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit], L: int,
         w = source_weight(ckpt, units[name], device)
         if not torch.isfinite(w).all():
             raise _nonfinite(ckpt, name, w)
-        weights[name] = w
-        return w
+        return w.to(dtype) if w.dim() == 2 else w  # experts are stacked in dtype
 
     for key, p in layer.state_dict().items():
         if key.endswith("experts.gate_up_proj"):
@@ -208,7 +207,7 @@ def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit], L: int,
     if _mlp_kind(layer.mlp) == "moe":
         layer.mlp.gate.float()  # routing in float32, as transformers keeps it
     layer.eval()
-    return layer, weights
+    return layer
 
 
 def free_layer(layer: torch.nn.Module) -> None:
@@ -394,6 +393,35 @@ class Target:
     quantize: bool  # a --targets Linear (else a BF16 tensor that AWQ may rescale)
 
 
+class LayerWeights:
+    """The MLP's Linear weights as they will be rounded, read on demand (never all held):
+    float32 source (FP8 dequantized) * AWQ column scales / AWQ row scales."""
+
+    def __init__(self, ckpt: Checkpoint, units: dict[str, Unit], device: torch.device) -> None:
+        self.ckpt, self.units, self.device = ckpt, units, device
+        self.col: dict[str, torch.Tensor] = {}  # name -> (K,) input scales (weight columns * s)
+        self.row: dict[str, torch.Tensor] = {}  # name -> (N,) output scales (weight rows / s)
+
+    def source(self, name: str) -> torch.Tensor:
+        from quantize.pipeline import source_weight
+
+        return source_weight(self.ckpt, self.units[name], self.device)  # (N, K) float32
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.ckpt.tensors[name].shape
+
+    def scaled(self, name: str) -> bool:
+        return name in self.col or name in self.row
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        w = self.source(name)
+        if name in self.col:
+            w = scale_linear_inputs(w, self.col[name])
+        if name in self.row:
+            w = fold_into_linear_rows(w, self.row[name])
+        return w
+
+
 def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
@@ -488,7 +516,7 @@ class Calibrator:
         if self.hidden is None:
             self._embed()
         self.results = {}  # the previous layer's results were consumed
-        layer, weights = load_layer(self.skeleton, self.ckpt, self.units, L, self.device, self.dtype)
+        layer = load_layer(self.skeleton, self.ckpt, self.units, L, self.device, self.dtype)
         kind = _mlp_kind(layer.mlp)
         targets = self._targets(L, layer)
         active = any(t.quantize for t in targets.values())
@@ -505,14 +533,13 @@ class Calibrator:
                 self.hidden.put(i, h)
             entry["quantized"] = 0
         else:
-            entry.update(self._calibrate(L, layer, kind, weights, targets))
+            entry.update(self._calibrate(L, layer, kind, targets))
         free_layer(layer)
         entry["seconds"] = round(time.perf_counter() - t0, 3)
         self.layers.append(entry)
         self.log(f"layer {L}: {entry.get('quantized', 0)} Linears calibrated in {entry['seconds']} s")
 
-    def _calibrate(self, L: int, layer, kind: str, weights: dict[str, torch.Tensor],
-                   targets: dict[str, Target]) -> dict:
+    def _calibrate(self, L: int, layer, kind: str, targets: dict[str, Target]) -> dict:
         o = self.opts
         method = o.method
         mlp = layer.mlp
@@ -529,14 +556,12 @@ class Calibrator:
         del mlp.forward  # back to the class's forward
 
         p = f"model.layers.{L}.mlp."
-        W = {n: weights[n].float() for n in targets}  # float32 source weights, rescaled by AWQ
+        W = LayerWeights(self.ckpt, self.units, self.device)
         report: dict = {"tokens": stats.tokens}
         fallback: list[dict] = []
         if kind == "moe":
             report["expert_tokens"] = list(stats.expert_tokens)
-            if stats.all_experts:
-                pass  # every expert saw every token
-            else:
+            if not stats.all_experts:  # (with "all" every expert saw every token)
                 for e, n in enumerate(stats.expert_tokens):
                     if n < max(o.min_expert_tokens, 1) and (stats.hessians or stats.samples):
                         fallback.append({"expert": e, "tokens": n, "reason":
@@ -547,9 +572,10 @@ class Calibrator:
         fb = {f["expert"] for f in fallback}
 
         def expert_inter_sample(e: int) -> torch.Tensor:
+            """Expert e's down_proj inputs: its routed sample, or all-token sample through it."""
             if e in fb or stats.all_experts or e not in stats.inter_e:
-                W_gu = torch.cat([weights[f"{p}experts.{e}.gate_proj.weight"],
-                                  weights[f"{p}experts.{e}.up_proj.weight"]]).float()  # unscaled
+                W_gu = torch.cat([W.source(f"{p}experts.{e}.gate_proj.weight"),
+                                  W.source(f"{p}experts.{e}.up_proj.weight")])  # unscaled
                 gate, up = (x_sample @ W_gu.t()).chunk(2, dim=-1)
                 return mlp.experts.act_fn(gate) * up
             return torch.cat(stats.inter_e[e])
@@ -557,7 +583,6 @@ class Calibrator:
         # ---- AWQ: search scales, fold them into the producing ops (exactly, before rounding)
         awq: dict = {}
         mods: dict[str, torch.Tensor] = {}  # non-Linear tensors rescaled (norm, router)
-        s_down: dict[str, torch.Tensor] = {}  # down_proj name -> its input scales
         s_in = None
         if "awq" in method:
             alphas = []
@@ -569,20 +594,19 @@ class Calibrator:
                     continue
                 X = expert_inter_sample(e) if e is not None else torch.cat(stats.inter_sample)
                 r = awq_search([W[down]], X, self.awq_cfg)
-                W[down] = scale_linear_inputs(W[down], r.scales)
-                W[up] = fold_into_linear_rows(W[up], r.scales)
-                s_down[down] = r.scales
+                W.col[down] = r.scales  # down_proj (H, I) columns * s
+                W.row[up] = r.scales  # up_proj (I, H) rows / s: the same expert's, exact
                 alphas.append(r.alpha)
             gate_up = [n for n, t in targets.items() if t.quantize and
                        n.endswith(("gate_proj.weight", "up_proj.weight"))]
             if gate_up:
-                r = awq_search([W[n] for n in gate_up], x_sample, self.awq_cfg)
+                r = awq_search([W[n].to(self.dtype) for n in gate_up], x_sample, self.awq_cfg)
                 # Powers of two: dividing the BF16 norm and multiplying the BF16 router (and
                 # non-target shared experts) by them is exact, so the fold changes no math.
                 s_in = torch.exp2(torch.round(torch.log2(r.scales)))
                 for n in targets:  # every consumer of the post-attention norm's output
                     if n.endswith(("gate_proj.weight", "up_proj.weight")):
-                        W[n] = scale_linear_inputs(W[n], s_in)
+                        W.col[n] = s_in
                 norm = f"model.layers.{L}.post_attention_layernorm.weight"
                 mods[norm] = fold_into_norm(self.ckpt.read(norm, self.device).float(), s_in)
                 if kind == "moe":
@@ -594,97 +618,87 @@ class Calibrator:
                 awq["alpha_down_mean"] = sum(alphas) / len(alphas)
             report["awq"] = awq
 
-        # ---- rounding: GPTQ batched over experts, or RTN of the (rescaled) weights
-        q: dict[str, Int4Weight] = {}
-        damps, retries = [], 0
+        # ---- rounding: GPTQ batched over experts, or RTN of the (rescaled) weights; each
+        # result goes to the host for writing and, dequantized, into the module for pass 2.
+        damps, retries, nq = [], 0, 0
+
+        def done(n: str, w: Int4Weight) -> None:
+            nonlocal nq
+            nq += 1
+            self._set_weight(L, layer, n, dequantize(w, torch.float32))
+            self.results[n] = Int4Weight(w.q.cpu(), w.scale.cpu(),
+                                         None if w.zero_point is None else w.zero_point.cpu())
+
+        def split(w: Int4Weight, i, sl=slice(None)) -> Int4Weight:
+            zp = None if w.zero_point is None else w.zero_point[i][sl]
+            return Int4Weight(w.q[i][sl], w.scale[i][sl], zp)
 
         def H_scaled(H: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
             return H if s is None else H / (s.unsqueeze(-1) * s.unsqueeze(-2))  # inputs x / s
 
-        def solve(names: list[str], Ws: torch.Tensor, H: torch.Tensor) -> None:
+        def gptq(Ws: torch.Tensor, H: torch.Tensor) -> Int4Weight:
             nonlocal retries
             r = gptq_quantize(Ws, H, self.gptq_cfg)
             damps.append(r.damp)
             retries += r.retries
-            w = r.weight
-            rows = Ws.shape[-2] // len(names) if Ws.dim() == 2 else None
-            for i, n in enumerate(names):
-                if Ws.dim() == 3:  # (e, N, K): one expert per batch entry
-                    sl = (i,)
-                    q[n] = Int4Weight(w.q[sl], w.scale[sl], None if w.zero_point is None else w.zero_point[sl])
-                else:  # (len(names) * N, K) rows sharing one Hessian
-                    sl = slice(i * rows, (i + 1) * rows)
-                    q[n] = Int4Weight(w.q[sl], w.scale[sl], None if w.zero_point is None else w.zero_point[sl])
+            return r.weight
 
         quant = [n for n, t in targets.items() if t.quantize]
         if "gptq" not in method:
             for n in quant:
-                q[n] = quantize_rtn(W[n], o.group_size, o.symmetric)
+                done(n, quantize_rtn(W[n], o.group_size, o.symmetric))
         else:
             H_in = H_scaled(stats.H_in, s_in)
             routed = [e for e in range(E) if f"{p}experts.{e}.gate_proj.weight" in quant]
-            rest = [n for n in quant if ".experts." not in n]
-            if routed:
-                # gate and up of an expert share its input Hessian: one (2I, H) solve each.
-                if stats.all_experts:
-                    for s in range(0, len(routed), EXPERT_BATCH):
-                        es = routed[s: s + EXPERT_BATCH]
-                        names = [f"{p}experts.{e}.{k}_proj.weight" for e in es for k in ("gate", "up")]
-                        solve(names, torch.cat([W[n] for n in names]), H_in)  # (e*2I, H), shared H
-                else:
-                    for s in range(0, len(routed), EXPERT_BATCH):
-                        es = routed[s: s + EXPERT_BATCH]
-                        Hs = torch.stack([H_scaled(stats.H_in_e[e], s_in) if e in stats.H_in_e
-                                          and e not in fb else H_in for e in es])  # (e, H, H)
-                        Ws = torch.stack([torch.cat([W[f"{p}experts.{e}.gate_proj.weight"],
-                                                     W[f"{p}experts.{e}.up_proj.weight"]]) for e in es])
-                        r = gptq_quantize(Ws, Hs, self.gptq_cfg)  # (e, 2I, H)
-                        damps.append(r.damp)
-                        retries += r.retries
-                        half = Ws.shape[1] // 2
-                        for i, e in enumerate(es):
-                            for k, sl in (("gate", slice(0, half)), ("up", slice(half, None))):
-                                zp = r.weight.zero_point
-                                q[f"{p}experts.{e}.{k}_proj.weight"] = Int4Weight(
-                                    r.weight.q[i, sl], r.weight.scale[i, sl], None if zp is None else zp[i, sl])
-                for s in range(0, len(routed), EXPERT_BATCH):
-                    es = routed[s: s + EXPERT_BATCH]
-                    Hs = []
-                    for e in es:
-                        name = f"{p}experts.{e}.down_proj.weight"
-                        if e in stats.H_down_e and e not in fb:
-                            H = stats.H_down_e[e]
-                        else:
-                            H, _ = accumulate_hessian(torch.zeros_like(stats.H_down_e.get(e, torch.zeros(
-                                W[name].shape[1], W[name].shape[1], device=self.device))),
-                                expert_inter_sample(e), 0)
-                        Hs.append(H_scaled(H, s_down.get(name)))
-                    names = [f"{p}experts.{e}.down_proj.weight" for e in es]
-                    solve(names, torch.stack([W[n] for n in names]), torch.stack(Hs))
-            if rest:
-                gu = [n for n in rest if n.endswith(("gate_proj.weight", "up_proj.weight"))]
-                if gu:
-                    solve(gu, torch.cat([W[n] for n in gu]), H_in)
-                for n in rest:
-                    if n.endswith("down_proj.weight"):
-                        solve([n], W[n], H_scaled(stats.H_down, s_down.get(n)))
+            for c in range(0, len(routed), EXPERT_BATCH):
+                es = routed[c: c + EXPERT_BATCH]
+                gu = [(f"{p}experts.{e}.gate_proj.weight", f"{p}experts.{e}.up_proj.weight") for e in es]
+                Ws = torch.stack([torch.cat([W[g], W[u]]) for g, u in gu])  # (e, 2I, H)
+                if stats.all_experts:  # one Hessian for every expert: one solve of e*2I rows
+                    w = gptq(Ws.reshape(-1, Ws.shape[-1]), H_in)
+                    w = Int4Weight(*(None if t is None else t.reshape(len(es), -1, t.shape[-1])
+                                     for t in w))
+                else:  # gate and up of an expert share its routed-token Hessian
+                    w = gptq(Ws, torch.stack([H_scaled(stats.H_in_e[e], s_in)
+                                              if e in stats.H_in_e and e not in fb else H_in
+                                              for e in es]))  # (e, H, H)
+                del Ws
+                half = w.q.shape[1] // 2
+                for i, (g, u) in enumerate(gu):
+                    done(g, split(w, i, slice(0, half)))
+                    done(u, split(w, i, slice(half, None)))
+                downs = [f"{p}experts.{e}.down_proj.weight" for e in es]
+                Hs = []
+                for e, n in zip(es, downs):
+                    H = stats.H_down_e.get(e) if e not in fb else None
+                    if H is None:  # all-token statistics for a starved expert
+                        H, _ = accumulate_hessian(torch.zeros(W.shape(n)[1], W.shape(n)[1],
+                                                              device=self.device),
+                                                  expert_inter_sample(e), 0)
+                    Hs.append(H_scaled(H, W.col.get(n)))
+                w = gptq(torch.stack([W[n] for n in downs]), torch.stack(Hs))  # (e, H, I)
+                for i, n in enumerate(downs):
+                    done(n, split(w, i))
+            rest = [n for n in quant if ".experts." not in n]  # shared experts / dense MLP
+            gu = [n for n in rest if n.endswith(("gate_proj.weight", "up_proj.weight"))]
+            if gu:
+                w = gptq(torch.cat([W[n] for n in gu]), H_in)  # (len(gu) * I, H)
+                rows = w.q.shape[0] // len(gu)
+                for i, n in enumerate(gu):
+                    done(n, split(w, slice(i * rows, (i + 1) * rows)))
+            for n in rest:
+                if n.endswith("down_proj.weight"):
+                    done(n, gptq(W[n], H_scaled(stats.H_down, W.col.get(n))))
             report["gptq"] = {"damp_max": max(damps) if damps else None, "retries": retries}
 
-        # ---- results as they will be written, and the layer's weights set to them
-        written: dict[str, torch.Tensor] = {}
-        for n, w in q.items():
-            self.results[n] = w
-            written[n] = dequantize(w, torch.float32)
+        # ---- the BF16 tensors AWQ rescaled, as they will be written
         for n, t in targets.items():
-            if not t.quantize and not torch.equal(W[n], weights[n].float()):
-                t = W[n].to(DTYPES[self.units[n].outputs[0].dtype][0])
-                self.results[n] = t
-                written[n] = t.float()
+            if not t.quantize and W.scaled(n):
+                mods[n] = W[n]
         for n, t in mods.items():
             t = t.to(DTYPES[self.units[n].outputs[0].dtype][0])
-            self.results[n] = t
-            written[n] = t.float()
-        self._set_weights(L, layer, kind, written)
+            self.results[n] = t.cpu()
+            self._set_weight(L, layer, n, t.float())
 
         # ---- pass 2: the next layer's inputs through the quantized layer
         for i in range(len(self.hidden)):
@@ -694,26 +708,23 @@ class Calibrator:
                 h0 = self.hidden.get(0)
                 report["output_rel_error"] = _relerr(out - h0, ref0 - h0)
             self.hidden.put(i, out)
-        report["quantized"] = len(q)
-        report["modified_bf16"] = sorted(n for n in self.results if n not in q)
+        report["quantized"] = nq
+        report["modified_bf16"] = sorted(mods)
         return report
 
-    def _set_weights(self, L: int, layer, kind: str, written: dict[str, torch.Tensor]) -> None:
-        """Copy the written values into the module (fused experts included)."""
-        prefix = f"model.layers.{L}."
-        params = dict(layer.named_parameters())
+    def _set_weight(self, L: int, layer, name: str, t: torch.Tensor) -> None:
+        """Copy a written value into the module (fused experts included)."""
+        key = name[len(f"model.layers.{L}."):]
         with torch.no_grad():
-            for n, t in written.items():
-                key = n[len(prefix):]
-                if ".experts." in key:
-                    head, e, proj, _ = key.rsplit(".", 3)  # mlp.experts, E, gate_proj, weight
-                    e = int(e)
-                    if proj == "down_proj":
-                        params[f"{head}.down_proj"][e].copy_(t)
-                    else:
-                        fused = params[f"{head}.gate_up_proj"]
-                        half = fused.shape[1] // 2
-                        sl = slice(0, half) if proj == "gate_proj" else slice(half, None)
-                        fused[e, sl].copy_(t)
+            if ".experts." in key:
+                head, e, proj, _ = key.rsplit(".", 3)  # mlp.experts, E, gate_proj, weight
+                e = int(e)
+                if proj == "down_proj":
+                    layer.get_parameter(f"{head}.down_proj")[e].copy_(t)
                 else:
-                    params[key].copy_(t)
+                    fused = layer.get_parameter(f"{head}.gate_up_proj")  # (E, 2I, H): gate, up
+                    half = fused.shape[1] // 2
+                    rows = slice(0, half) if proj == "gate_proj" else slice(half, None)
+                    fused[e, rows].copy_(t)
+            else:
+                layer.get_parameter(key).copy_(t)

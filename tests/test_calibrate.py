@@ -71,7 +71,7 @@ def test_moe_forward_equals_module(ckpt_dir):
     ck = open_checkpoint(ckpt_dir)
     skel = build_skeleton(ck.config)
     units = {u.source: u for u in make_plan(ck, ConvertOptions()).units}
-    layer, _ = load_layer(skel, ck, units, 1, torch.device("cpu"), torch.float32)
+    layer = load_layer(skel, ck, units, 1, torch.device("cpu"), torch.float32)
     x = torch.randn(2, 16, ck.config["hidden_size"], generator=torch.Generator().manual_seed(0))
     stats = MLPStats("moe", hessians=True, samples=True, all_experts=False,
                      num_experts=ck.config["n_routed_experts"])
