@@ -173,32 +173,52 @@ def _quantize_column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None) -
     return torch.clamp(x, QMIN, QMAX).round()
 
 
-def _inverse_cholesky(H: torch.Tensor, percdamp: float
-                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Hinv = upper Cholesky factor of (H + damp I)⁻¹ for H (Bh, K, K); damp raised per failure.
+def _factor_inplace(A: torch.Tensor) -> torch.Tensor:
+    """A (b, K, K) damped Hessians -> upper Cholesky factors of their inverses, in place.
 
-    Returns (Hinv (Bh, K, K), fraction of mean(diag H) used (Bh,), retry rounds).
+    Returns ok (b,): False where a factorization failed (those slices hold garbage).
     """
-    Bh, K, _ = H.shape
-    mean_diag = torch.diagonal(H, dim1=-2, dim2=-1).mean(-1)  # (Bh,)
+    b, K, _ = A.shape
+    info = torch.empty(b, dtype=torch.int32, device=A.device)
+    torch.linalg.cholesky_ex(A, out=(A, info))  # A = L, lower
+    ok = info == 0
+    if not ok.all():
+        A[~ok] = torch.eye(K, dtype=A.dtype, device=A.device)  # keep the rest of the batch sane
+    torch.cholesky_inverse(A, out=A)  # A = H⁻¹
+    torch.linalg.cholesky_ex(A, upper=True, out=(A, info))  # A = Hinv, upper
+    return ok & (info == 0) & torch.isfinite(A.sum((-2, -1)))
+
+
+def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, percdamp: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Hinv = chol((P H Pᵀ + damp I)⁻¹)ᵀ for H (Bh, K, K) in the processing order perm (Bh, K).
+
+    Dead columns get H_ii = 1 first. A failed expert is rebuilt from H (left untouched) and
+    retried with percdamp x 10. Memory: one (Bh, K, K) buffer beyond H, factored in place.
+    Returns (Hinv (Bh, K, K), dead (Bh, K) in processing order, fraction used (Bh,), retries).
+    """
+    Bh = H.shape[0]
+    diag = torch.diagonal(H, dim1=-2, dim2=-1).gather(-1, perm)  # (Bh, K) processing order
+    dead = diag == 0
+    diag = diag.masked_fill(dead, 1.0)
+    mean_diag = diag.mean(-1)  # (Bh,) after the dead fix, as the reference
     frac = torch.full((Bh,), percdamp, dtype=torch.float32, device=H.device)
-    Hinv = torch.empty_like(H)
-    eye = torch.eye(K, dtype=H.dtype, device=H.device)
     todo = torch.arange(Bh, device=H.device)
+    Hinv = None
     retries = 0
     while True:
-        Hd = H[todo] + (frac[todo] * mean_diag[todo])[:, None, None] * eye  # (b, K, K)
-        L, info = torch.linalg.cholesky_ex(Hd)
-        ok = info == 0
-        if ok.any():
-            U, info2 = torch.linalg.cholesky_ex(torch.cholesky_inverse(L[ok]), upper=True)
-            good = (info2 == 0) & torch.isfinite(U).flatten(1).all(-1)
-            idx = ok.nonzero().flatten()
-            Hinv[todo[idx[good]]] = U[good]
-            ok[idx[~good]] = False
+        p = perm[todo]  # (b, K)
+        A = H[todo[:, None, None], p[:, :, None], p[:, None, :]]  # (b, K, K) new, permuted
+        torch.diagonal(A, dim1=-2, dim2=-1).copy_(
+            diag[todo] + (frac[todo] * mean_diag[todo])[:, None])
+        ok = _factor_inplace(A)
+        if Hinv is None:
+            Hinv = A  # the first round covers every expert
+        else:
+            Hinv[todo[ok]] = A[ok]
         todo = todo[~ok]
         if todo.numel() == 0:
-            return Hinv, frac, retries
+            return Hinv, dead, frac, retries
         if retries == MAX_DAMP_RETRIES:
             raise ValueError(
                 f"GPTQ: Cholesky of the Hessian failed for expert(s) {todo.tolist()[:20]} even "
@@ -214,7 +234,10 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig
     """GPTQ-round W (..., N, K) against H (..., K, K) (or one shared (K, K)); inputs untouched.
 
     All leading dims are solved at once (a layer's experts in one batch). With H = I the result
-    equals `quantize_rtn(W)` exactly (without `mse_clip`).
+    equals `quantize_rtn(W)` exactly (without `mse_clip`). Memory beyond the inputs: one
+    (..., K, K) float32 buffer (Hinv, factored in place) and one (..., N, K) working W; for 256
+    GLM-5.2 gate projections (K 6144, N 2048) that is 39 + 13 GB, so pass experts in chunks
+    where H itself does not leave room.
     """
     if W.ndim < 2 or H.shape[-2:] != (W.shape[-1], W.shape[-1]):
         raise ValueError(f"gptq_quantize: W {tuple(W.shape)} and H {tuple(H.shape)} do not fit "
@@ -236,23 +259,14 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig
     Hdiag = torch.diagonal(Hb, dim1=-2, dim2=-1)  # (Bh, K)
     scale, zp = _group_qparams(Wb, Hdiag, cfg)  # (B, N, G) from the original W: static groups
 
-    dead = Hdiag == 0  # (Bh, K)
-    Hw = Hb.clone()
-    torch.diagonal(Hw, dim1=-2, dim2=-1)[dead] = 1.0
-    Ww = Wb.masked_fill(dead[:, None, :], 0.0)  # (B, N, K) working copy
-
     if cfg.actorder:
-        perm = torch.argsort(torch.diagonal(Hw, dim1=-2, dim2=-1), dim=-1, descending=True,
-                             stable=True)  # (Bh, K) processing order
-        Hw = Hw.gather(-1, perm[:, None, :].expand(Bh, K, K))
-        Hw = Hw.gather(-2, perm[:, :, None].expand(Bh, K, K))
-        Ww = Ww.gather(-1, perm[:, None, :].expand(B, N, K))
+        perm = torch.argsort(Hdiag, dim=-1, descending=True, stable=True)  # (Bh, K) order
     else:
         perm = torch.arange(K, device=W.device).expand(Bh, K)
+    Hinv, dead, damp, retries = _inverse_cholesky(Hb, perm, cfg.percdamp)  # (Bh, K, K) upper
+    Ww = Wb.gather(-1, perm[:, None, :].expand(B, N, K))  # (B, N, K) working copy, permuted
+    Ww.masked_fill_(dead[:, None, :], 0.0)  # dead inputs: the weight does not matter, q = 0
     group_of = perm // g  # (Bh, K) group of each processed column, in the original order
-
-    Hinv, damp, retries = _inverse_cholesky(Hw, cfg.percdamp)  # (Bh, K, K) upper
-    del Hw
 
     q_perm = torch.empty(B, N, K, dtype=torch.int8, device=W.device)
     for i1 in range(0, K, cfg.blocksize):
