@@ -28,7 +28,10 @@ unless it says otherwise:
   would tie a group to the columns processed before it, which under activation order are
   scattered across groups, and would need a `g_idx` on disk. With static groups the order of
   processing is free: `actorder` processes columns by descending diag(H) while the groups stay in
-  the original order, so nothing new is stored and the serving kernels are unchanged. It also
+  the original order, so nothing new is stored and the serving kernels are unchanged. Tied
+  diagonals keep column order (a stable sort, the same on CPU and GPU; llm-compressor's unstable
+  sort may order them otherwise, the one source of differing integers measured against it in
+  BENCHMARKS-gptq.md). It also
   makes H = I give RTN exactly: Hinv is then diagonal, no error propagates, and each column is
   rounded with the very scales and arithmetic of `quantize_with_qparams`.
 - Q inside the loop is the engines' reconstruction bf16((q - zp) * scale), so the error that is
