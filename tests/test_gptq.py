@@ -83,14 +83,16 @@ def test_actorder_and_mse_clip_each_help_on_this_seed():
     assert err["actorder+mse"] < err["actorder"], err
 
 
-def test_mse_clip_with_identity_hessian_never_loses_to_rtn():
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_mse_clip_with_identity_hessian_never_loses_to_rtn(symmetric):
     W = torch.randn(32, 128, generator=_gen(4))
-    res = gptq_quantize(W, torch.eye(128), GPTQConfig(mse_clip=True))
-    rtn = quantize_rtn(W, 32)
+    res = gptq_quantize(W, torch.eye(128), GPTQConfig(mse_clip=True, symmetric=symmetric))
+    rtn = quantize_rtn(W, 32, symmetric)
     err_g = (W - dequantize(res.weight).float()).square().reshape(32, 4, 32).sum(-1)
     err_r = (W - dequantize(rtn).float()).square().reshape(32, 4, 32).sum(-1)
     assert (err_g <= err_r).all()  # per group: p = 1 (RTN) is one of the candidates
-    assert err_g.sum() < 0.95 * err_r.sum()  # measured 0.842: the clip search pays off
+    # measured 0.842 symmetric, 0.933 asymmetric: the clip search pays off
+    assert err_g.sum() < 0.97 * err_r.sum()
 
 
 def test_batched_experts_equal_a_loop_over_experts():
