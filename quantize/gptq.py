@@ -31,8 +31,7 @@ unless it says otherwise:
   the original order, so nothing new is stored and the serving kernels are unchanged. Tied
   diagonals keep column order (a stable sort, the same on CPU and GPU; llm-compressor's unstable
   sort may order them otherwise, the one source of differing integers measured against it in
-  BENCHMARKS-gptq.md). It also
-  makes H = I give RTN exactly: Hinv is then diagonal, no error propagates, and each column is
+  BENCHMARKS-gptq.md). Static groups also make H = I give RTN exactly: Hinv is then diagonal, no error propagates, and each column is
   rounded with the very scales and arithmetic of `quantize_with_qparams`.
 - Q inside the loop is the engines' reconstruction bf16((q - zp) * scale), so the error that is
   compensated is the error that is served.
@@ -66,7 +65,8 @@ __all__ = [
 ]
 
 MAX_DAMP_RETRIES = 4  # 0.01 -> 100: past a dampening of 100x the mean diagonal H is not the problem
-MSE_SHRINK = tuple(1.0 - i / 100 for i in range(21))  # 1.00 ... 0.80, llm-compressor's mse grid
+# 1.00, 0.99, ..., 0.80: the range of llm-compressor's mse observer (maxshrink 0.2, step 0.01)
+MSE_SHRINK = tuple(1.0 - i / 100 for i in range(21))
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,12 @@ class GPTQConfig:
     group_size: int = 32
     # Symmetric is what SGLang's MoE WNA16 path asserts.
     symmetric: bool = True
-    # 128: the paper's lazy-batch width; larger blocks save launches, not accuracy.
+    # 128: the paper's lazy-batch width; the result does not depend on it beyond float rounding.
     blocksize: int = 128
-    # 1% of the mean diagonal: the paper's and every reference implementation's default.
+    # 1% of the mean diagonal: the default of IST-DASLab's code and of llm-compressor.
     percdamp: float = 0.01
-    # Static activation order: the paper's largest accuracy gain at 4 bits, free with static groups.
+    # Quantize the columns with the most input energy first (their errors get the most room to
+    # be absorbed); free with static groups: no g_idx, nothing new for the kernels.
     actorder: bool = True
     # Off by default so H = I reproduces RTN; on trades ~21 RTN passes for smaller group errors.
     mse_clip: bool = False
