@@ -47,33 +47,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quantize.awq import (
+    AWQConfig,
+    awq_search,
+    fold_into_linear_rows,
+    fold_into_norm,
+    scale_linear_inputs,
+)
 from quantize.checkpoint import DTYPES, Checkpoint
 from quantize.errors import Problem, QuantizeError
+from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
 from quantize.int4 import Int4Weight, dequantize, quantize_rtn
 from quantize.layout import layer_of
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, Unit
-
-try:  # the agreed call sites; the stopgap goes once quantize/gptq.py and awq.py are on main
-    from quantize.awq import (
-        AWQConfig,
-        awq_search,
-        fold_into_linear_rows,
-        fold_into_norm,
-        scale_linear_inputs,
-    )
-    from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
-except ImportError:
-    from quantize._stopgap import (
-        AWQConfig,
-        GPTQConfig,
-        accumulate_hessian,
-        awq_search,
-        fold_into_linear_rows,
-        fold_into_norm,
-        gptq_quantize,
-        scale_linear_inputs,
-    )
 
 __all__ = ["Calibrator", "HiddenStates", "MLPStats", "build_skeleton", "dense_forward",
            "load_layer", "moe_forward", "run_layer"]
@@ -596,11 +583,13 @@ class Calibrator:
                 r = awq_search([W[down]], X, self.awq_cfg)
                 W.col[down] = r.scales  # down_proj (H, I) columns * s
                 W.row[up] = r.scales  # up_proj (I, H) rows / s: the same expert's, exact
-                alphas.append(r.alpha)
+                alphas.append(float(r.alpha))
             gate_up = [n for n, t in targets.items() if t.quantize and
                        n.endswith(("gate_proj.weight", "up_proj.weight"))]
             if gate_up:
-                r = awq_search([W[n].to(self.dtype) for n in gate_up], x_sample, self.awq_cfg)
+                # one search over every quantized reader of the norm's output, as (sum N, H)
+                r = awq_search([torch.cat([W[n].to(self.dtype) for n in gate_up])], x_sample,
+                               self.awq_cfg)
                 # Powers of two: dividing the BF16 norm and multiplying the BF16 router (and
                 # non-target shared experts) by them is exact, so the fold changes no math.
                 s_in = torch.exp2(torch.round(torch.log2(r.scales)))
@@ -612,8 +601,8 @@ class Calibrator:
                 if kind == "moe":
                     router = p + "gate.weight"
                     mods[router] = scale_linear_inputs(self.ckpt.read(router, self.device).float(), s_in)
-                awq["alpha_in"] = r.alpha
-                awq["error_vs_rtn_in"] = [r.error, r.rtn_error]
+                awq["alpha_in"] = float(r.alpha)
+                awq["error_in"] = {"rtn": float(r.err_before), "awq": float(r.err_after)}
             if alphas:
                 awq["alpha_down_mean"] = sum(alphas) / len(alphas)
             report["awq"] = awq
@@ -639,7 +628,7 @@ class Calibrator:
         def gptq(Ws: torch.Tensor, H: torch.Tensor) -> Int4Weight:
             nonlocal retries
             r = gptq_quantize(Ws, H, self.gptq_cfg)
-            damps.append(r.damp)
+            damps.append(float(r.damp.max()))
             retries += r.retries
             return r.weight
 
