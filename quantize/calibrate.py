@@ -41,6 +41,7 @@ import inspect
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,7 @@ from quantize.awq import (
     fold_into_norm,
     scale_linear_inputs,
 )
+from quantize.calib_data import CalibrationSet, load_calibration
 from quantize.checkpoint import DTYPES, Checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
@@ -418,26 +420,17 @@ class Calibrator:
     unit, the rescaled tensor of an AWQ-folded unit, or None (the plain path applies)."""
 
     def __init__(self, ckpt: Checkpoint, plan: Plan, opts: ConvertOptions, device: torch.device,
-                 log=None) -> None:
-        from transformers import AutoTokenizer
-
-        from quantize.calib_data import load_calibration
-
+                 log: Callable[[str], None] | None = None, calib: CalibrationSet | None = None
+                 ) -> None:
+        """`calib`: token ids to use instead of loading `opts.calib` (benchmarks)."""
         self.ckpt, self.plan, self.opts, self.device = ckpt, plan, opts, device
         self.log = log or (lambda msg: None)
         self.units = {u.source: u for u in plan.units}
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        try:
-            tok = AutoTokenizer.from_pretrained(str(ckpt.root))
-        except (OSError, ValueError) as e:
-            raise QuantizeError("calibration needs the checkpoint's tokenizer", [Problem(
-                str(ckpt.root), None, f"no loadable tokenizer ({e.__class__.__name__})",
-                "tokenizer.json / tokenizer_config.json next to config.json",
-                "copy the tokenizer files from the model release, or use --method rtn")]) from None
-        self.calib = load_calibration(opts.calib, tok, opts.num_samples, opts.seq_len, opts.seed)
+        self.calib = calib or self._load_calibration()
         self.skeleton = build_skeleton(ckpt.config)
         self.num_layers = len(self.skeleton.model.layers)
-        self.inputs = layer_inputs(self.skeleton, opts.seq_len, device, self.dtype)
+        self.inputs = layer_inputs(self.skeleton, self.calib.tokens.shape[1], device, self.dtype)
         self.next_layer = 0
         self.results: dict[str, Int4Weight | torch.Tensor] = {}
         self.layers: list[dict] = []
@@ -447,6 +440,19 @@ class Calibrator:
         self.gptq_cfg = GPTQConfig(group_size=opts.group_size, symmetric=opts.symmetric,
                                    percdamp=opts.percdamp)
         self.awq_cfg = AWQConfig(group_size=opts.group_size, symmetric=opts.symmetric)
+
+    def _load_calibration(self) -> CalibrationSet:
+        from transformers import AutoTokenizer
+
+        o, root = self.opts, str(self.ckpt.root)
+        try:
+            tok = AutoTokenizer.from_pretrained(root)
+        except (OSError, ValueError) as e:
+            raise QuantizeError("calibration needs the checkpoint's tokenizer", [Problem(
+                root, None, f"no loadable tokenizer ({e.__class__.__name__})",
+                "tokenizer.json / tokenizer_config.json next to config.json",
+                "copy the tokenizer files from the model release, or use --method rtn")]) from None
+        return load_calibration(o.calib, tok, o.num_samples, o.seq_len, o.seed)
 
     # -- the provider interface pipeline.compute_unit consults --------------------------------
 
@@ -500,6 +506,8 @@ class Calibrator:
     @torch.no_grad()
     def _run(self, L: int) -> None:
         t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         if self.hidden is None:
             self._embed()
         self.results = {}  # the previous layer's results were consumed
@@ -522,6 +530,9 @@ class Calibrator:
         else:
             entry.update(self._calibrate(L, layer, kind, targets))
         free_layer(layer)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            entry["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
         entry["seconds"] = round(time.perf_counter() - t0, 3)
         self.layers.append(entry)
         self.log(f"layer {L}: {entry.get('quantized', 0)} Linears calibrated in {entry['seconds']} s")
