@@ -159,35 +159,23 @@ def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit], L: int,
 
     layer = skeleton.model.layers[L]
     prefix = f"model.layers.{L}."
-    state, missing = {}, []
+    E = getattr(getattr(layer.mlp, "experts", None), "num_experts", 0)
 
-    def weight(name: str) -> torch.Tensor:
-        if name not in units:
-            missing.append(name)
-            return torch.empty(0)
-        w = source_weight(ckpt, units[name], device)
-        if not torch.isfinite(w).all():
-            raise _nonfinite(ckpt, name, w)
-        return w.to(dtype) if w.dim() == 2 else w  # experts are stacked in dtype
-
-    for key, p in layer.state_dict().items():
+    def names(key: str) -> list[str]:  # checkpoint tensors behind one module parameter
         if key.endswith("experts.gate_up_proj"):
-            E = p.shape[0]
             m = prefix + key[: -len("gate_up_proj")]
-            state[key] = torch.stack([torch.cat([weight(f"{m}{e}.gate_proj.weight"),
-                                                 weight(f"{m}{e}.up_proj.weight")]) for e in range(E)])
-        elif key.endswith("experts.down_proj"):
+            return [f"{m}{e}.{k}_proj.weight" for e in range(E) for k in ("gate", "up")]
+        if key.endswith("experts.down_proj"):
             m = prefix + key[: -len("down_proj")]
-            state[key] = torch.stack([weight(f"{m}{e}.down_proj.weight") for e in range(p.shape[0])])
-        else:
-            state[key] = weight(prefix + key)
+            return [f"{m}{e}.down_proj.weight" for e in range(E)]
+        return [prefix + key]
+
+    missing = [n for key in layer.state_dict() for n in names(key) if n not in units]
     if missing:
         raise QuantizeError("the checkpoint lacks tensors the layer class needs", [Problem(
             "model.safetensors.index.json", n, "missing", "every parameter of the transformers layer",
             "the config and weights disagree; re-download the checkpoint") for n in missing])
-    layer.to_empty(device=device)
-    layer.load_state_dict({k: v.to(device) for k, v in state.items()})
-    layer.to(dtype)
+    layer.to(dtype)  # on the meta device: free
     keep32 = list(getattr(skeleton, "_keep_in_fp32_modules", None) or []) + \
         list(getattr(skeleton, "_keep_in_fp32_modules_strict", None) or [])
     for name, mod in layer.named_modules():
@@ -195,6 +183,20 @@ def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit], L: int,
             mod.float()
     if _mlp_kind(layer.mlp) == "moe":
         layer.mlp.gate.float()  # routing in float32, as transformers keeps it
+    layer.to_empty(device=device)
+    with torch.no_grad():
+        for key, t in layer.state_dict().items():  # views of the parameters: filled in place
+            for i, n in enumerate(names(key)):
+                w = source_weight(ckpt, units[n], device)
+                if not torch.isfinite(w).all():
+                    raise _nonfinite(ckpt, n, w)
+                if key.endswith("experts.gate_up_proj"):  # (E, 2I, H): gate rows, then up rows
+                    half = t.shape[1] // 2
+                    t[i // 2, (i % 2) * half:(i % 2 + 1) * half].copy_(w)
+                elif key.endswith("experts.down_proj"):  # (E, H, I)
+                    t[i].copy_(w)
+                else:
+                    t.copy_(w)
     layer.eval()
     return layer
 
