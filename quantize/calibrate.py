@@ -70,7 +70,8 @@ __all__ = ["Calibrator", "HiddenStates", "MLPStats", "build_skeleton", "dense_fo
 CHUNK_TOKENS = 8192  # tokens per layer forward: enough to fill a GPU, small on the CPU
 SAMPLE_TOKENS = 2048  # all-token MLP inputs kept for AWQ's search and expert fallbacks
 SAMPLE_EXPERT_TOKENS = 256  # routed intermediate activations kept per expert for AWQ
-EXPERT_BATCH = 32  # experts per batched GPTQ solve / all-expert pass (bounds GPU memory)
+EXPERT_BATCH = 32  # experts per batched GPTQ solve / AWQ search / all-expert pass (GPU memory)
+AWQ_SEARCH_EXPERTS = 32  # routed experts the shared gate/up input scale is searched on
 
 
 # ---------------------------------------------------------------------------------------------
@@ -586,22 +587,32 @@ class Calibrator:
         s_in = None
         if "awq" in method:
             alphas = []
-            pairs = ([(f"{p}experts.{e}.", e) for e in range(E)] if kind == "moe" else []) + \
+            stems = ([(f"{p}experts.{e}.", e) for e in range(E)] if kind == "moe" else []) + \
                 [(p + ("shared_experts." if kind == "moe" else ""), None)]
-            for stem, e in pairs:
-                down, up = stem + "down_proj.weight", stem + "up_proj.weight"
-                if down not in targets or not targets[down].quantize:
-                    continue
-                X = expert_inter_sample(e) if e is not None else torch.cat(stats.inter_sample)
-                r = awq_search([W[down]], X, self.awq_cfg)
-                W.col[down] = r.scales  # down_proj (H, I) columns * s
-                W.row[up] = r.scales  # up_proj (I, H) rows / s: the same expert's, exact
-                alphas.append(float(r.alpha))
+            stems = [(st, e) for st, e in stems if targets.get(st + "down_proj.weight")
+                     and targets[st + "down_proj.weight"].quantize]
+            for c in range(0, len(stems), EXPERT_BATCH):  # down_proj: one search per expert, batched
+                chunk = stems[c: c + EXPERT_BATCH]
+                Xs = [expert_inter_sample(e) if e is not None else torch.cat(stats.inter_sample)
+                      for _, e in chunk]
+                T = max(x.shape[0] for x in Xs)
+                X = torch.stack([F.pad(x, (0, 0, 0, T - x.shape[0])) for x in Xs])  # (e, T, I)
+                Wd = torch.stack([W[st + "down_proj.weight"] for st, _ in chunk])  # (e, H, I)
+                r = awq_search([Wd], X, self.awq_cfg)  # zero rows pad: no effect on s or error
+                for i, (st, _) in enumerate(chunk):
+                    W.col[st + "down_proj.weight"] = r.scales[i]  # down_proj columns * s
+                    W.row[st + "up_proj.weight"] = r.scales[i]  # its own up_proj rows / s: exact
+                alphas += r.alpha.tolist()
             gate_up = [n for n, t in targets.items() if t.quantize and
                        n.endswith(("gate_proj.weight", "up_proj.weight"))]
             if gate_up:
-                # one search over every quantized reader of the norm's output, as (sum N, H)
-                r = awq_search([torch.cat([W[n].to(self.dtype) for n in gate_up])], x_sample,
+                # One s for every reader of the norm's output, searched on the shared / dense
+                # projections and the AWQ_SEARCH_EXPERTS most-routed experts (bounded memory;
+                # the error of the busiest experts dominates the layer's), as (sum N, H).
+                busiest = sorted(range(E), key=lambda e: -stats.expert_tokens[e])[:AWQ_SEARCH_EXPERTS]
+                keep = {f"{p}experts.{e}." for e in busiest}
+                search = [n for n in gate_up if ".experts." not in n or n.rsplit(".", 2)[0] + "." in keep]
+                r = awq_search([torch.cat([W[n].to(self.dtype) for n in search])], x_sample,
                                self.awq_cfg)
                 # Powers of two: dividing the BF16 norm and multiplying the BF16 router (and
                 # non-target shared experts) by them is exact, so the fold changes no math.
