@@ -152,3 +152,13 @@ def test_hidden_states_spill_roundtrip():
     assert len(hs) == 3 and all(torch.equal(hs.get(i), c) for i, c in enumerate(chunks))
     hs.put(1, chunks[0])
     assert torch.equal(hs.get(1), chunks[0])
+
+
+def test_spilled_hidden_states_give_the_same_result(ckpt_dir, monkeypatch):
+    """Hidden states spilled to disk between layers: identical calibration."""
+    kept = _calibrate(ckpt_dir, method="gptq")
+    monkeypatch.setattr(HiddenStates, "should_spill", staticmethod(lambda nbytes, device: True))
+    spilled = _calibrate(ckpt_dir, method="gptq")
+    strip = ("seconds",)
+    assert [{k: v for k, v in lay.items() if k not in strip} for lay in kept["layers"]] == \
+        [{k: v for k, v in lay.items() if k not in strip} for lay in spilled["layers"]]
