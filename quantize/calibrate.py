@@ -28,8 +28,10 @@ MoE statistics (`expert_calibration`):
             single all-token Hessian (one GPTQ solve shared by all experts' rows), the down
             Hessians from every token through every expert; only routed outputs flow on.
 
-The MTP layer (index num_hidden_layers) needs the final hidden states and next-token
-embeddings through `eh_proj`; it is not run here and gets RTN, recorded in the report.
+The MTP layer (index num_hidden_layers, dropped by transformers on load) is run too, on its
+real inputs: eh_proj([enorm(embed(token i+1)), hnorm(h_i)]) from the last layer's outputs h,
+through the same decoder-layer class built for that index. Further MTP layers, or one whose
+eh_proj / norms are missing, are rounded to nearest and the report says so.
 
 Hidden states stay on the compute device while they take less than half its free memory,
 else they are spilled to disk in chunks (`HiddenStates`).
@@ -437,7 +439,8 @@ class Calibrator:
         self.next_layer = 0
         self.results: dict[str, Int4Weight | torch.Tensor] = {}
         self.layers: list[dict] = []
-        self.mtp: dict[int, dict] = {}
+        self.mtp: dict[int, dict] = {}  # MTP layers rounded to nearest, and why
+        self._mtp_skip: dict[int, str] = {}
         self.hidden: HiddenStates | None = None
         self.topk: list[torch.Tensor | None] = []
         self.gptq_cfg = GPTQConfig(group_size=opts.group_size, symmetric=opts.symmetric,
@@ -463,15 +466,19 @@ class Calibrator:
         L = layer_of(unit.source)
         if L is None:
             return None
-        if L >= self.num_layers:  # the MTP layer: RTN, recorded
-            if unit.action == "quantize":
+        if L >= self.num_layers:  # MTP layers
+            while self.next_layer < self.num_layers:
+                self._run(self.next_layer)
+                self.next_layer += 1
+            if L == self.num_layers and self.next_layer == L:
+                self.next_layer += 1
+                self._run_mtp(L)
+            if unit.source not in self.results and unit.action == "quantize":
                 entry = self.mtp.setdefault(L, {"layer": L, "mtp": True, "method": "rtn",
-                                                "modules": 0, "reason":
-                                                "the MTP layer is not run during calibration "
-                                                "(needs final hidden states through eh_proj); "
-                                                "its targets are rounded to nearest"})
+                                                "modules": 0, "reason": self._mtp_skip.get(
+                                                    L, "only the first MTP layer is run")})
                 entry["modules"] += 1
-            return None
+            return self.results.get(unit.source)
         if L < self.next_layer - 1:
             raise RuntimeError(f"internal: layer {L} requested after layer {self.next_layer - 1}")
         while self.next_layer <= L:
@@ -500,6 +507,46 @@ class Calibrator:
         self.hidden = HiddenStates(chunks, self.device, spill)
         self.topk = [None] * len(chunks)
         self.spilled = spill
+
+    def _run_mtp(self, L: int) -> None:
+        """The MTP layer (index num_hidden_layers), run on its real inputs: at position i,
+        eh_proj([enorm(embed(token i+1)), hnorm(h_i)]) with h_i the last layer's output, over
+        the first S-1 positions (the last has no next token)."""
+        ck, dev, dt = self.ckpt, self.device, self.dtype
+        p = f"model.layers.{L}."
+        need = [p + n + ".weight" for n in ("eh_proj", "enorm", "hnorm")]
+        if any(n not in ck.tensors for n in need) or self.calib.tokens.shape[1] < 2:
+            self._mtp_skip[L] = "no eh_proj / enorm / hnorm in the checkpoint: rounded to nearest"
+            return
+        cfg = dict(ck.config, num_hidden_layers=L + 1)
+        if ck.model_type == "glm_moe_dsa":  # which layers carry their own DSA indexer
+            cfg["indexer_types"] = ["full" if f"model.layers.{i}.self_attn.indexer.wq_b.weight"
+                                    in ck.tensors else "shared" for i in range(L + 1)]
+            cfg.pop("mlp_layer_types", None)
+        skeleton = build_skeleton(cfg)
+        H = cfg["hidden_size"]
+        norm_cls = type(skeleton.model.norm)
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        enorm, hnorm = norm_cls(H, eps=eps).to(dev, dt), norm_cls(H, eps=eps).to(dev, dt)
+        with torch.no_grad():
+            enorm.weight.copy_(ck.read(p + "enorm.weight", dev))
+            hnorm.weight.copy_(ck.read(p + "hnorm.weight", dev))
+            eh = ck.read(p + "eh_proj.weight", dev).to(dt)  # (H, 2H)
+            emb = ck.read("model.embed_tokens.weight", dev)  # (V, H)
+            S = self.calib.tokens.shape[1]
+            b = max(1, CHUNK_TOKENS // S)  # samples per chunk, as in _embed
+            chunks = []
+            for i in range(len(self.hidden)):
+                t = self.calib.tokens[i * b:(i + 1) * b, 1:].to(dev)  # (b, S-1) next tokens
+                x = torch.cat([enorm(emb[t].to(dt)), hnorm(self.hidden.get(i)[:, :-1])], -1)
+                chunks.append(F.linear(x, eh))  # (b, S-1, H)
+        del emb
+        self.skeleton = skeleton
+        self.inputs = layer_inputs(skeleton, S - 1, dev, dt)
+        self.hidden = HiddenStates(chunks, dev, self.spilled)
+        self.topk = [None] * len(chunks)
+        self._run(L)
+        self.layers[-1]["mtp"] = True
 
     def _targets(self, L: int, layer: torch.nn.Module) -> dict[str, Target]:
         prefix = f"model.layers.{L}.mlp."

@@ -117,8 +117,12 @@ def test_expert_counts_and_zero_token_fallback(tmp_path):
     assert {f["expert"] for f in layer1["fallback"]} >= {7}
     assert "all-token" in layer1["fallback"][0]["reason"]
     assert layer1["quantized"] == 3 * cfg["n_routed_experts"]
+    # the MTP layer (index num_hidden_layers) is calibrated on its own inputs, counts reported
     mtp = [lay for lay in rep["layers"] if lay.get("mtp")]
-    assert mtp and mtp[0]["method"] == "rtn" and mtp[0]["modules"] == 3 * cfg["n_routed_experts"]
+    n_mtp = layer1["tokens"] * (CALIB["seq_len"] - 1) // CALIB["seq_len"]
+    assert len(mtp) == 1 and mtp[0]["layer"] == cfg["num_hidden_layers"] and "gptq" in mtp[0]
+    assert mtp[0]["quantized"] == 3 * cfg["n_routed_experts"] and mtp[0]["tokens"] == n_mtp
+    assert sum(mtp[0]["expert_tokens"]) == n_mtp * cfg["num_experts_per_tok"]
 
     all_rep = _calibrate(tmp_path, method="gptq", expert_calibration="all")
     layer1 = next(lay for lay in all_rep["layers"] if lay["layer"] == 1)
