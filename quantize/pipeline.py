@@ -231,13 +231,13 @@ def convert(
     ckpt = open_checkpoint(src)
     plan = make_plan(ckpt, opts)
     dev = resolve_device(device)
-    previous = _prepare_out(src, out, resume, overwrite)
-    _check_scales(ckpt, plan)
     calib = None
-    if opts.method != "rtn":  # calibration data and the model's layer classes, checked up front
+    if opts.method != "rtn":  # calibration data and layer classes, checked before any output
         from quantize.calibrate import Calibrator
 
         calib = Calibrator(ckpt, plan, opts, dev)
+    previous = _prepare_out(src, out, resume, overwrite)
+    _check_scales(ckpt, plan)
     extra = {"command": command, "source_format": ckpt.source_format, "model_type": ckpt.model_type}
     if previous is not None:
         manifest = Manifest.resume(out, ckpt, plan, previous)

@@ -18,6 +18,7 @@ from quantize.calibrate import (
     moe_forward,
 )
 from quantize.checkpoint import open_checkpoint
+from quantize.errors import QuantizeError
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.plan import make_plan
@@ -166,3 +167,17 @@ def test_spilled_hidden_states_give_the_same_result(ckpt_dir, monkeypatch):
     strip = ("seconds",)
     assert [{k: v for k, v in lay.items() if k not in strip} for lay in kept["layers"]] == \
         [{k: v for k, v in lay.items() if k not in strip} for lay in spilled["layers"]]
+
+
+def test_bad_calibration_file_fails_before_any_output(tmp_path):
+    cfg = tiny_config("glm4_moe")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(QuantizeError, match="unusable calibration data"):
+        convert(src, tmp_path / "out", ConvertOptions(method="gptq", calib=str(tmp_path / "empty.jsonl"),
+                                                       **CALIB), device="cpu")
+    assert not (tmp_path / "out").exists()
+    (src / "tokenizer.json").unlink()
+    with pytest.raises(QuantizeError, match="tokenizer"):
+        convert(src, tmp_path / "out", ConvertOptions(method="awq", **CALIB), device="cpu")
