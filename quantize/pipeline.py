@@ -226,6 +226,7 @@ def convert(
     overwrite: bool = False,
     on_unit: Callable[[Unit], None] | None = None,
     command: str | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> ConvertResult:
     src, out = Path(src), Path(out)
     ckpt = open_checkpoint(src)
@@ -235,7 +236,7 @@ def convert(
     if opts.method != "rtn":  # calibration data and layer classes, checked before any output
         from quantize.calibrate import Calibrator
 
-        calib = Calibrator(ckpt, plan, opts, dev)
+        calib = Calibrator(ckpt, plan, opts, dev, log=log)  # log: one line per layer
     previous = _prepare_out(src, out, resume, overwrite)
     _check_scales(ckpt, plan)
     extra = {"command": command, "source_format": ckpt.source_format, "model_type": ckpt.model_type}
