@@ -585,7 +585,11 @@ class Calibrator:
             entry["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
         entry["seconds"] = round(time.perf_counter() - t0, 3)
         self.layers.append(entry)
-        self.log(f"layer {L}: {entry.get('quantized', 0)} Linears calibrated in {entry['seconds']} s")
+        fb = entry.get("fallback") or []
+        self.log(f"layer {L}{' (MTP)' if L >= self.num_layers else ''}: "
+                 f"{entry.get('quantized', 0)} Linears {self.opts.method}"
+                 + (f", experts {[f['expert'] for f in fb]} below --min-expert-tokens: all-token "
+                    "statistics" if fb else "") + f", {entry['seconds']} s")
 
     def _calibrate(self, L: int, layer, kind: str, targets: dict[str, Target]) -> dict:
         o = self.opts
