@@ -72,7 +72,7 @@ __all__ = ["Calibrator", "HiddenStates", "MLPStats", "build_skeleton", "dense_fo
 CHUNK_TOKENS = 8192  # tokens per layer forward: enough to fill a GPU, small on the CPU
 SAMPLE_TOKENS = 2048  # all-token MLP inputs kept for AWQ's search and expert fallbacks
 SAMPLE_EXPERT_TOKENS = 256  # routed intermediate activations kept per expert for AWQ
-EXPERT_BATCH = 32  # experts per batched GPTQ solve / AWQ search / all-expert pass (GPU memory)
+EXPERT_BATCH = 32  # experts per AWQ search / all-expert pass (bounds their GPU memory)
 AWQ_SEARCH_EXPERTS = 32  # routed experts the shared gate/up input scale is searched on
 
 
@@ -508,6 +508,18 @@ class Calibrator:
         self.topk = [None] * len(chunks)
         self.spilled = spill
 
+    def _gptq_batch(self, shape: tuple[int, ...], E: int) -> int:
+        """Experts per batched GPTQ solve: all of them when a quarter of the free device memory
+        holds their gate/up working set (W, H, Hinv in float32, ~(2 K^2 + 4 I K) * 4 bytes),
+        else as many as fit (GLM-5.2: K 6144, I 2048 -> 0.5 GB per expert, so ~50 experts per
+        solve with 100 GB free); at least 1. On the CPU: 32."""
+        if self.device.type != "cuda":
+            return min(EXPERT_BATCH, E)
+        I, K = shape
+        per_expert = (2 * K * K + 4 * I * K) * 4
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return max(1, min(E, free // 4 // per_expert))
+
     def _run_mtp(self, L: int) -> None:
         """The MTP layer (index num_hidden_layers), run on its real inputs: at position i,
         eh_proj([enorm(embed(token i+1)), hnorm(h_i)]) with h_i the last layer's output, over
@@ -714,8 +726,11 @@ class Calibrator:
         else:
             H_in = H_scaled(stats.H_in, s_in)
             routed = [e for e in range(E) if f"{p}experts.{e}.gate_proj.weight" in quant]
-            for c in range(0, len(routed), EXPERT_BATCH):
-                es = routed[c: c + EXPERT_BATCH]
+            nb = self._gptq_batch(W.shape(f"{p}experts.{routed[0]}.gate_proj.weight"), len(routed)) \
+                if routed else 1
+            report["gptq_expert_batch"] = nb
+            for c in range(0, len(routed), nb):
+                es = routed[c: c + nb]
                 gu = [(f"{p}experts.{e}.gate_proj.weight", f"{p}experts.{e}.up_proj.weight") for e in es]
                 Ws = torch.stack([torch.cat([W[g], W[u]]) for g, u in gu])  # (e, 2I, H)
                 if stats.all_experts:  # one Hessian for every expert: one solve of e*2I rows
