@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,6 +187,25 @@ def read_safetensors_header(path: Path, shown_name: str) -> tuple[dict[str, dict
     return header, data_start
 
 
+def link_roots(root: Path) -> tuple[Path, ...]:
+    """Where files of `root` may really live: the folder itself, and for a Hugging Face cache
+    snapshot (`.../snapshots/<rev>/`, every file a symlink) the repo's `blobs/` folder."""
+    real = root.resolve()
+    roots = [real]
+    snapshots = root.absolute().parent
+    if snapshots.name == "snapshots" and snapshots.parent.name.startswith("models--"):
+        roots.append(snapshots.parent.resolve() / "blobs")
+    return tuple(roots)
+
+
+def escapes(root: Path, path: Path) -> Path | None:
+    """The real target of `path` when it is a link leading outside `link_roots(root)`."""
+    real = path.resolve()
+    if any(r in real.parents for r in link_roots(root)):
+        return None
+    return real
+
+
 def _safe_member(root: Path, name: str, index_file: str) -> Path:
     """The path of a shard named by the index, refusing anything that leaves `root`."""
     p = Path(name)
@@ -199,8 +219,8 @@ def _safe_member(root: Path, name: str, index_file: str) -> Path:
     if problem is None:
         full = root / name
         if full.is_symlink() or full.exists():
-            real = full.resolve()
-            if root.resolve() not in real.parents:
+            real = escapes(root, full)
+            if real is not None:
                 problem = f"a link that points outside the model folder (to {real})"
         if problem is None:
             return full
@@ -293,6 +313,51 @@ def _validate_scales(ckpt: Checkpoint) -> None:
         raise QuantizeError("the FP8 weights and their scales do not match", problems)
 
 
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _validate_experts(ckpt: Checkpoint) -> None:
+    """Routed experts must have the config's shapes, and every MoE layer all of its experts.
+
+    gate_proj / up_proj [moe_intermediate_size, hidden_size], down_proj [hidden_size,
+    moe_intermediate_size], experts 0 .. n_routed_experts-1 each with all three. An engine
+    builds its fused expert tensors from the config, so any mismatch fails at load time (or,
+    worse, loads a truncated expert); we refuse before writing anything.
+    """
+    cfg = ckpt.config
+    width, hidden, count = (cfg.get("moe_intermediate_size"), cfg.get("hidden_size"),
+                            cfg.get("n_routed_experts"))
+    want = {"gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
+    problems: list[Problem] = []
+    seen: dict[str, set[tuple[int, str]]] = {}
+    for t in ckpt.tensors.values():
+        m = _EXPERT.match(t.name)
+        if m is None:
+            continue
+        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        seen.setdefault(prefix, set()).add((expert, proj))
+        if width and hidden and t.shape != want[proj]:
+            problems.append(Problem(t.file, t.name, f"shape {list(t.shape)}",
+                                    f"{list(want[proj])} from config.json (moe_intermediate_size "
+                                    f"{width}, hidden_size {hidden})",
+                                    "use the config.json that shipped with these weights"))
+        if count and expert >= count:
+            problems.append(Problem(t.file, t.name, f"expert {expert}",
+                                    f"experts 0..{count - 1} (n_routed_experts {count})",
+                                    "use the config.json that shipped with these weights"))
+    if count:
+        for prefix, have in sorted(seen.items()):
+            missing = [f"{e}.{p}" for e in range(count) for p in want if (e, p) not in have]
+            if missing:
+                problems.append(Problem(INDEX_NAME, f"{prefix}.{missing[0]}.weight",
+                                        f"{len(missing)} expert weight(s) missing "
+                                        f"(first: {missing[0]})",
+                                        f"{count} experts x gate/up/down_proj per MoE layer",
+                                        "the download is incomplete; re-download the checkpoint"))
+    if problems:
+        raise QuantizeError("the routed experts do not match config.json", problems)
+
+
 def read_tensor_table(root: Path) -> tuple[dict[str, TensorInfo], list[str], dict[str, int]]:
     """Index (or single file) + every shard header of a local folder -> tensors, files, sizes.
 
@@ -369,6 +434,7 @@ def open_checkpoint(src: str | Path) -> Checkpoint:
     fmt, block = _detect_format(config, tensors)
     ckpt = Checkpoint(root, str(src), config, tensors, files, sizes, fmt, block)
     _validate_scales(ckpt)
+    _validate_experts(ckpt)
     return ckpt
 
 
@@ -387,4 +453,5 @@ def checkpoint_from_headers(name: str, config: dict, headers: dict[str, dict]) -
                     if t != "__metadata__") for f, h in headers.items()}
     ckpt = Checkpoint(None, name, config, tensors, sorted(headers), sizes, fmt, block)
     _validate_scales(ckpt)
+    _validate_experts(ckpt)
     return ckpt

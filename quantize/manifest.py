@@ -21,9 +21,9 @@ from quantize import __version__
 from quantize.checkpoint import INDEX_NAME, Checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.plan import Plan
-from quantize.shards import write_json_atomic
+from quantize.shards import sha256_file, write_json_atomic
 
-__all__ = ["MANIFEST", "Manifest", "read_manifest", "source_fingerprint"]
+__all__ = ["MANIFEST", "Manifest", "output_state", "read_manifest", "source_fingerprint"]
 
 MANIFEST = "quantize-manifest.json"
 
@@ -59,6 +59,23 @@ def read_manifest(out_dir: Path) -> dict | None:
         raise QuantizeError("the output's manifest is unreadable", [Problem(
             str(p), None, str(e), "the JSON this tool writes",
             "delete the output folder and convert again (or pass --overwrite)")]) from None
+
+
+def output_state(out_dir: Path) -> str:
+    """One sentence on what a failed `convert` left in `out_dir`, for the error message."""
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return f"nothing was written to {out_dir}"
+    try:
+        m = read_manifest(out_dir)
+    except QuantizeError:
+        m = None
+    if m is None:
+        return f"{out_dir} was left as it was"
+    if m.get("status") == "complete":
+        return f"{out_dir} still holds the earlier, complete conversion"
+    return (f"{out_dir} holds an unfinished conversion ({MANIFEST} says in-progress; verify and "
+            "push refuse it): rerun the same command to resume, or add --overwrite if the "
+            "source or the options changed")
 
 
 class Manifest:
@@ -112,6 +129,14 @@ class Manifest:
 
     def done(self, name: str) -> dict | None:
         return self.data["files"].get(name)
+
+    def holds(self, name: str) -> bool:
+        """Whether `name` is recorded as finished and its bytes on disk still match the record
+        (a resumed run re-hashes what it keeps: a shard changed since is rewritten)."""
+        rec = self.done(name)
+        p = self.path.parent / name
+        return (rec is not None and p.is_file() and p.stat().st_size == rec["bytes"]
+                and sha256_file(p) == rec["sha256"])
 
     def record(self, name: str, nbytes: int, sha256: str) -> None:
         self.data["files"][name] = {"bytes": nbytes, "sha256": sha256}

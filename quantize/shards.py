@@ -4,6 +4,13 @@ Every file appears under its final name only when complete: it is written to
 `<name>.partial`, fsynced, then renamed, and the folder is fsynced. A crash leaves at most a
 `.partial` file, which a resumed run discards. A shard is streamed tensor by tensor after its
 header (known from the plan), so memory holds one tensor, never a shard.
+
+Test hook (off unless the variable is set; never set it in production):
+`QUANTIZE_TEST_STALL_AT=EVENT:N` makes the process print `QUANTIZE_TEST_STALLED EVENT N` to
+stderr and sleep forever at the N-th (1-based) EVENT of this process, so a test can SIGKILL it
+at an exact point. EVENT is `tensor` (a tensor appended to a `.partial` shard and flushed: the
+shard is half written), `shard` (a shard renamed into place, before the manifest records it) or
+`finish` (every shard done, before the index, config and completed manifest are written).
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ import hashlib
 import json
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -20,9 +29,24 @@ from quantize.checkpoint import TORCH_TO_ST
 from quantize.errors import Problem, QuantizeError
 from quantize.plan import OutTensor, shard_header
 
-__all__ = ["ShardWriter", "copy_file_atomic", "fsync_dir", "sha256_file", "write_json_atomic"]
+__all__ = ["ShardWriter", "copy_file_atomic", "fsync_dir", "sha256_file", "stall_point",
+           "write_json_atomic"]
 
 PARTIAL = ".partial"
+STALL_ENV = "QUANTIZE_TEST_STALL_AT"
+_stall_counts: dict[str, int] = {}
+
+
+def stall_point(event: str) -> None:
+    """The test hook described in the module docstring; a no-op unless STALL_ENV is set."""
+    want = os.environ.get(STALL_ENV)
+    if not want:
+        return
+    _stall_counts[event] = n = _stall_counts.get(event, 0) + 1
+    if want == f"{event}:{n}":
+        print(f"QUANTIZE_TEST_STALLED {event} {n}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(60)
 
 
 def fsync_dir(path: Path) -> None:
@@ -65,6 +89,7 @@ def copy_file_atomic(src: Path, dst: Path) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise _disk_full(dst, e) if e.errno == 28 else e
+    fsync_dir(dst.parent)
 
 
 def sha256_file(path: Path, chunk: int = 2**24) -> str:
@@ -92,7 +117,7 @@ class ShardWriter:
         self.sha256: str | None = None
         self.nbytes = 0
 
-    def __enter__(self) -> ShardWriter:
+    def __enter__(self) -> ShardWriter:  # noqa: PYI034 (py3.10 has no typing.Self)
         self.f = open(self.tmp, "wb")
         self._put(shard_header(self.planned))
         return self
@@ -114,23 +139,35 @@ class ShardWriter:
         t = tensor.detach().to("cpu").contiguous().reshape(-1)
         self._put(memoryview(t.view(torch.uint8).numpy()))
         self.next += 1
+        if os.environ.get(STALL_ENV):
+            self.f.flush()  # so the half-written shard is really on disk when the test kills us
+            stall_point("tensor")
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc_type is None:
-                if self.next != len(self.planned):
-                    raise RuntimeError(f"internal: {self.path.name} got {self.next} of "
-                                       f"{len(self.planned)} tensors")
-                try:
-                    self.f.flush()
-                    os.fsync(self.f.fileno())
-                except OSError as e:
-                    raise _disk_full(self.path, e) if e.errno == 28 else e
-        finally:
-            self.f.close()
         if exc_type is not None:
+            try:
+                self.f.close()  # may fail again (e.g. disk still full); the original error wins
+            except OSError:
+                pass
             self.tmp.unlink(missing_ok=True)
             return
+        try:
+            if self.next != len(self.planned):
+                raise RuntimeError(f"internal: {self.path.name} got {self.next} of "
+                                   f"{len(self.planned)} tensors")
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+        except BaseException as e:
+            try:
+                self.f.close()
+            except OSError:
+                pass
+            self.tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError) and e.errno == 28:
+                raise _disk_full(self.path, e) from None
+            raise
         os.replace(self.tmp, self.path)
         fsync_dir(self.path.parent)
         self.sha256 = self.hash.hexdigest()
+        stall_point("shard")
