@@ -28,7 +28,7 @@ app = typer.Typer(
     add_completion=False,
 )
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # messages stay one line for logs and grep
 
 Src = Annotated[str, typer.Argument(help="Source checkpoint folder (config.json + safetensors).")]
 Dst = Annotated[Path, typer.Argument(help="Output folder for the INT4 checkpoint.")]
