@@ -117,7 +117,7 @@ class ShardWriter:
         self.sha256: str | None = None
         self.nbytes = 0
 
-    def __enter__(self) -> ShardWriter:  # noqa: PYI034 (py3.10 has no typing.Self)
+    def __enter__(self) -> ShardWriter:
         self.f = open(self.tmp, "wb")
         self._put(shard_header(self.planned))
         return self
