@@ -206,7 +206,7 @@ def escapes(root: Path, path: Path) -> Path | None:
     return real
 
 
-def _safe_member(root: Path, name: str, index_file: str) -> Path:
+def _safe_member(root: Path, name: str, index_file: str, tensor: str | None = None) -> Path:
     """The path of a shard named by the index, refusing anything that leaves `root`."""
     p = Path(name)
     problem = None
@@ -225,7 +225,7 @@ def _safe_member(root: Path, name: str, index_file: str) -> Path:
         if problem is None:
             return full
     raise QuantizeError("the index names a shard outside the model folder", [Problem(
-        index_file, None, f"shard name {name!r} is {problem}",
+        index_file, tensor, f"shard name {name!r} is {problem}",
         "a plain file name inside the model folder",
         "this checkpoint is malformed or hostile; do not use it, or fix the index by hand")])
 
@@ -380,14 +380,21 @@ def read_tensor_table(root: Path) -> tuple[dict[str, TensorInfo], list[str], dic
             str(root), None, f"neither {INDEX_NAME} nor {SINGLE_NAME}", "safetensors weights",
             "only safetensors checkpoints are supported (convert .bin files with transformers first)")])
 
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise QuantizeError("unreadable index", [Problem(
+            str(index_path), None, "a weight_map that is not {tensor: file name}",
+            "JSON with a weight_map of strings", "restore the release's model.safetensors.index.json")])
     files = sorted(set(weight_map.values()))
+    first = {}  # file -> the first tensor the index places in it, to name in messages
+    for name, fname in weight_map.items():
+        first.setdefault(fname, name)
     problems: list[Problem] = []
     headers: dict[str, tuple[dict, int]] = {}
     sizes: dict[str, int] = {}
     for fname in files:
-        path = _safe_member(root, str(fname), INDEX_NAME)
+        path = _safe_member(root, fname, INDEX_NAME, first[fname])
         if not path.is_file():
-            problems.append(Problem(INDEX_NAME, None, f"shard {fname} does not exist",
+            problems.append(Problem(INDEX_NAME, first[fname], f"shard {fname} does not exist",
                                     "every shard the index names", "download the missing shard"))
             continue
         headers[fname] = read_safetensors_header(path, fname)

@@ -102,14 +102,18 @@ def source_weight(ckpt: Checkpoint, unit: Unit, device: torch.device) -> torch.T
 
 
 def _nonfinite(ckpt: Checkpoint, name: str, t: torch.Tensor) -> QuantizeError:
-    bad = (~torch.isfinite(t)).sum().item()
-    kinds = []
-    if torch.isnan(t).any():
-        kinds.append("NaN")
-    if torch.isinf(t).any():
-        kinds.append("Inf")
+    """Which non-finite values `t` holds, how many, and where the first one is.
+
+    There is no `--allow-nonfinite`: a NaN or Inf makes its whole INT4 group's scale NaN/Inf
+    (the absmax), and a copied NaN norm or embedding poisons every token that touches it, so
+    passing them on would only move the failure into the serving engine.
+    """
+    nan, inf = torch.isnan(t), torch.isinf(t)
+    counts = [f"{int(m.sum())} {k}" for k, m in (("NaN", nan), ("Inf", inf)) if m.any()]
+    first = [int(i) for i in (nan | inf).nonzero()[0]]
     return QuantizeError("non-finite values in the source", [Problem(
-        ckpt.tensors[name].file, name, f"{bad} {'/'.join(kinds)} value(s)", "finite numbers",
+        ckpt.tensors[name].file, name, f"{' and '.join(counts)} value(s), the first at {first}",
+        "finite numbers",
         "the checkpoint is corrupt: re-download this shard (a NaN weight would poison every "
         "token routed through it, so it is never passed on)")])
 
