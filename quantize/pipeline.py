@@ -36,6 +36,7 @@ from quantize.shards import (
     copy_file_atomic,
     sha256_file,
     stall_point,
+    write_failed,
     write_json_atomic,
 )
 
@@ -175,7 +176,10 @@ def _prepare_out(src: Path, out: Path, resume: bool, overwrite: bool) -> dict | 
     if out.is_dir():
         for p in out.glob(f"*{PARTIAL}"):
             p.unlink()  # half-written files of an interrupted run
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise write_failed(out, e) from None
     return None if overwrite else previous
 
 

@@ -15,6 +15,7 @@ shard is half written), `shard` (a shard renamed into place, before the manifest
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -29,7 +30,7 @@ from quantize.checkpoint import TORCH_TO_ST
 from quantize.errors import Problem, QuantizeError
 from quantize.plan import OutTensor, shard_header
 
-__all__ = ["ShardWriter", "copy_file_atomic", "fsync_dir", "sha256_file", "stall_point",
+__all__ = ["ShardWriter", "copy_file_atomic", "fsync_dir", "sha256_file", "stall_point", "write_failed",
            "write_json_atomic"]
 
 PARTIAL = ".partial"
@@ -57,11 +58,24 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _disk_full(path: Path, e: OSError) -> QuantizeError:
-    return QuantizeError("the disk filled up while writing", [Problem(
-        str(path), None, f"{e.strerror} (errno {e.errno})", "room for the output",
-        "free space (`quantize plan` prints the output size), then rerun the same command "
-        "with --resume: finished shards are kept")])
+def write_failed(path: Path, e: OSError) -> QuantizeError:
+    """A failed write as a message: the disk filling up, or anything else the OS refused."""
+    if e.errno == errno.ENOSPC:
+        return QuantizeError("the disk filled up while writing", [Problem(
+            str(path), None, f"{e.strerror} (errno {e.errno})", "room for the output",
+            "free space (`quantize plan` prints the output size), then rerun the same command "
+            "with --resume: finished shards are kept")])
+    return QuantizeError("could not write the output", [Problem(
+        str(path), None, f"{e.strerror or e} (errno {e.errno})", "a writable output folder",
+        "fix the folder's permissions or pick another one, then rerun the same command")])
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a temporary file after a failed write; a second failure must not hide the first."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
@@ -74,8 +88,8 @@ def write_json_atomic(path: Path, obj: object) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise _disk_full(path, e) if e.errno == 28 else e
+        _discard(tmp)
+        raise write_failed(path, e) from None
     fsync_dir(path.parent)
 
 
@@ -87,8 +101,8 @@ def copy_file_atomic(src: Path, dst: Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, dst)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise _disk_full(dst, e) if e.errno == 28 else e
+        _discard(tmp)
+        raise write_failed(dst, e) from None
     fsync_dir(dst.parent)
 
 
@@ -118,15 +132,22 @@ class ShardWriter:
         self.nbytes = 0
 
     def __enter__(self) -> ShardWriter:
-        self.f = open(self.tmp, "wb")
-        self._put(shard_header(self.planned))
+        try:
+            self.f = open(self.tmp, "wb")
+        except OSError as e:
+            raise write_failed(self.path, e) from None
+        try:
+            self._put(shard_header(self.planned))
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
         return self
 
     def _put(self, data) -> None:
         try:
             self.f.write(data)
         except OSError as e:
-            raise _disk_full(self.path, e) if e.errno == 28 else e
+            raise write_failed(self.path, e) from None
         self.hash.update(data)
         self.nbytes += len(data)
 
@@ -149,7 +170,7 @@ class ShardWriter:
                 self.f.close()  # may fail again (e.g. disk still full); the original error wins
             except OSError:
                 pass
-            self.tmp.unlink(missing_ok=True)
+            _discard(self.tmp)
             return
         try:
             if self.next != len(self.planned):
@@ -163,9 +184,9 @@ class ShardWriter:
                 self.f.close()
             except OSError:
                 pass
-            self.tmp.unlink(missing_ok=True)
-            if isinstance(e, OSError) and e.errno == 28:
-                raise _disk_full(self.path, e) from None
+            _discard(self.tmp)
+            if isinstance(e, OSError):
+                raise write_failed(self.path, e) from None
             raise
         os.replace(self.tmp, self.path)
         fsync_dir(self.path.parent)

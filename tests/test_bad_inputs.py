@@ -378,3 +378,14 @@ def test_disk_full_stops_cleanly_and_resumes(dsa_fp8, small_disk, tmp_path):
     for p in sorted(ref.iterdir()):
         assert (out / p.name).read_bytes() == p.read_bytes(), p.name
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
+
+
+def test_read_only_output_is_a_clear_error(dsa_fp8, small_disk):
+    out = small_disk / "out"
+    out.mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    assert_clear_error(convert(dsa_fp8, out), "could not write the output", "Read-only file system",
+                       "a writable output folder")
+    assert not any(out.iterdir())
+    r = convert(dsa_fp8, small_disk / "new")
+    assert_clear_error(r, "could not write the output", f"{small_disk / 'new'}: Read-only file system")
