@@ -167,6 +167,7 @@ def read_safetensors_header(path: Path, shown_name: str) -> tuple[dict[str, dict
             and all(isinstance(d, int) and d >= 0 for d in entry["shape"])
             and isinstance(entry.get("data_offsets"), list)
             and len(entry["data_offsets"]) == 2
+            and all(type(o) is int for o in entry["data_offsets"])
         )
         if not ok:
             raise QuantizeError("corrupt safetensors header", [Problem(
@@ -436,6 +437,11 @@ def open_checkpoint(src: str | Path) -> Checkpoint:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise QuantizeError("config.json is not valid JSON", [Problem(
             str(config_path), None, str(e), "valid JSON", "restore the release's config.json")]) from None
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or not isinstance(qc, (dict, type(None))):
+        raise QuantizeError("config.json is not a model config", [Problem(
+            str(config_path), None, "a JSON value that is not {key: value} (or a quantization_config "
+            "that is not)", "a JSON object", "restore the release's config.json")])
 
     tensors, files, sizes = read_tensor_table(root)
     fmt, block = _detect_format(config, tensors)

@@ -164,8 +164,8 @@ def convert(
         for c in plan_.checks:
             if c.level != "ok":
                 err.print(f"[yellow]warning:[/] {c.what}: {c.detail}", highlight=False)
-        prev = read_manifest(dst) if dst.is_dir() else None
-        if prev is not None and not overwrite:
+        prev = read_manifest(dst) if dst.is_dir() and not overwrite else None
+        if prev is not None:
             done = sum(s.file in prev.get("files", {}) for s in plan_.shards)
             err.print(f"found {dst / 'quantize-manifest.json'} ({prev.get('status')}, {done} of "
                       f"{len(plan_.shards)} shards recorded): resuming it; finished shards are "

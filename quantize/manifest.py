@@ -54,11 +54,17 @@ def read_manifest(out_dir: Path) -> dict | None:
     if not p.is_file():
         return None
     try:
-        return json.loads(p.read_text())
+        data = json.loads(p.read_text())
+        why = None if (isinstance(data, dict) and isinstance(data.get("status"), str)
+                       and isinstance(data.get("files"), dict)
+                       and isinstance(data.get("options"), dict)) else "not this tool's layout"
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        why = str(e)
+    if why is not None:
         raise QuantizeError("the output's manifest is unreadable", [Problem(
-            str(p), None, str(e), "the JSON this tool writes",
-            "delete the output folder and convert again (or pass --overwrite)")]) from None
+            str(p), None, why, "the JSON this tool writes",
+            "pass --overwrite to start the conversion over (or delete the output folder)")])
+    return data
 
 
 def output_state(out_dir: Path) -> str:

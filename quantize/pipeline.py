@@ -164,7 +164,7 @@ def _prepare_out(src: Path, out: Path, resume: bool, overwrite: bool) -> dict | 
     if out.exists() and not out.is_dir():
         raise QuantizeError("the output is not a folder", [Problem(
             str(out), None, "an existing file", "a new or empty folder", "choose another path")])
-    previous = read_manifest(out) if out.is_dir() else None
+    previous = read_manifest(out) if out.is_dir() and not overwrite else None
     ours = [p for p in out.iterdir() if not p.name.endswith(PARTIAL)] if out.is_dir() else []
     if ours and overwrite:
         shutil.rmtree(out)

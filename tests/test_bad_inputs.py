@@ -176,7 +176,7 @@ def test_truncated_shard(src, tmp_path):
     assert_nothing_written(tmp_path / "out")
 
 
-@pytest.mark.parametrize("damage", ["json", "length", "offsets"])
+@pytest.mark.parametrize("damage", ["json", "length", "offsets", "types"])
 def test_corrupt_header(src, tmp_path, damage):
     fname = index(src)["weight_map"][EXPERT]
     p = src / fname
@@ -191,13 +191,23 @@ def test_corrupt_header(src, tmp_path, damage):
     else:  # a header that lies about a tensor's extent
         header = json.loads(data[8:8 + n])
         header[EXPERT]["data_offsets"][1] += 8
+        if damage == "types":
+            header[EXPERT]["data_offsets"] = ["0", "8"]
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (n - len(raw))
         assert len(raw) == n
         data[8:8 + n] = raw
-        says = f"{fname} :: {EXPERT}: data_offsets"
+        says = f"{fname} :: {EXPERT}: " + ("entry {" if damage == "types" else "data_offsets")
     p.write_bytes(bytes(data))
     assert_clear_error(convert(src, tmp_path / "out"), fname, says, "re-download this shard")
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '{"quantization_config": "fp8"}'])
+def test_config_that_is_not_a_config(src, tmp_path, text):
+    (src / "config.json").write_text(text)
+    assert_clear_error(convert(src, tmp_path / "out"), "config.json is not a model config",
+                       "a JSON object")
     assert_nothing_written(tmp_path / "out")
 
 
@@ -389,3 +399,16 @@ def test_read_only_output_is_a_clear_error(dsa_fp8, small_disk):
     assert not any(out.iterdir())
     r = convert(dsa_fp8, small_disk / "new")
     assert_clear_error(r, "could not write the output", f"{small_disk / 'new'}: Read-only file system")
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"status": "complete"}'])
+def test_damaged_output_manifest(dsa_fp8, tmp_path, text):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / MANIFEST).write_text(text)
+    assert_clear_error(convert(dsa_fp8, out), f"{out / MANIFEST}", "the output's manifest is unreadable",
+                       "pass --overwrite")
+    r = runner.invoke(app, ["verify", str(dsa_fp8), str(out)])
+    assert r.exit_code == 2 and "the output's manifest is unreadable" in r.output
+    r = convert(dsa_fp8, out, "--overwrite")
+    assert r.exit_code == 0, r.output
