@@ -186,6 +186,11 @@ def convert(
         from quantize.manifest import output_state
 
         _fail(e, debug, output_state(dst))
+    except KeyboardInterrupt:
+        from quantize.manifest import output_state
+
+        err.print(f"interrupted: {output_state(dst)}", highlight=False)
+        raise typer.Exit(130) from None
     dt = time.perf_counter() - t0
     err.print(f"[green]done[/] in {dt:.1f} s on {res.device}: {len(res.written)} shard(s) written, "
               f"{len(res.skipped)} kept from an earlier run; {fmt_bytes(res.plan.output_bytes)} "

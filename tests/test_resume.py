@@ -40,13 +40,16 @@ def cli_args(src: Path, out: Path, *extra: str) -> list[str]:
             "--tp", "1", *extra]
 
 
-def run_cli(*args: str, stall: str | None = None, timeout: float = 60
-            ) -> subprocess.CompletedProcess | tuple[str, str]:
-    """Run `quantize ARGS` in a subprocess. With `stall`, wait until it reaches that point, SIGKILL
-    it, and return ("killed", its stderr)."""
+def run_cli(*args: str, stall: str | None = None, timeout: float = 60, sig=signal.SIGKILL
+            ) -> subprocess.CompletedProcess | tuple[int, str]:
+    """Run `quantize ARGS` in a subprocess. With `stall`, wait until it reaches that point, send
+    it `sig` (SIGKILL: no cleanup runs), and return (its exit status, its stderr)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "300"}
     env.pop(STALL_ENV, None)
-    cmd = [sys.executable, "-c", "from quantize.cli import app; app()", *args]
+    # Ctrl-C as in a terminal, even when the test runner itself was started with SIGINT ignored
+    code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from quantize.cli import app; app()")
+    cmd = [sys.executable, "-c", code, *args]
     if stall is None:
         return subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout)
     env[STALL_ENV] = stall
@@ -60,11 +63,11 @@ def run_cli(*args: str, stall: str | None = None, timeout: float = 60
             assert time.monotonic() < deadline, f"never reached {stall}"
             time.sleep(0.05)
     finally:
-        os.kill(p.pid, signal.SIGKILL)  # from outside, no cleanup handlers run
-        p.wait()
+        os.kill(p.pid, sig)  # from outside
+        rc = p.wait(timeout=30)
     text = log.read_text()
     log.unlink()
-    return "killed", text
+    return rc, text
 
 
 def folder_bytes(d: Path) -> dict[str, bytes]:
@@ -136,6 +139,15 @@ def test_killed_four_times_then_resumed_is_byte_identical(dsa_fp8, reference, tm
     for name in want:  # every file, the manifest included, byte for byte
         assert got[name] == want[name], f"{name} differs from the uninterrupted run"
     assert verify(dsa_fp8, out, write=False).ok
+
+
+def test_ctrl_c_removes_the_half_written_shard_and_says_how_to_resume(dsa_fp8, tmp_path):
+    out = tmp_path / "out"
+    rc, err = run_cli(*cli_args(dsa_fp8, out), stall="tensor:30", sig=signal.SIGINT)
+    assert rc == 130 and "Traceback" not in err
+    assert "interrupted:" in err and "rerun the same command to resume" in err
+    assert not list(out.glob("*.partial"))
+    assert_not_a_result(out)
 
 
 def test_a_changed_kept_shard_is_rewritten_on_resume(dsa_fp8, reference, tmp_path):
