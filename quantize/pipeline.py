@@ -34,9 +34,9 @@ from quantize.shards import (
     PARTIAL,
     ShardWriter,
     copy_file_atomic,
+    folder_lock,
     sha256_file,
     stall_point,
-    write_failed,
     write_json_atomic,
 )
 
@@ -140,14 +140,8 @@ def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: tor
     return outs
 
 
-def _prepare_out(src: Path, out: Path, resume: bool, overwrite: bool) -> dict | None:
-    """Refuse dangerous output folders; return the previous manifest when resuming.
-
-    A folder holding a manifest is resumed whether or not --resume was given (re-running the
-    same command continues it; `Manifest.resume` refuses other options or a changed source).
-    Any other non-empty folder is refused unless --overwrite. Leftover `.partial` files are
-    ours: a killed run's half-written files, deleted before we start.
-    """
+def _check_out_path(src: Path, out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse an output folder inside (or around) the source, a file, or contradictory flags."""
     if resume and overwrite:
         raise QuantizeError("--resume and --overwrite contradict each other", [Problem(
             str(out), None, "both flags", "at most one of them",
@@ -164,23 +158,32 @@ def _prepare_out(src: Path, out: Path, resume: bool, overwrite: bool) -> dict | 
     if out.exists() and not out.is_dir():
         raise QuantizeError("the output is not a folder", [Problem(
             str(out), None, "an existing file", "a new or empty folder", "choose another path")])
-    previous = read_manifest(out) if out.is_dir() and not overwrite else None
-    ours = [p for p in out.iterdir() if not p.name.endswith(PARTIAL)] if out.is_dir() else []
+
+
+def _prepare_out(out: Path, overwrite: bool) -> dict | None:
+    """Empty or resume the (locked) output folder; return the previous manifest when resuming.
+
+    A folder holding a manifest is resumed whether or not --resume was given (re-running the
+    same command continues it; `Manifest.resume` refuses other options or a changed source).
+    Any other non-empty folder is refused unless --overwrite. Leftover `.partial` files are
+    ours: a killed run's half-written files, deleted before we start.
+    """
+    previous = None if overwrite else read_manifest(out)
+    ours = [p for p in out.iterdir() if not p.name.endswith(PARTIAL)]
     if ours and overwrite:
-        shutil.rmtree(out)
+        for p in ours:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
     elif ours and previous is None:
         raise QuantizeError("the output folder is not empty", [Problem(
             str(out), None, f"{len(ours)} existing file(s), no {MANIFEST}",
             "an empty or new folder, or one holding an earlier conversion's manifest",
             "choose a new folder, or pass --overwrite to delete its contents")])
-    if out.is_dir():
-        for p in out.glob(f"*{PARTIAL}"):
-            p.unlink()  # half-written files of an interrupted run
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise write_failed(out, e) from None
-    return None if overwrite else previous
+    for p in out.glob(f"*{PARTIAL}"):
+        p.unlink()  # half-written files of an interrupted run (the lock says it is not running)
+    return previous
 
 
 def _check_scales(ckpt: Checkpoint, plan: Plan) -> None:
@@ -229,8 +232,17 @@ def convert(
     dev = resolve_device(device)
     aux = _aux_files(src)
     _check_scales(ckpt, plan)  # everything checkable without reading the weights, before writing
-    previous = _prepare_out(src, out, resume, overwrite)
-    extra = {"command": command, "source_format": ckpt.source_format, "model_type": ckpt.model_type}
+    _check_out_path(src, out, resume, overwrite)
+    with folder_lock(out):  # one conversion per output folder at a time
+        return _write(ckpt, plan, out, _prepare_out(out, overwrite), aux, opts, dev, on_unit,
+                      {"command": command, "source_format": ckpt.source_format,
+                       "model_type": ckpt.model_type})
+
+
+def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: list[Path],
+           opts: ConvertOptions, dev: torch.device, on_unit: Callable[[Unit], None] | None,
+           extra: dict) -> ConvertResult:
+    """Steps 5 and 6 of the recipe, in the prepared and locked output folder."""
     if previous is not None:
         manifest = Manifest.resume(out, ckpt, plan, previous)
     else:

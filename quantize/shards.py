@@ -16,12 +16,15 @@ shard is half written), `shard` (a shard renamed into place, before the manifest
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,7 +33,7 @@ from quantize.checkpoint import TORCH_TO_ST
 from quantize.errors import Problem, QuantizeError
 from quantize.plan import OutTensor, shard_header
 
-__all__ = ["ShardWriter", "copy_file_atomic", "fsync_dir", "sha256_file", "stall_point", "write_failed",
+__all__ = ["ShardWriter", "copy_file_atomic", "folder_lock", "fsync_dir", "sha256_file", "stall_point", "write_failed",
            "write_json_atomic"]
 
 PARTIAL = ".partial"
@@ -68,6 +71,30 @@ def write_failed(path: Path, e: OSError) -> QuantizeError:
     return QuantizeError("could not write the output", [Problem(
         str(path), None, f"{e.strerror or e} (errno {e.errno})", "a writable output folder",
         "fix the folder's permissions or pick another one, then rerun the same command")])
+
+
+@contextmanager
+def folder_lock(path: Path) -> Iterator[None]:
+    """Create `path` if needed and hold an exclusive flock on the folder itself (no lock file is
+    left behind; the kernel drops the lock when the process dies, even by SIGKILL)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise write_failed(path, e) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise QuantizeError("another conversion is writing to this folder", [Problem(
+            str(path), None, "locked by a running `quantize convert`",
+            "one conversion per output folder at a time",
+            "wait for the other run to finish (or stop it), then rerun this command to resume")]
+        ) from None
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 def _discard(tmp: Path) -> None:

@@ -40,10 +40,10 @@ def cli_args(src: Path, out: Path, *extra: str) -> list[str]:
             "--tp", "1", *extra]
 
 
-def run_cli(*args: str, stall: str | None = None, timeout: float = 60, sig=signal.SIGKILL
-            ) -> subprocess.CompletedProcess | tuple[int, str]:
-    """Run `quantize ARGS` in a subprocess. With `stall`, wait until it reaches that point, send
-    it `sig` (SIGKILL: no cleanup runs), and return (its exit status, its stderr)."""
+def run_cli(*args: str, stall: str | None = None, timeout: float = 60, sig=signal.SIGKILL,
+            meanwhile=None) -> subprocess.CompletedProcess | tuple[int, str]:
+    """Run `quantize ARGS` in a subprocess. With `stall`, wait until it reaches that point, call
+    `meanwhile()`, send it `sig` (SIGKILL: no cleanup runs); return (exit status, stderr)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "300"}
     env.pop(STALL_ENV, None)
     # Ctrl-C as in a terminal, even when the test runner itself was started with SIGINT ignored
@@ -62,6 +62,8 @@ def run_cli(*args: str, stall: str | None = None, timeout: float = 60, sig=signa
             assert p.poll() is None, f"exited {p.returncode} before {stall}: {log.read_text()}"
             assert time.monotonic() < deadline, f"never reached {stall}"
             time.sleep(0.05)
+        if meanwhile is not None:
+            meanwhile()
     finally:
         os.kill(p.pid, sig)  # from outside
         rc = p.wait(timeout=30)
@@ -148,6 +150,22 @@ def test_ctrl_c_removes_the_half_written_shard_and_says_how_to_resume(dsa_fp8, t
     assert "interrupted:" in err and "rerun the same command to resume" in err
     assert not list(out.glob("*.partial"))
     assert_not_a_result(out)
+
+
+def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(dsa_fp8, tmp_path):
+    out = tmp_path / "out"
+
+    def second_run() -> None:
+        partial = sorted(out.glob("*.partial"))
+        for extra in ([], ["--resume"], ["--overwrite"]):
+            r = runner.invoke(app, cli_args(dsa_fp8, out, *extra))
+            assert r.exit_code == 2, r.output
+            assert "another conversion is writing to this folder" in r.output
+        assert sorted(out.glob("*.partial")) == partial  # the running one's file left alone
+
+    run_cli(*cli_args(dsa_fp8, out), stall="tensor:3", meanwhile=second_run)
+    r = runner.invoke(app, cli_args(dsa_fp8, out))  # the lock died with the process
+    assert r.exit_code == 0, r.output
 
 
 def test_a_changed_kept_shard_is_rewritten_on_resume(dsa_fp8, reference, tmp_path):
