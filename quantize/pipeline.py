@@ -14,9 +14,9 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +40,10 @@ from quantize.shards import (
     write_json_atomic,
 )
 
-__all__ = ["ConvertResult", "convert", "quantization_config", "resolve_device", "source_weight"]
+__all__ = [
+    "ConvertResult", "compute_unit", "convert", "quantization_config", "read_unit", "resolve_device",
+    "source_weight",
+]
 
 # Files never copied from the source: the weights we rewrite, the source's card (we write our
 # own), and VCS / cache folders.
@@ -91,12 +94,20 @@ def quantization_config(plan: Plan) -> dict:
     return qc
 
 
-def source_weight(ckpt: Checkpoint, unit: Unit, device: torch.device) -> torch.Tensor:
+def read_unit(ckpt: Checkpoint, unit: Unit) -> dict[str, torch.Tensor]:
+    """The source tensors a unit needs (weight, and its FP8 scale), read from disk to host."""
+    names = [unit.source] + ([unit.scale] if unit.scale else [])
+    return {n: ckpt.read(n) for n in names}
+
+
+def source_weight(ckpt: Checkpoint, unit: Unit, device: torch.device,
+                  raw: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """The unit's source weight as float32 on `device` (FP8 dequantized exactly)."""
-    w = ckpt.read(unit.source, device)
+    raw = raw if raw is not None else read_unit(ckpt, unit)
+    w = raw[unit.source].to(device)
     if unit.scale is None:
         return w.float()
-    s = ckpt.read(unit.scale, device)
+    s = raw[unit.scale].to(device)
     if ckpt.source_format == SourceFormat.FP8_BLOCK:
         return dequant_block(w, s, ckpt.block_size)
     return dequant_channel(w, s)
@@ -119,15 +130,16 @@ def _nonfinite(ckpt: Checkpoint, name: str, t: torch.Tensor) -> QuantizeError:
         "token routed through it, so it is never passed on)")])
 
 
-def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.device
-                 ) -> list[torch.Tensor]:
-    """The output tensors of one unit, in plan order."""
+def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.device,
+                 raw: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The output tensors of one unit, in plan order (`raw`: its tensors already read)."""
+    raw = raw if raw is not None else read_unit(ckpt, unit)
     if unit.action == "copy":
-        t = ckpt.read(unit.source)
+        t = raw[unit.source]
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise _nonfinite(ckpt, unit.source, t)
         return [t]
-    W = source_weight(ckpt, unit, device)  # (N, K) float32
+    W = source_weight(ckpt, unit, device, raw)  # (N, K) float32
     if not torch.isfinite(W).all():
         raise _nonfinite(ckpt, unit.source, W)
     if unit.action == "dequant":
@@ -256,9 +268,15 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
                 for u in shard.units:
                     on_unit(u)
             continue
-        with ShardWriter(out / shard.file, shard.tensors) as w:
-            for unit in shard.units:
-                for t in compute_unit(ckpt, unit, opts, dev):
+        # Read the next unit on a thread while this one is computed and written (torch and
+        # file I/O release the GIL); at most two units' source tensors are in memory.
+        with ShardWriter(out / shard.file, shard.tensors) as w, ThreadPoolExecutor(1) as reader:
+            ahead = reader.submit(read_unit, ckpt, shard.units[0])
+            for i, unit in enumerate(shard.units):
+                raw = ahead.result()
+                if i + 1 < len(shard.units):
+                    ahead = reader.submit(read_unit, ckpt, shard.units[i + 1])
+                for t in compute_unit(ckpt, unit, opts, dev, raw):
                     w.write(t)
                 if on_unit:
                     on_unit(unit)
@@ -282,7 +300,3 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
                                         "sha256": sha256_file(out / name)}
     manifest.finish(tool_version=__version__)
     return ConvertResult(out, plan, written, skipped, str(dev))
-
-
-def load_index(out: Path) -> dict:
-    return json.loads((out / INDEX_NAME).read_text())
