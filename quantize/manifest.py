@@ -115,6 +115,8 @@ class Manifest:
             old = previous.get("options", {}).get(k)
             if old != v:
                 diffs.append(f"option {k}: was {old!r}, now {v!r}")
+        if previous.get("tool_version") != __version__:  # same layout, maybe other arithmetic
+            diffs.append(f"tool version: was {previous.get('tool_version')!r}, now {__version__!r}")
         fp = source_fingerprint(ckpt)
         old_fp = previous.get("source", {})
         if old_fp.get("index_sha256") != fp["index_sha256"]:

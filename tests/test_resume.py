@@ -191,9 +191,17 @@ def test_resume_refuses_other_options_and_says_which(dsa_fp8, tmp_path):
         assert r.exit_code == 2, r.output
         assert "cannot resume: this output was made differently" in r.output and says in r.output
         assert "holds an unfinished conversion" in r.output  # what was left, and what to do
+    original = (out / MANIFEST).read_bytes()
+    m = json.loads(original)
+    (out / MANIFEST).write_text(json.dumps({**m, "tool_version": "0.0.1"}))
+    r = runner.invoke(app, cli_args(dsa_fp8, out))  # shards of another version are not mixed in
+    assert r.exit_code == 2 and "tool version: was '0.0.1', now " in r.output
+    (out / MANIFEST).write_bytes(original)
     r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--device", "cpu"])  # 5GB shards
     assert r.exit_code == 2 and "option max_shard_size: was 200000, now 5000000000" in r.output
     assert folder_bytes(out) == before  # a refused resume touches nothing
+    r = runner.invoke(app, cli_args(dsa_fp8, out))  # the original options still resume it
+    assert r.exit_code == 0, r.output
 
 
 def test_resume_refuses_a_changed_source(dsa_fp8, tmp_path):
