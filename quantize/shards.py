@@ -3,7 +3,9 @@
 Every file appears under its final name only when complete: it is written to
 `<name>.partial`, fsynced, then renamed, and the folder is fsynced. A crash leaves at most a
 `.partial` file, which a resumed run discards. A shard is streamed tensor by tensor after its
-header (known from the plan), so memory holds one tensor, never a shard.
+header (known from the plan), so memory holds one tensor, never a shard. While a conversion
+writes, it holds a flock on the output folder, so a second run into the same folder is refused.
+A failed write (disk full, read-only, permissions) becomes a QuantizeError naming the file.
 
 Test hook (off unless the variable is set; never set it in production):
 `QUANTIZE_TEST_STALL_AT=EVENT:N` makes the process print `QUANTIZE_TEST_STALLED EVENT N` to
@@ -33,8 +35,10 @@ from quantize.checkpoint import TORCH_TO_ST
 from quantize.errors import Problem, QuantizeError
 from quantize.plan import OutTensor, shard_header
 
-__all__ = ["ShardWriter", "copy_file_atomic", "folder_lock", "fsync_dir", "sha256_file", "stall_point", "write_failed",
-           "write_json_atomic"]
+__all__ = [
+    "ShardWriter", "copy_file_atomic", "folder_lock", "fsync_dir", "sha256_file", "stall_point",
+    "write_failed", "write_json_atomic",
+]
 
 PARTIAL = ".partial"
 STALL_ENV = "QUANTIZE_TEST_STALL_AT"
