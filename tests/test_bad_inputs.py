@@ -149,6 +149,12 @@ def test_hugging_face_cache_links_are_accepted(dsa_fp8, tmp_path):
         (dsa_fp8 / "generation_config.json").read_bytes()
 
 
+def test_a_source_folder_that_is_itself_a_link_is_fine(dsa_fp8, tmp_path):
+    (tmp_path / "model").symlink_to(dsa_fp8)  # e.g. /data/model -> /mnt/nfs/model
+    r = convert(tmp_path / "model", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+
+
 # --- missing or damaged files ------------------------------------------------------------------
 
 
