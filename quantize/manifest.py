@@ -39,6 +39,18 @@ def source_fingerprint(ckpt: Checkpoint) -> dict:
     return {"path": str(root.resolve()), "index_sha256": index_sha, "files": files}
 
 
+def source_changes(recorded: dict, ckpt: Checkpoint) -> list[str]:
+    """What differs between a recorded source fingerprint and the source as it is now."""
+    fp = source_fingerprint(ckpt)
+    diffs = []
+    if recorded.get("index_sha256") != fp["index_sha256"]:
+        diffs.append("source index changed")
+    for f, stat in fp["files"].items():
+        if recorded.get("files", {}).get(f) != stat:
+            diffs.append(f"source file {f} changed (size/mtime)")
+    return diffs
+
+
 def plan_digest(plan: Plan) -> str:
     h = hashlib.sha256()
     for s in plan.shards:
@@ -117,13 +129,7 @@ class Manifest:
                 diffs.append(f"option {k}: was {old!r}, now {v!r}")
         if previous.get("tool_version") != __version__:  # same layout, maybe other arithmetic
             diffs.append(f"tool version: was {previous.get('tool_version')!r}, now {__version__!r}")
-        fp = source_fingerprint(ckpt)
-        old_fp = previous.get("source", {})
-        if old_fp.get("index_sha256") != fp["index_sha256"]:
-            diffs.append("source index changed")
-        for f, stat in fp["files"].items():
-            if old_fp.get("files", {}).get(f) != stat:
-                diffs.append(f"source file {f} changed (size/mtime)")
+        diffs += source_changes(previous.get("source", {}), ckpt)
         if not diffs and previous.get("plan_sha256") != plan_digest(plan):
             diffs.append("the planned output differs (tool version or layout changed)")
         if diffs:
@@ -150,7 +156,14 @@ class Manifest:
         self.data["files"][name] = {"bytes": nbytes, "sha256": sha256}
         self.save()
 
-    def finish(self, **extra) -> None:
+    def finish(self, ckpt: Checkpoint, **extra) -> None:
+        """Mark the conversion complete, unless the source changed while it ran (a download
+        still finishing, a copy over it): then nothing vouches that the shards agree."""
+        diffs = source_changes(self.data["source"], ckpt)
+        if diffs:
+            raise QuantizeError("the source changed during the conversion", [Problem(
+                self.data["source"]["path"], None, d, "the source left alone while converting",
+                "let the download or copy finish, then rerun with --overwrite") for d in diffs])
         self.data.update(extra)
         self.data["status"] = "complete"
         self.save()

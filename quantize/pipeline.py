@@ -298,5 +298,5 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
     for name in [INDEX_NAME, "config.json", *(p.name for p in aux)]:
         manifest.data["files"][name] = {"bytes": (out / name).stat().st_size,
                                         "sha256": sha256_file(out / name)}
-    manifest.finish(tool_version=__version__)
+    manifest.finish(ckpt, tool_version=__version__)
     return ConvertResult(out, plan, written, skipped, str(dev))

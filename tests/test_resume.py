@@ -221,6 +221,23 @@ def test_resume_refuses_a_changed_source(dsa_fp8, tmp_path):
     assert json.loads((out / MANIFEST).read_text())["status"] == "complete"
 
 
+def test_a_source_changed_during_the_run_is_never_marked_complete(dsa_fp8, tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(dsa_fp8, src)
+    shard = max(src.glob("*.safetensors"))
+
+    def touch_once(unit) -> None:  # e.g. `hf download` still rewriting a shard
+        if not touch_once.done:
+            os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+            touch_once.done = True
+    touch_once.done = False
+
+    with pytest.raises(QuantizeError, match="the source changed during the conversion") as e:
+        convert(src, out, OPTS, device="cpu", on_unit=touch_once)
+    assert f"source file {shard.name} changed (size/mtime)" in str(e.value)
+    assert json.loads((out / MANIFEST).read_text())["status"] == "in-progress"
+
+
 def test_resume_and_overwrite_together_are_refused(dsa_fp8, tmp_path):
     r = runner.invoke(app, cli_args(dsa_fp8, tmp_path / "o", "--resume", "--overwrite"))
     assert r.exit_code == 2 and "contradict" in r.output
