@@ -152,6 +152,11 @@ def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: tor
     return outs
 
 
+def _write_all(w: ShardWriter, tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        w.write(t)
+
+
 def _check_out_path(src: Path, out: Path, resume: bool, overwrite: bool) -> None:
     """Refuse an output folder inside (or around) the source, a file, or contradictory flags."""
     if resume and overwrite:
@@ -268,18 +273,26 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
                 for u in shard.units:
                     on_unit(u)
             continue
-        # Read the next unit on a thread while this one is computed and written (torch and
-        # file I/O release the GIL); at most two units' source tensors are in memory.
-        with ShardWriter(out / shard.file, shard.tensors) as w, ThreadPoolExecutor(1) as reader:
+        # Three stages overlap: the reader thread fetches unit i+1, this thread computes unit
+        # i, the writer thread hashes and writes unit i-1 (torch, hashlib and file I/O release
+        # the GIL). At most three units' tensors are in memory; the write order is the plan's.
+        with ShardWriter(out / shard.file, shard.tensors) as w, \
+                ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as writer:
             ahead = reader.submit(read_unit, ckpt, shard.units[0])
+            written_prev = None
             for i, unit in enumerate(shard.units):
                 raw = ahead.result()
                 if i + 1 < len(shard.units):
                     ahead = reader.submit(read_unit, ckpt, shard.units[i + 1])
-                for t in compute_unit(ckpt, unit, opts, dev, raw):
-                    w.write(t)
+                outs = [t.cpu() for t in compute_unit(ckpt, unit, opts, dev, raw)]
+                if written_prev is not None:
+                    written_prev.result()  # re-raises a write error (e.g. disk full) here
+                    stall_point("unit", w.f)  # test hook (shards.py): the shard is half written
+                written_prev = writer.submit(_write_all, w, outs)
                 if on_unit:
                     on_unit(unit)
+            if written_prev is not None:
+                written_prev.result()
         manifest.record(shard.file, w.nbytes, w.sha256)
         written.append(shard.file)
 

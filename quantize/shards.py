@@ -10,9 +10,10 @@ A failed write (disk full, read-only, permissions) becomes a QuantizeError namin
 Test hook (off unless the variable is set; never set it in production):
 `QUANTIZE_TEST_STALL_AT=EVENT:N` makes the process print `QUANTIZE_TEST_STALLED EVENT N` to
 stderr and sleep forever at the N-th (1-based) EVENT of this process, so a test can SIGKILL it
-at an exact point. EVENT is `tensor` (a tensor appended to a `.partial` shard and flushed: the
-shard is half written), `shard` (a shard renamed into place, before the manifest records it) or
-`finish` (every shard done, before the index, config and completed manifest are written).
+at an exact point, always on the main thread. EVENT is `unit` (a unit's tensors written into a
+`.partial` shard and flushed, more units of that shard to come: the shard is half written),
+`shard` (a shard renamed into place, before the manifest records it) or `finish` (every shard
+done, before the index, config and completed manifest are written).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -45,13 +47,16 @@ STALL_ENV = "QUANTIZE_TEST_STALL_AT"
 _stall_counts: dict[str, int] = {}
 
 
-def stall_point(event: str) -> None:
-    """The test hook described in the module docstring; a no-op unless STALL_ENV is set."""
+def stall_point(event: str, partial: BinaryIO | None = None) -> None:
+    """The test hook described in the module docstring; a no-op unless STALL_ENV is set.
+    `partial`: the open `.partial` file, flushed first so the half-written bytes are on disk."""
     want = os.environ.get(STALL_ENV)
     if not want:
         return
     _stall_counts[event] = n = _stall_counts.get(event, 0) + 1
     if want == f"{event}:{n}":
+        if partial is not None:
+            partial.flush()
         print(f"QUANTIZE_TEST_STALLED {event} {n}", file=sys.stderr, flush=True)
         while True:
             time.sleep(60)
@@ -191,9 +196,6 @@ class ShardWriter:
         t = tensor.detach().to("cpu").contiguous().reshape(-1)
         self._put(memoryview(t.view(torch.uint8).numpy()))
         self.next += 1
-        if os.environ.get(STALL_ENV):
-            self.f.flush()  # so the half-written shard is really on disk when the test kills us
-            stall_point("tensor")
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:

@@ -89,6 +89,14 @@ def assert_not_a_result(out: Path) -> None:
     assert "in-progress" in r.output
 
 
+def assert_half_written(out: Path, reference: Path) -> None:
+    """Exactly one `.partial` shard, holding more than its header and less than the whole."""
+    (partial,) = out.glob("*.partial")
+    whole = (reference / partial.name.removesuffix(".partial")).stat().st_size
+    header = 8 + int.from_bytes(partial.read_bytes()[:8], "little")
+    assert header < partial.stat().st_size < whole
+
+
 @pytest.fixture(scope="module")
 def reference(dsa_fp8, tmp_path_factory) -> Path:
     """An uninterrupted conversion, through the same CLI subprocess."""
@@ -103,16 +111,15 @@ def test_killed_four_times_then_resumed_is_byte_identical(dsa_fp8, reference, tm
     n_shards = len(list(reference.glob("*.safetensors")))
     assert n_shards >= 10
 
-    # 1. killed while shard 1 is half written (its first tensor flushed into the .partial)
-    run_cli(*cli_args(dsa_fp8, out), stall="tensor:1")
-    partial = f"model-00001-of-{n_shards:05d}.safetensors.partial"
-    assert [p.name for p in out.glob("*.partial")] == [partial]
+    # 1. killed while the first multi-unit shard is half written (its first unit flushed)
+    run_cli(*cli_args(dsa_fp8, out), stall="unit:1")
+    assert_half_written(out, reference)
     assert_not_a_result(out)
 
-    # 2. `--resume`, killed in the middle of a later shard (50th tensor of this run)
-    _, err = run_cli(*cli_args(dsa_fp8, out, "--resume"), stall="tensor:50")
+    # 2. `--resume`, killed in the middle of a later shard (50th unit event of this run)
+    _, err = run_cli(*cli_args(dsa_fp8, out, "--resume"), stall="unit:50")
     assert "resuming" in err
-    assert len(list(out.glob("*.partial"))) == 1
+    assert_half_written(out, reference)
     assert_not_a_result(out)
     recorded = json.loads((out / MANIFEST).read_text())["files"]
     assert 0 < len(recorded) < n_shards
@@ -145,7 +152,7 @@ def test_killed_four_times_then_resumed_is_byte_identical(dsa_fp8, reference, tm
 
 def test_ctrl_c_removes_the_half_written_shard_and_says_how_to_resume(dsa_fp8, tmp_path):
     out = tmp_path / "out"
-    rc, err = run_cli(*cli_args(dsa_fp8, out), stall="tensor:30", sig=signal.SIGINT)
+    rc, err = run_cli(*cli_args(dsa_fp8, out), stall="unit:30", sig=signal.SIGINT)
     assert rc == 130 and "Traceback" not in err
     assert "interrupted:" in err and "rerun the same command to resume" in err
     assert not list(out.glob("*.partial"))
@@ -163,7 +170,7 @@ def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(dsa_f
             assert "another conversion is writing to this folder" in r.output
         assert sorted(out.glob("*.partial")) == partial  # the running one's file left alone
 
-    run_cli(*cli_args(dsa_fp8, out), stall="tensor:3", meanwhile=second_run)
+    run_cli(*cli_args(dsa_fp8, out), stall="unit:3", meanwhile=second_run)
     r = runner.invoke(app, cli_args(dsa_fp8, out))  # the lock died with the process
     assert r.exit_code == 0, r.output
 
@@ -313,6 +320,6 @@ def test_killed_before_the_first_manifest_is_not_a_stranger(dsa_fp8, tmp_path):
 
 def test_verify_in_process_refuses_in_progress(dsa_fp8, tmp_path):
     out = tmp_path / "out"
-    run_cli(*cli_args(dsa_fp8, out), stall="tensor:3")
+    run_cli(*cli_args(dsa_fp8, out), stall="unit:3")
     with pytest.raises(QuantizeError, match="not a finished conversion"):
         verify(dsa_fp8, out)
