@@ -2,10 +2,12 @@
 
     1. open the source: config, index, every shard header; validate (no data read)
     2. plan: every output tensor, shard and byte; refuse what the engines cannot serve
-    3. prepare the output folder (never inside the source; resume or overwrite only on request)
-    4. check every FP8 scale is finite (small: one float per 128x128 block)
+    3. check every FP8 scale is finite (small: one float per 128x128 block)
+    4. prepare the output folder (never inside the source; a folder with a manifest is resumed,
+       any other non-empty one refused unless --overwrite)
     5. stream shard by shard: read a source tensor, dequantize / quantize / copy, append to the
-       shard, commit the shard atomically and record its sha256 in the manifest
+       shard, commit the shard atomically and record its sha256 in the manifest; a shard the
+       manifest already records with a matching sha256 is kept
     6. write config.json (compressed-tensors quantization_config), the index, copy the
        tokenizer and other non-weight files, mark the manifest complete
 """
@@ -22,14 +24,22 @@ from typing import TYPE_CHECKING
 import torch
 
 from quantize import __version__
-from quantize.checkpoint import INDEX_NAME, Checkpoint, SourceFormat, open_checkpoint
+from quantize.checkpoint import INDEX_NAME, Checkpoint, SourceFormat, escapes, open_checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.fp8 import dequant_block, dequant_channel
 from quantize.int4 import Int4Weight, pack_int4, quantize_rtn
 from quantize.manifest import MANIFEST, Manifest, read_manifest
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, Unit, make_plan
-from quantize.shards import PARTIAL, ShardWriter, copy_file_atomic, sha256_file, write_json_atomic
+from quantize.shards import (
+    PARTIAL,
+    ShardWriter,
+    copy_file_atomic,
+    folder_lock,
+    sha256_file,
+    stall_point,
+    write_json_atomic,
+)
 
 if TYPE_CHECKING:
     from quantize.calibrate import Calibrator
@@ -110,14 +120,18 @@ def source_weight(ckpt: Checkpoint, unit: Unit, device: torch.device,
 
 
 def _nonfinite(ckpt: Checkpoint, name: str, t: torch.Tensor) -> QuantizeError:
-    bad = (~torch.isfinite(t)).sum().item()
-    kinds = []
-    if torch.isnan(t).any():
-        kinds.append("NaN")
-    if torch.isinf(t).any():
-        kinds.append("Inf")
+    """Which non-finite values `t` holds, how many, and where the first one is.
+
+    There is no `--allow-nonfinite`: a NaN or Inf makes its whole INT4 group's scale NaN/Inf
+    (the absmax), and a copied NaN norm or embedding poisons every token that touches it, so
+    passing them on would only move the failure into the serving engine.
+    """
+    nan, inf = torch.isnan(t), torch.isinf(t)
+    counts = [f"{int(m.sum())} {k}" for k, m in (("NaN", nan), ("Inf", inf)) if m.any()]
+    first = [int(i) for i in (nan | inf).nonzero()[0]]
     return QuantizeError("non-finite values in the source", [Problem(
-        ckpt.tensors[name].file, name, f"{bad} {'/'.join(kinds)} value(s)", "finite numbers",
+        ckpt.tensors[name].file, name, f"{' and '.join(counts)} value(s), the first at {first}",
+        "finite numbers",
         "the checkpoint is corrupt: re-download this shard (a NaN weight would poison every "
         "token routed through it, so it is never passed on)")])
 
@@ -159,8 +173,12 @@ def _write_all(w: ShardWriter, tensors: list[torch.Tensor]) -> None:
         w.write(t)
 
 
-def _prepare_out(src: Path, out: Path, resume: bool, overwrite: bool) -> dict | None:
-    """Refuse dangerous output folders; return the previous manifest when resuming."""
+def _check_out_path(src: Path, out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse an output folder inside (or around) the source, a file, or contradictory flags."""
+    if resume and overwrite:
+        raise QuantizeError("--resume and --overwrite contradict each other", [Problem(
+            str(out), None, "both flags", "at most one of them",
+            "--resume keeps the finished shards, --overwrite deletes them; choose one")])
     s, o = src.resolve(), out.resolve()
     if o == s or s in o.parents:
         raise QuantizeError("the output folder is inside the source", [Problem(
@@ -170,25 +188,35 @@ def _prepare_out(src: Path, out: Path, resume: bool, overwrite: bool) -> dict | 
         raise QuantizeError("the output folder contains the source", [Problem(
             str(out), None, f"a parent of {src}", "a separate folder",
             "choose an empty output folder next to the source")])
-    previous = read_manifest(out) if out.is_dir() else None
-    if out.is_dir() and any(out.iterdir()):
-        if overwrite:
-            shutil.rmtree(out)
-        elif previous is not None and resume:
-            for p in out.glob(f"*{PARTIAL}"):
-                p.unlink()  # half-written files of the interrupted run
-            return previous
-        elif previous is not None:
-            state = previous.get("status")
-            raise QuantizeError(f"the output folder holds a {state} conversion", [Problem(
-                str(out), None, f"{MANIFEST} status {state!r}", "an empty folder",
-                "add --resume to continue it, or --overwrite to start over")])
-        else:
-            raise QuantizeError("the output folder is not empty", [Problem(
-                str(out), None, "existing files", "an empty or new folder",
-                "choose a new folder, or pass --overwrite to delete its contents")])
-    out.mkdir(parents=True, exist_ok=True)
-    return None
+    if out.exists() and not out.is_dir():
+        raise QuantizeError("the output is not a folder", [Problem(
+            str(out), None, "an existing file", "a new or empty folder", "choose another path")])
+
+
+def _prepare_out(out: Path, overwrite: bool) -> dict | None:
+    """Empty or resume the (locked) output folder; return the previous manifest when resuming.
+
+    A folder holding a manifest is resumed whether or not --resume was given (re-running the
+    same command continues it; `Manifest.resume` refuses other options or a changed source).
+    Any other non-empty folder is refused unless --overwrite. Leftover `.partial` files are
+    ours: a killed run's half-written files, deleted before we start.
+    """
+    previous = None if overwrite else read_manifest(out)
+    ours = [p for p in out.iterdir() if not p.name.endswith(PARTIAL)]
+    if ours and overwrite:
+        for p in ours:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+    elif ours and previous is None:
+        raise QuantizeError("the output folder is not empty", [Problem(
+            str(out), None, f"{len(ours)} existing file(s), no {MANIFEST}",
+            "an empty or new folder, or one holding an earlier conversion's manifest",
+            "choose a new folder, or pass --overwrite to delete its contents")])
+    for p in out.glob(f"*{PARTIAL}"):
+        p.unlink()  # half-written files of an interrupted run (the lock says it is not running)
+    return previous
 
 
 def _check_scales(ckpt: Checkpoint, plan: Plan) -> None:
@@ -196,25 +224,29 @@ def _check_scales(ckpt: Checkpoint, plan: Plan) -> None:
     for u in plan.units:
         if u.scale is None:
             continue
-        s = ckpt.read(u.scale)
-        if not torch.isfinite(s.float()).all():
-            problems.append(Problem(ckpt.tensors[u.scale].file, u.scale, "NaN/Inf scale",
-                                    "finite scales", "re-download this shard"))
+        s = ckpt.read(u.scale).float()
+        if not torch.isfinite(s).all():
+            problems.extend(_nonfinite(ckpt, u.scale, s).problems)
     if problems:
         raise QuantizeError("non-finite FP8 scales in the source", problems)
 
 
-def _copy_aux_files(src: Path, out: Path) -> list[str]:
-    copied = []
+def _aux_files(src: Path) -> list[Path]:
+    """The source's non-weight files we copy (tokenizer, generation config, remote code: copied,
+    never imported). A link leading out of the model folder is refused, not followed."""
+    files, problems = [], []
     for p in sorted(src.iterdir()):
         if p.name in _SKIP_NAMES or p.name.startswith(".") or p.name.endswith(_SKIP_SUFFIXES):
             continue
-        if p.is_symlink() and src.resolve() not in p.resolve().parents:
-            continue  # never follow a link out of the model folder
-        if p.is_file():
-            copy_file_atomic(p, out / p.name)
-            copied.append(p.name)
-    return copied
+        real = escapes(src, p) if p.is_symlink() else None
+        if real is not None:
+            problems.append(Problem(str(p), None, f"a link to {real}", "files inside the model folder",
+                                    "copy the file into the folder, or remove the link"))
+        elif p.is_file():
+            files.append(p)
+    if problems:
+        raise QuantizeError("the source links to files outside the model folder", problems)
+    return files
 
 
 def convert(
@@ -232,14 +264,24 @@ def convert(
     ckpt = open_checkpoint(src)
     plan = make_plan(ckpt, opts)
     dev = resolve_device(device)
+    aux = _aux_files(src)
+    _check_scales(ckpt, plan)  # everything checkable without reading the weights, before writing
+    _check_out_path(src, out, resume, overwrite)
     calib = None
     if opts.method != "rtn":  # calibration data and layer classes, checked before any output
         from quantize.calibrate import Calibrator
 
         calib = Calibrator(ckpt, plan, opts, dev, log=log)  # log: one line per layer
-    previous = _prepare_out(src, out, resume, overwrite)
-    _check_scales(ckpt, plan)
-    extra = {"command": command, "source_format": ckpt.source_format, "model_type": ckpt.model_type}
+    with folder_lock(out):  # one conversion per output folder at a time
+        return _write(ckpt, plan, out, _prepare_out(out, overwrite), aux, opts, dev, on_unit,
+                      {"command": command, "source_format": ckpt.source_format,
+                       "model_type": ckpt.model_type}, calib)
+
+
+def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: list[Path],
+           opts: ConvertOptions, dev: torch.device, on_unit: Callable[[Unit], None] | None,
+           extra: dict, calib: Calibrator | None = None) -> ConvertResult:
+    """Steps 5 and 6 of the recipe, in the prepared and locked output folder."""
     if previous is not None:
         manifest = Manifest.resume(out, ckpt, plan, previous)
     else:
@@ -247,9 +289,7 @@ def convert(
 
     written, skipped = [], []
     for shard in plan.shards:
-        done = manifest.done(shard.file)
-        if done is not None and (out / shard.file).is_file() and \
-                (out / shard.file).stat().st_size == done["bytes"]:
+        if manifest.holds(shard.file):
             skipped.append(shard.file)
             if on_unit:
                 for u in shard.units:
@@ -269,6 +309,7 @@ def convert(
                 outs = [t.cpu() for t in compute_unit(ckpt, unit, opts, dev, raw, calib)]
                 if written_prev is not None:
                     written_prev.result()  # re-raises a write error (e.g. disk full) here
+                    stall_point("unit", w.f)  # test hook (shards.py): the shard is half written
                 written_prev = writer.submit(_write_all, w, outs)
                 if on_unit:
                     on_unit(unit)
@@ -277,6 +318,7 @@ def convert(
         manifest.record(shard.file, w.nbytes, w.sha256)
         written.append(shard.file)
 
+    stall_point("finish")
     weight_map = {t.name: s.file for s in plan.shards for t in s.tensors}
     write_json_atomic(out / INDEX_NAME, {
         "metadata": {"total_size": plan.output_bytes},
@@ -286,14 +328,15 @@ def convert(
     config["quantization_config"] = quantization_config(plan)
     config.setdefault("torch_dtype", "bfloat16")
     write_json_atomic(out / "config.json", config)
-    aux = _copy_aux_files(src, out)
+    for p in aux:
+        copy_file_atomic(p, out / p.name)
+    names = [p.name for p in aux]
     if calib is not None:
         write_json_atomic(out / CALIB_REPORT, calib.report())
-        aux.append(CALIB_REPORT)
-
-    for name in [INDEX_NAME, "config.json", *aux]:
+        names.append(CALIB_REPORT)
+    for name in [INDEX_NAME, "config.json", *names]:
         manifest.data["files"][name] = {"bytes": (out / name).stat().st_size,
                                         "sha256": sha256_file(out / name)}
-    manifest.finish(tool_version=__version__)
+    manifest.finish(ckpt, tool_version=__version__)
     return ConvertResult(out, plan, written, skipped, str(dev),
                          calib.report() if calib is not None else None)

@@ -45,9 +45,10 @@ def test_convert_then_verify(dsa_fp8, tmp_path):
     r = runner.invoke(app, ["verify", str(dsa_fp8), str(out), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["ok"] is True
-    # a second convert into the same folder is refused without --resume/--overwrite
+    # a second convert into the same folder finds the manifest, says so, and keeps every shard
+    # (issue 5: re-running the same command resumes); other options are refused in test_resume.py
     r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--device", "cpu"])
-    assert r.exit_code == 2 and "--resume" in r.output
+    assert r.exit_code == 0 and "resuming" in r.output and " 0 shard(s) written" in r.output
 
 
 def test_bad_options_are_one_line_errors(dsa_fp8, tmp_path):
