@@ -73,6 +73,14 @@ CHUNK_TOKENS = 8192  # tokens per layer forward: enough to fill a GPU, small on 
 SAMPLE_TOKENS = 2048  # all-token MLP inputs kept for AWQ's search and expert fallbacks
 SAMPLE_EXPERT_TOKENS = 256  # routed intermediate activations kept per expert for AWQ
 EXPERT_BATCH = 32  # experts per AWQ search / all-expert pass (bounds their GPU memory)
+CALIB_REPORT = "calibration-report.json"
+# The AWQ scales as applied, for `verify` (a subfolder: engines never load it as weights):
+#   model.layers.L.mlp.awq_input_scale (H,): the post-attention norm's output is divided by it,
+#       so written norm = norm / s, and every reader of it (experts' and shared gate/up, dense
+#       gate/up, router) has written = source * s along its input columns;
+#   <...>.down_proj.awq_input_scale (I,): written down_proj = source * s (columns) and the same
+#       expert's / MLP's up_proj = source / s (rows).
+AWQ_SCALES = "calibration/awq-scales.safetensors"
 AWQ_SEARCH_EXPERTS = 32  # routed experts the shared gate/up input scale is searched on
 
 
@@ -441,11 +449,28 @@ class Calibrator:
         self.layers: list[dict] = []
         self.mtp: dict[int, dict] = {}  # MTP layers rounded to nearest, and why
         self._mtp_skip: dict[int, str] = {}
+        self.awq_scales: dict[str, torch.Tensor] = {}  # AWQ_SCALES, float32 on the host
         self.hidden: HiddenStates | None = None
         self.topk: list[torch.Tensor | None] = []
         self.gptq_cfg = GPTQConfig(group_size=opts.group_size, symmetric=opts.symmetric,
                                    percdamp=opts.percdamp)
         self.awq_cfg = AWQConfig(group_size=opts.group_size, symmetric=opts.symmetric)
+
+    def write_outputs(self, out: Path) -> list[str]:
+        """Write CALIB_REPORT (and AWQ_SCALES when AWQ ran) into `out`; their names."""
+        from safetensors.torch import save_file
+
+        from quantize.shards import PARTIAL, write_json_atomic
+
+        write_json_atomic(out / CALIB_REPORT, self.report())
+        if not self.awq_scales:
+            return [CALIB_REPORT]
+        path = out / AWQ_SCALES
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(path.name + PARTIAL)
+        save_file(self.awq_scales, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path)
+        return [CALIB_REPORT, AWQ_SCALES]
 
     def _load_calibration(self) -> CalibrationSet:
         from transformers import AutoTokenizer
@@ -665,6 +690,7 @@ class Calibrator:
                 for i, (st, _) in enumerate(chunk):
                     W.col[st + "down_proj.weight"] = r.scales[i]  # down_proj columns * s
                     W.row[st + "up_proj.weight"] = r.scales[i]  # its own up_proj rows / s: exact
+                    self.awq_scales[st + "down_proj.awq_input_scale"] = r.scales[i].float().cpu()
                 alphas += r.alpha.tolist()
             gate_up = [n for n, t in targets.items() if t.quantize and
                        n.endswith(("gate_proj.weight", "up_proj.weight"))]
@@ -683,6 +709,7 @@ class Calibrator:
                 # gained on the tiny models: layer error 0.141 vs 0.137 glm4_moe). Dense MLPs:
                 # the exact scales (the norm's bf16 rounding, 2^-9 relative, is negligible).
                 s_in = torch.exp2(torch.round(torch.log2(r.scales))) if kind == "moe" else r.scales
+                self.awq_scales[p + "awq_input_scale"] = s_in.float().cpu()
                 for n in targets:  # every consumer of the post-attention norm's output
                     if n.endswith(("gate_proj.weight", "up_proj.weight")):
                         W.col[n] = s_in

@@ -52,8 +52,8 @@ __all__ = [
 # Files never copied from the source: the weights we rewrite, the source's card (we write our
 # own), and VCS / cache folders.
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", PARTIAL)
-CALIB_REPORT = "calibration-report.json"
-_SKIP_NAMES = {INDEX_NAME, "README.md", MANIFEST, "config.json", ".gitattributes", CALIB_REPORT}
+_SKIP_NAMES = {INDEX_NAME, "README.md", MANIFEST, "config.json", ".gitattributes",
+               "calibration-report.json"}
 
 
 @dataclass(frozen=True)
@@ -332,8 +332,7 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
         copy_file_atomic(p, out / p.name)
     names = [p.name for p in aux]
     if calib is not None:
-        write_json_atomic(out / CALIB_REPORT, calib.report())
-        names.append(CALIB_REPORT)
+        names += calib.write_outputs(out)  # calibration-report.json, AWQ scales
     for name in [INDEX_NAME, "config.json", *names]:
         manifest.data["files"][name] = {"bytes": (out / name).stat().st_size,
                                         "sha256": sha256_file(out / name)}

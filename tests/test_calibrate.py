@@ -52,7 +52,7 @@ def ckpt_dir(request, tmp_path_factory):
     for L in range(cfg["num_hidden_layers"]):
         def outliers(w: torch.Tensor) -> torch.Tensor:
             w = w.clone()
-            w[:: cfg["hidden_size"] // 4] *= 8
+            w[:: cfg["hidden_size"] // 4] *= 16
             return w
         _patch(src, f"model.layers.{L}.post_attention_layernorm.weight", outliers)
     return src
@@ -144,6 +144,18 @@ def test_converted_checkpoint_loads_in_transformers(ckpt_dir, tmp_path, method):
     rtn = make_plan(open_checkpoint(ckpt_dir), ConvertOptions())
     assert [s.file for s in res.plan.shards] == [s.file for s in rtn.shards]
     assert [t for s in res.plan.shards for t in s.tensors] == [t for s in rtn.shards for t in s.tensors]
+    if "awq" in method:  # the scales as applied are shipped, so the folds can be checked exactly
+        scales = load_file(out / "calibration" / "awq-scales.safetensors")
+        index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        src = open_checkpoint(ckpt_dir)
+        for L in (1, 2):
+            s = scales[f"model.layers.{L}.mlp.awq_input_scale"]
+            assert torch.equal(s, torch.exp2(torch.log2(s).round())) and (s != 1).any()  # MoE: 2^k
+            norm = f"model.layers.{L}.post_attention_layernorm.weight"
+            router = f"model.layers.{L}.mlp.gate.weight"
+            for name, want in ((norm, src.read(norm).float() / s), (router, src.read(router).float() * s)):
+                got = load_file(out / index[name])[name]
+                assert torch.equal(got, want.to(got.dtype)), name
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     ids = torch.tensor([[0, 5, 17, 42, 99, 3]])
     with torch.no_grad():
