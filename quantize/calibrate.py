@@ -66,7 +66,8 @@ from quantize.layout import layer_of
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, Unit
 
-__all__ = ["Calibrator", "HiddenStates", "MLPStats", "build_skeleton", "dense_forward",
+__all__ = ["AWQ_SCALES", "CALIB_REPORT", "Calibrator", "HiddenStates", "MLPStats", "awq_expected",
+           "build_skeleton", "dense_forward",
            "load_layer", "moe_forward", "run_layer"]
 
 CHUNK_TOKENS = 8192  # tokens per layer forward: enough to fill a GPU, small on the CPU
@@ -393,6 +394,25 @@ class Target:
 
     name: str  # checkpoint tensor name (`...weight`)
     quantize: bool  # a --targets Linear (else a BF16 tensor that AWQ may rescale)
+
+
+def awq_expected(name: str, W: torch.Tensor, scales: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The source tensor `name` (float) with the AWQ folds of AWQ_SCALES applied: what the
+    output holds (before INT4 rounding for targets). `verify` compares against this."""
+    layer = name.split(".mlp.")[0] if ".mlp." in name else name.rsplit(".", 2)[0]
+    s_in = scales.get(f"{layer}.mlp.awq_input_scale")
+    if s_in is not None:
+        if name == f"{layer}.post_attention_layernorm.weight":
+            W = fold_into_norm(W, s_in.to(W.device))
+        elif name.endswith(("gate_proj.weight", "up_proj.weight")) or name == f"{layer}.mlp.gate.weight":
+            W = scale_linear_inputs(W, s_in.to(W.device))
+    stem = name.rsplit(".", 2)[0]  # <...>.mlp[.experts.E | .shared_experts]
+    s_down = scales.get(f"{stem}.down_proj.awq_input_scale")
+    if s_down is not None and name.endswith("down_proj.weight"):
+        W = scale_linear_inputs(W, s_down.to(W.device))
+    elif s_down is not None and name.endswith("up_proj.weight"):
+        W = fold_into_linear_rows(W, s_down.to(W.device))
+    return W
 
 
 class LayerWeights:
