@@ -28,6 +28,18 @@ MoE statistics (`expert_calibration`):
             single all-token Hessian (one GPTQ solve shared by all experts' rows), the down
             Hessians from every token through every expert; only routed outputs flow on.
 
+AWQ folds (quantize/awq.py does the search): each down_proj's input scale s (I,) goes into
+the same expert's up_proj rows; the post-attention norm's output scale s (H,) into the norm,
+with every reader (all experts' and the shared gate/up, the router) multiplied by s. In a MoE
+layer that s is rounded to powers of two, so the BF16 norm and router are scaled exactly and no
+token changes experts; it is searched on the shared expert and the AWQ_SEARCH_EXPERTS busiest
+experts. The scales as applied are written to AWQ_SCALES (`awq_expected` re-applies them).
+
+GPTQ runs batched over experts (quantize/gptq.py): gate and up of an expert share its Hessian,
+so one (2I, H) solve per expert, as many experts at once as a quarter of the free GPU memory
+holds. GLM-5.2 worked number, routed statistics: 256 gate/up Hessians of 6144^2 float32 =
+38.6 GB, down Hessians 4.3 GB, the layer's BF16 experts 19.3 GB.
+
 The MTP layer (index num_hidden_layers, dropped by transformers on load) is run too, on its
 real inputs: eh_proj([enorm(embed(token i+1)), hnorm(h_i)]) from the last layer's outputs h,
 through the same decoder-layer class built for that index. Further MTP layers, or one whose
@@ -67,8 +79,7 @@ from quantize.options import ConvertOptions
 from quantize.plan import Plan, Unit
 
 __all__ = ["AWQ_SCALES", "CALIB_REPORT", "Calibrator", "HiddenStates", "MLPStats", "awq_expected",
-           "build_skeleton", "dense_forward",
-           "load_layer", "moe_forward", "run_layer"]
+           "build_skeleton", "dense_forward", "load_layer", "moe_forward", "run_layer"]
 
 CHUNK_TOKENS = 8192  # tokens per layer forward: enough to fill a GPU, small on the CPU
 SAMPLE_TOKENS = 2048  # all-token MLP inputs kept for AWQ's search and expert fallbacks
@@ -154,9 +165,12 @@ def build_skeleton(config: dict):
     return model
 
 
+# MoE blocks whose forward `moe_forward` mirrors (router -> fused experts -> + shared experts).
+MOE_CLASSES = ("GlmMoeDsaMoE", "Glm4MoeMoE", "DeepseekV3MoE")
+
+
 def _mlp_kind(mlp: torch.nn.Module) -> str:
-    experts = getattr(mlp, "experts", None)
-    if experts is not None and hasattr(experts, "gate_up_proj") and hasattr(mlp, "gate"):
+    if type(mlp).__name__ in MOE_CLASSES:
         return "moe"
     if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
         return "dense"
@@ -625,7 +639,7 @@ class Calibrator:
         if kind == "unsupported" and active:
             raise QuantizeError("calibration does not know this MLP", [Problem(
                 "config.json", f"model.layers.{L}.mlp", type(layer.mlp).__name__,
-                "a GLM/DeepSeek-style MoE (experts, gate, shared_experts) or a gate/up/down MLP",
+                f"an MoE block of {', '.join(MOE_CLASSES)} or a gate/up/down MLP",
                 "use --method rtn for this model")])
         entry: dict = {"layer": L, "mlp": kind}
         if not active:
