@@ -458,6 +458,20 @@ class LayerWeights:
         return w
 
 
+class _Clock:
+    """Wall-clock laps of a layer's phases (device-synchronized), for the report."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.laps, self.t = device, {}, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.laps[name] = round(now - self.t, 3)
+        self.t = now
+
+
 def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
@@ -670,6 +684,7 @@ class Calibrator:
         stats = MLPStats(kind, hessians="gptq" in method, samples="awq" in method,
                          all_experts=o.expert_calibration == "all", num_experts=E)
         fwd = moe_forward if kind == "moe" else dense_forward
+        clock = _Clock(self.device)
         mlp.forward = lambda x: fwd(mlp, x, stats)  # pass 1: the same output, statistics on
         ref0 = None
         for i in range(len(self.hidden)):
@@ -677,6 +692,7 @@ class Calibrator:
             if i == 0:
                 ref0 = out
         del mlp.forward  # back to the class's forward
+        clock.lap("pass1_forward_statistics")
 
         p = f"model.layers.{L}.mlp."
         W = LayerWeights(self.ckpt, self.units, self.device)
@@ -758,6 +774,7 @@ class Calibrator:
                 awq["alpha_down_mean"] = sum(alphas) / len(alphas)
             report["awq"] = awq
 
+        clock.lap("awq_search")
         # ---- rounding: GPTQ batched over experts, or RTN of the (rescaled) weights; each
         # result goes to the host for writing and, dequantized, into the module for pass 2.
         damps, retries, nq = [], 0, 0
@@ -843,6 +860,7 @@ class Calibrator:
             self.results[n] = t.cpu()
             self._set_weight(L, layer, n, t.float())
 
+        clock.lap("rounding")
         # ---- pass 2: the next layer's inputs through the quantized layer
         for i in range(len(self.hidden)):
             out, self.topk[i] = run_layer(self.skeleton, layer, self.inputs, self.hidden.get(i),
@@ -851,6 +869,8 @@ class Calibrator:
                 h0 = self.hidden.get(0)
                 report["output_rel_error"] = _relerr(out - h0, ref0 - h0)
             self.hidden.put(i, out)
+        clock.lap("pass2_forward")
+        report["timing_s"] = clock.laps
         report["quantized"] = nq
         report["modified_bf16"] = sorted(mods)
         return report
