@@ -818,10 +818,12 @@ class Calibrator:
                     w = gptq(Ws.reshape(-1, Ws.shape[-1]), H_in)
                     w = Int4Weight(*(None if t is None else t.reshape(len(es), -1, t.shape[-1])
                                      for t in w))
-                else:  # gate and up of an expert share its routed-token Hessian
-                    w = gptq(Ws, torch.stack([H_scaled(stats.H_in_e[e], s_in)
-                                              if e in stats.H_in_e and e not in fb else H_in
-                                              for e in es]))  # (e, H, H)
+                else:  # gate and up of an expert share its routed-token Hessian; each is
+                    # popped once stacked, so the layer's Hessians shrink as experts are solved
+                    Hin = [stats.H_in_e.pop(e, None) for e in es]
+                    w = gptq(Ws, torch.stack([H_scaled(H, s_in) if H is not None and e not in fb
+                                              else H_in for e, H in zip(es, Hin)]))  # (e, H, H)
+                    del Hin
                 del Ws
                 half = w.q.shape[1] // 2
                 for i, (g, u) in enumerate(gu):
@@ -830,7 +832,8 @@ class Calibrator:
                 downs = [f"{p}experts.{e}.down_proj.weight" for e in es]
                 Hs = []
                 for e, n in zip(es, downs):
-                    H = stats.H_down_e.get(e) if e not in fb else None
+                    H = stats.H_down_e.pop(e, None)
+                    H = None if e in fb else H
                     if H is None:  # all-token statistics for a starved expert
                         H, _ = accumulate_hessian(torch.zeros(W.shape(n)[1], W.shape(n)[1],
                                                               device=self.device),
