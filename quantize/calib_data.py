@@ -73,8 +73,11 @@ def read_documents(path: str | Path) -> list[str | list[dict]]:
     """The documents of a calibration source: strings, or chat message lists."""
     p = Path(path)
     if not p.exists():
+        fix = ("the default set ships with the source tree (calib_data/): install with "
+               "`pip install -e .` from a checkout, or pass --calib" if p == DEFAULT_CALIB
+               else "check the --calib path")
         raise _error(str(p), "no such file or folder", "a .jsonl, .txt, .parquet file or a "
-                     "saved datasets folder", "check the --calib path")
+                     "saved datasets folder", fix)
     if p.is_dir():
         try:
             import datasets
