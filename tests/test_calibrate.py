@@ -237,3 +237,24 @@ def test_resumed_calibrated_conversion_is_byte_identical(tmp_path):
     res2 = convert(src, out, opts, device="cpu", resume=True)
     assert res2.written == shards[-2:]
     assert all((out / f).read_bytes() == before[f] for f in shards)
+
+
+def test_dense_llama_like_model(tmp_path):
+    """The generic path: a tiny Llama (the SmolLM2 family) in BF16, --targets dense."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      bos_token_id=0, eos_token_id=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path / "src")
+    write_tokenizer(tmp_path / "src", 512)
+    rep = _calibrate(tmp_path / "src", method="awq+gptq", targets=frozenset({"dense"}))
+    assert [lay["mlp"] for lay in rep["layers"]] == ["dense", "dense"]
+    assert all(lay["quantized"] == 3 and lay["output_rel_error"] < 0.2 for lay in rep["layers"])
+    out = tmp_path / "out"
+    convert(tmp_path / "src", out, ConvertOptions(method="awq", targets=frozenset({"dense"}),
+                                                  **CALIB), device="cpu")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[0, 7, 9, 300]])).logits).all()
