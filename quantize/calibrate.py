@@ -488,6 +488,11 @@ class Calibrator:
         self.log = log or (lambda msg: None)
         self.units = {u.source: u for u in plan.units}
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        limit = ckpt.config.get("max_position_embeddings")
+        if calib is None and limit and opts.seq_len > limit:
+            raise QuantizeError("calibration sequences longer than the model's context", [Problem(
+                "config.json", None, f"--seq-len {opts.seq_len}",
+                f"at most max_position_embeddings {limit}", f"pass --seq-len {min(limit, 2048)}")])
         self.calib = calib or self._load_calibration()
         self.skeleton = build_skeleton(ckpt.config)
         self.num_layers = len(self.skeleton.model.layers)

@@ -209,6 +209,8 @@ def test_bad_calibration_file_fails_before_any_output(tmp_path):
         convert(src, tmp_path / "out", ConvertOptions(method="gptq", calib=str(tmp_path / "empty.jsonl"),
                                                        **CALIB), device="cpu")
     assert not (tmp_path / "out").exists()
+    with pytest.raises(QuantizeError, match="--seq-len 256"):
+        convert(src, tmp_path / "out", ConvertOptions(method="gptq", seq_len=4096), device="cpu")
     (src / "tokenizer.json").unlink()
     with pytest.raises(QuantizeError, match="tokenizer"):
         convert(src, tmp_path / "out", ConvertOptions(method="awq", **CALIB), device="cpu")
