@@ -237,6 +237,9 @@ def convert(
         manifest.data["files"][name] = {"bytes": (out / name).stat().st_size,
                                         "sha256": sha256_file(out / name)}
     manifest.finish(tool_version=__version__)
+    from quantize.readme import write_readme  # local: readme -> verify -> pipeline
+
+    write_readme(out, plan)  # the model card; a report, so not among the manifest's files
     return ConvertResult(out, plan, written, skipped, str(dev))
 
 

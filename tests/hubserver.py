@@ -100,7 +100,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     state: HubState  # set on the subclass by `serve`
 
-    def log_message(self, format, *args):  # noqa: A002 - quiet: tests read their own output
+    def log_message(self, *args) -> None:  # quiet: tests read their own output
         pass
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -351,7 +351,7 @@ class Hub:
         self.server.shutdown()
         self.server.server_close()
 
-    def __enter__(self) -> Hub:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
