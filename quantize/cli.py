@@ -272,17 +272,18 @@ def push(
                          write_card=not dry_run)
         if dry_run:
             for f in p.files:
-                out.print(f"{f.nbytes:>16,}  {f.name}", highlight=False)
+                out.print(f"{f.nbytes:>16,}  {f.name}", highlight=False, soft_wrap=True)
             out.print(f"{p.total_bytes:>16,}  total: {len(p.files)} files ({fmt_bytes(p.total_bytes)}) "
-                      f"-> {p.repo_id}@{p.revision}{' (private)' if p.private else ''}", highlight=False)
-            out.print("\n" + p.card, markup=False, highlight=False)
+                      f"-> {p.repo_id}@{p.revision}{' (private)' if p.private else ''}",
+                      highlight=False, soft_wrap=True)
+            out.print("\n" + p.card, markup=False, highlight=False, soft_wrap=True)
             return
         err.print(f"uploading {len(p.files)} files ({fmt_bytes(p.total_bytes)}) to {p.repo_id}"
                   f"@{p.revision}", highlight=False)
         url = upload(p)
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
-    out.print(url, highlight=False)
+    out.print(url, highlight=False, soft_wrap=True)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -4,6 +4,8 @@ The real client runs unmodified against it (`HF_ENDPOINT=http://127.0.0.1:PORT`,
 `HF_HUB_DISABLE_XET=1`). Covered, with the real request and response shapes:
 
     POST /api/repos/create                                  create_repo (409 + url when it exists)
+    POST /api/validate-yaml                                 README.md front matter check (only:
+                                                            it opens and closes with ---)
     GET  /api/models/{repo}[/revision/{rev}]                repo_info / model_info (siblings, sha)
     GET  /api/models/{repo}/tree/{rev}                      list_repo_tree (snapshot_download), one page
     POST /api/models/{repo}/branch/{branch}                 create_branch
@@ -22,7 +24,7 @@ gitattributes-driven LFS rules, PRs, server-side file size limits.
 
 Knobs for tests: `token` (writes need `Bearer <token>`), `stall_after` (hold the PUT of every LFS
 object after the first N completed ones open until `release` is set: a deterministic
-"interrupted upload"). `requests` records (method, path) of every call.
+"interrupted upload"). `requests` records (method, path, Range header) of every call.
 """
 
 from __future__ import annotations
@@ -72,9 +74,22 @@ class HubState:
         self.repos: dict[str, Repo] = {}
         self.lfs: dict[str, bytes] = {}
         self.uploads: list[str] = []  # oids whose PUT completed, in order
-        self.requests: list[tuple[str, str]] = []
+        self.requests: list[tuple[str, str, str | None]] = []
         self.auth_seen: list[str] = []
         self.lock = threading.Lock()
+
+    def add_repo(self, repo_id: str, folder, private: bool = False) -> str:
+        """Seed `repo_id` with the files of a local folder (one commit); return its sha."""
+        from pathlib import Path
+
+        files = {p.name: RepoFile(p.read_bytes(), p.name.endswith(LFS_SUFFIXES))
+                 for p in sorted(Path(folder).iterdir()) if p.is_file()}
+        sha = hashlib.sha1(repr(sorted((n, f.oid) for n, f in files.items())).encode()).hexdigest()
+        r = Repo(repo_id, private, {"main": files}, {"main": sha})
+        r.commits.append({"oid": sha, "revision": "main", "summary": "seed", "files": sorted(files)})
+        with self.lock:
+            self.repos[repo_id] = r
+        return sha
 
     def files(self, repo_id: str, rev: str = "main") -> dict[str, bytes]:
         return {p: f.data for p, f in self.repos[repo_id].branches[rev].items()}
@@ -83,6 +98,7 @@ class HubState:
 _REPO = r"(?P<repo>[\w.-]+/[\w.-]+)"
 ROUTES = [
     ("POST", re.compile(r"^/api/repos/create$"), "create_repo"),
+    ("POST", re.compile(r"^/api/validate-yaml$"), "validate_yaml"),
     ("GET", re.compile(rf"^/api/models/{_REPO}(?:/revision/(?P<rev>[^/]+))?$"), "repo_info"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/tree/(?P<rev>[^/]+)/?$"), "tree"),
     ("POST", re.compile(rf"^/api/models/{_REPO}/branch/(?P<rev>[^/]+)$"), "create_branch"),
@@ -116,7 +132,10 @@ class _Handler(BaseHTTPRequestHandler):
                 out += self.rfile.read(size)
                 self.rfile.readline()
         n = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(n) if n else b""
+        data = self.rfile.read(n) if n else b""
+        if len(data) != n:
+            raise ConnectionAbortedError("the client went away mid-request")
+        return data
 
     def _send(self, status: int, body: bytes = b"", headers: dict | None = None,
               ctype: str = "application/json") -> None:
@@ -148,7 +167,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         path = unquote(urlsplit(self.path).path)
         with self.state.lock:
-            self.state.requests.append((self.command, path))
+            self.state.requests.append((self.command, path, self.headers.get("Range")))
         for method, rx, name in ROUTES:
             m = rx.match(path)
             if m and method == self.command:
@@ -177,6 +196,13 @@ class _Handler(BaseHTTPRequestHandler):
             private = req.get("visibility") == "private" or bool(req.get("private"))
             self.state.repos[repo_id] = Repo(repo_id, private)
         self._json(200, {"url": url, "name": repo_id})
+
+    def validate_yaml(self) -> None:
+        content = json.loads(self._body())["content"]
+        parts = content.split("---\n")
+        if content.startswith("---\n") and len(parts) < 3:
+            return self._json(400, {"errors": [{"message": "unterminated YAML front matter"}]})
+        self._json(200, {"errors": [], "warnings": []})
 
     def repo_info(self, repo: str, rev: str | None = None) -> None:
         r = self._repo(repo)
@@ -262,15 +288,17 @@ class _Handler(BaseHTTPRequestHandler):
     def lfs_put(self, oid: str) -> None:
         data = self._body()
         st = self.state
-        if st.stall_after is not None and len(st.uploads) >= st.stall_after:
-            st.stalled.set()
-            st.release.wait(timeout=60)  # the test kills the client meanwhile
-            return self._error(503, "stalled upload released")
         if hashlib.sha256(data).hexdigest() != oid:
             return self._error(400, "sha256 of the body does not match the oid")
         with st.lock:
-            st.lfs[oid] = data
-            st.uploads.append(oid)
+            stall = st.stall_after is not None and len(st.uploads) >= st.stall_after
+            if not stall:
+                st.lfs[oid] = data
+                st.uploads.append(oid)
+        if stall:
+            st.stalled.set()
+            st.release.wait(timeout=60)  # the test kills the client meanwhile
+            return self._error(503, "stalled upload released")
         self._send(200, b"", ctype="text/plain")
 
     def lfs_verify(self, repo: str) -> None:
@@ -334,14 +362,23 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, data, headers, "application/octet-stream")
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionError, json.JSONDecodeError)):
+            super().handle_error(request, client_address)  # a killed client is expected; bugs are not
+
+
 class Hub:
     """A running loopback hub: `url`, `state`, `close()` (also a context manager)."""
 
     def __init__(self, state: HubState):
         handler = type("Handler", (_Handler,), {"state": state})
         self.state = state
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
