@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +167,7 @@ def read_safetensors_header(path: Path, shown_name: str) -> tuple[dict[str, dict
             and all(isinstance(d, int) and d >= 0 for d in entry["shape"])
             and isinstance(entry.get("data_offsets"), list)
             and len(entry["data_offsets"]) == 2
+            and all(type(o) is int for o in entry["data_offsets"])
         )
         if not ok:
             raise QuantizeError("corrupt safetensors header", [Problem(
@@ -186,7 +188,26 @@ def read_safetensors_header(path: Path, shown_name: str) -> tuple[dict[str, dict
     return header, data_start
 
 
-def _safe_member(root: Path, name: str, index_file: str) -> Path:
+def link_roots(root: Path) -> tuple[Path, ...]:
+    """Where files of `root` may really live: the folder itself, and for a Hugging Face cache
+    snapshot (`.../snapshots/<rev>/`, every file a symlink) the repo's `blobs/` folder."""
+    real = root.resolve()
+    roots = [real]
+    snapshots = root.absolute().parent
+    if snapshots.name == "snapshots" and snapshots.parent.name.startswith("models--"):
+        roots.append(snapshots.parent.resolve() / "blobs")
+    return tuple(roots)
+
+
+def escapes(root: Path, path: Path) -> Path | None:
+    """The real target of `path` when it is a link leading outside `link_roots(root)`."""
+    real = path.resolve()
+    if any(r in real.parents for r in link_roots(root)):
+        return None
+    return real
+
+
+def _safe_member(root: Path, name: str, index_file: str, tensor: str | None = None) -> Path:
     """The path of a shard named by the index, refusing anything that leaves `root`."""
     p = Path(name)
     problem = None
@@ -199,13 +220,13 @@ def _safe_member(root: Path, name: str, index_file: str) -> Path:
     if problem is None:
         full = root / name
         if full.is_symlink() or full.exists():
-            real = full.resolve()
-            if root.resolve() not in real.parents:
+            real = escapes(root, full)
+            if real is not None:
                 problem = f"a link that points outside the model folder (to {real})"
         if problem is None:
             return full
     raise QuantizeError("the index names a shard outside the model folder", [Problem(
-        index_file, None, f"shard name {name!r} is {problem}",
+        index_file, tensor, f"shard name {name!r} is {problem}",
         "a plain file name inside the model folder",
         "this checkpoint is malformed or hostile; do not use it, or fix the index by hand")])
 
@@ -293,6 +314,51 @@ def _validate_scales(ckpt: Checkpoint) -> None:
         raise QuantizeError("the FP8 weights and their scales do not match", problems)
 
 
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _validate_experts(ckpt: Checkpoint) -> None:
+    """Routed experts must have the config's shapes, and every MoE layer all of its experts.
+
+    gate_proj / up_proj [moe_intermediate_size, hidden_size], down_proj [hidden_size,
+    moe_intermediate_size], experts 0 .. n_routed_experts-1 each with all three. An engine
+    builds its fused expert tensors from the config, so any mismatch fails at load time (or,
+    worse, loads a truncated expert); we refuse before writing anything.
+    """
+    cfg = ckpt.config
+    width, hidden, count = (cfg.get("moe_intermediate_size"), cfg.get("hidden_size"),
+                            cfg.get("n_routed_experts"))
+    want = {"gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
+    problems: list[Problem] = []
+    seen: dict[str, set[tuple[int, str]]] = {}
+    for t in ckpt.tensors.values():
+        m = _EXPERT.match(t.name)
+        if m is None:
+            continue
+        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        seen.setdefault(prefix, set()).add((expert, proj))
+        if width and hidden and t.shape != want[proj]:
+            problems.append(Problem(t.file, t.name, f"shape {list(t.shape)}",
+                                    f"{list(want[proj])} from config.json (moe_intermediate_size "
+                                    f"{width}, hidden_size {hidden})",
+                                    "use the config.json that shipped with these weights"))
+        if count and expert >= count:
+            problems.append(Problem(t.file, t.name, f"expert {expert}",
+                                    f"experts 0..{count - 1} (n_routed_experts {count})",
+                                    "use the config.json that shipped with these weights"))
+    if count:
+        for prefix, have in sorted(seen.items()):
+            missing = [f"{e}.{p}" for e in range(count) for p in want if (e, p) not in have]
+            if missing:
+                problems.append(Problem(INDEX_NAME, f"{prefix}.{missing[0]}.weight",
+                                        f"{len(missing)} expert weight(s) missing "
+                                        f"(first: {missing[0]})",
+                                        f"{count} experts x gate/up/down_proj per MoE layer",
+                                        "the download is incomplete; re-download the checkpoint"))
+    if problems:
+        raise QuantizeError("the routed experts do not match config.json", problems)
+
+
 def read_tensor_table(root: Path) -> tuple[dict[str, TensorInfo], list[str], dict[str, int]]:
     """Index (or single file) + every shard header of a local folder -> tensors, files, sizes.
 
@@ -315,14 +381,21 @@ def read_tensor_table(root: Path) -> tuple[dict[str, TensorInfo], list[str], dic
             str(root), None, f"neither {INDEX_NAME} nor {SINGLE_NAME}", "safetensors weights",
             "only safetensors checkpoints are supported (convert .bin files with transformers first)")])
 
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise QuantizeError("unreadable index", [Problem(
+            str(index_path), None, "a weight_map that is not {tensor: file name}",
+            "JSON with a weight_map of strings", "restore the release's model.safetensors.index.json")])
     files = sorted(set(weight_map.values()))
+    first = {}  # file -> the first tensor the index places in it, to name in messages
+    for name, fname in weight_map.items():
+        first.setdefault(fname, name)
     problems: list[Problem] = []
     headers: dict[str, tuple[dict, int]] = {}
     sizes: dict[str, int] = {}
     for fname in files:
-        path = _safe_member(root, str(fname), INDEX_NAME)
+        path = _safe_member(root, fname, INDEX_NAME, first[fname])
         if not path.is_file():
-            problems.append(Problem(INDEX_NAME, None, f"shard {fname} does not exist",
+            problems.append(Problem(INDEX_NAME, first[fname], f"shard {fname} does not exist",
                                     "every shard the index names", "download the missing shard"))
             continue
         headers[fname] = read_safetensors_header(path, fname)
@@ -364,11 +437,17 @@ def open_checkpoint(src: str | Path) -> Checkpoint:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise QuantizeError("config.json is not valid JSON", [Problem(
             str(config_path), None, str(e), "valid JSON", "restore the release's config.json")]) from None
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or not isinstance(qc, (dict, type(None))):
+        raise QuantizeError("config.json is not a model config", [Problem(
+            str(config_path), None, "a JSON value that is not {key: value} (or a quantization_config "
+            "that is not)", "a JSON object", "restore the release's config.json")])
 
     tensors, files, sizes = read_tensor_table(root)
     fmt, block = _detect_format(config, tensors)
     ckpt = Checkpoint(root, str(src), config, tensors, files, sizes, fmt, block)
     _validate_scales(ckpt)
+    _validate_experts(ckpt)
     return ckpt
 
 
@@ -387,4 +466,5 @@ def checkpoint_from_headers(name: str, config: dict, headers: dict[str, dict]) -
                     if t != "__metadata__") for f, h in headers.items()}
     ckpt = Checkpoint(None, name, config, tensors, sorted(headers), sizes, fmt, block)
     _validate_scales(ckpt)
+    _validate_experts(ckpt)
     return ckpt

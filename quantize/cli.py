@@ -28,7 +28,7 @@ app = typer.Typer(
     add_completion=False,
 )
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # messages stay one line for logs and grep
 
 Src = Annotated[str, typer.Argument(
     help="Source checkpoint: a folder (config.json + safetensors) or a Hub repo id org/name.")]
@@ -141,7 +141,8 @@ def convert(
     asymmetric: Asym = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")] = "5GB",
     device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
-    resume: Annotated[bool, typer.Option(help="Continue an interrupted conversion in DST.")] = False,
+    resume: Annotated[bool, typer.Option(
+        help="Continue an interrupted conversion in DST (also automatic when DST has a manifest).")] = False,
     overwrite: Annotated[bool, typer.Option(help="Delete DST's contents and start over.")] = False,
     tp: Tp = 8,
     revision: Revision = None,
@@ -175,10 +176,12 @@ def convert(
         for c in plan_.checks:
             if c.level != "ok":
                 err.print(f"[yellow]warning:[/] {c.what}: {c.detail}", highlight=False)
-        prev = read_manifest(dst) if dst.is_dir() else None
-        if prev is not None and not resume and not overwrite:
-            err.print(f"{dst} holds a {prev.get('status')} conversion; add --resume to continue it "
-                      "or --overwrite to start over", highlight=False)
+        prev = read_manifest(dst) if dst.is_dir() and not overwrite else None
+        if prev is not None:
+            done = sum(s.file in prev.get("files", {}) for s in plan_.shards)
+            err.print(f"found {dst / 'quantize-manifest.json'} ({prev.get('status')}, {done} of "
+                      f"{len(plan_.shards)} shards recorded): resuming it; finished shards are "
+                      "re-hashed and kept (--overwrite starts over)", highlight=False)
         total = sum(u.source_bytes for u in plan_.units)
         t0 = time.perf_counter()
         with _progress() as bar:
@@ -192,7 +195,14 @@ def convert(
             res = run_convert(local, dst, opts, device=device, resume=resume, overwrite=overwrite,
                               on_unit=step, command=command)
     except (QuantizeError, ValueError) as e:
-        _fail(e, debug, f"nothing was marked complete in {dst}; fix the input and rerun")
+        from quantize.manifest import output_state
+
+        _fail(e, debug, output_state(dst))
+    except KeyboardInterrupt:
+        from quantize.manifest import output_state
+
+        err.print(f"interrupted: {output_state(dst)}", highlight=False)
+        raise typer.Exit(130) from None
     dt = time.perf_counter() - t0
     err.print(f"[green]done[/] in {dt:.1f} s on {res.device}: {len(res.written)} shard(s) written, "
               f"{len(res.skipped)} kept from an earlier run; {fmt_bytes(res.plan.output_bytes)} "

@@ -10,8 +10,9 @@ Worked number: fp8 0x40 = 2.0, scale_inv 0.5 -> 1.0.
 Channel FP8 (GLM-4.x, compressed-tensors float-quantized): `weight_scale` [N, 1] (or
 a scalar per tensor), `W[i, j] = fp8[i, j] * scale[i]`.
 
-Both return float32: the product of an e4m3 value (4 significant bits) and a float32
-scale is exact in float32, so this step loses nothing.
+Both return float32: one correctly rounded multiplication of an e4m3 value (4 significant
+bits) by the float32 scale, i.e. within 2^-24 relative of the exact product, and the same bits
+on CPU and GPU.
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ from quantize import __version__
 from quantize.checkpoint import INDEX_NAME, Checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.plan import Plan
-from quantize.shards import write_json_atomic
+from quantize.shards import sha256_file, write_json_atomic
 
-__all__ = ["MANIFEST", "Manifest", "read_manifest", "source_fingerprint"]
+__all__ = ["MANIFEST", "Manifest", "output_state", "read_manifest", "source_fingerprint"]
 
 MANIFEST = "quantize-manifest.json"
 
@@ -37,6 +37,18 @@ def source_fingerprint(ckpt: Checkpoint) -> dict:
         st = (root / f).stat()
         files[f] = [st.st_size, st.st_mtime_ns]
     return {"path": str(root.resolve()), "index_sha256": index_sha, "files": files}
+
+
+def source_changes(recorded: dict, ckpt: Checkpoint) -> list[str]:
+    """What differs between a recorded source fingerprint and the source as it is now."""
+    fp = source_fingerprint(ckpt)
+    diffs = []
+    if recorded.get("index_sha256") != fp["index_sha256"]:
+        diffs.append("source index changed")
+    for f, stat in fp["files"].items():
+        if recorded.get("files", {}).get(f) != stat:
+            diffs.append(f"source file {f} changed (size/mtime)")
+    return diffs
 
 
 def plan_digest(plan: Plan) -> str:
@@ -54,11 +66,34 @@ def read_manifest(out_dir: Path) -> dict | None:
     if not p.is_file():
         return None
     try:
-        return json.loads(p.read_text())
+        data = json.loads(p.read_text())
+        why = None if (isinstance(data, dict) and isinstance(data.get("status"), str)
+                       and isinstance(data.get("files"), dict)
+                       and isinstance(data.get("options"), dict)) else "not this tool's layout"
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        why = str(e)
+    if why is not None:
         raise QuantizeError("the output's manifest is unreadable", [Problem(
-            str(p), None, str(e), "the JSON this tool writes",
-            "delete the output folder and convert again (or pass --overwrite)")]) from None
+            str(p), None, why, "the JSON this tool writes",
+            "pass --overwrite to start the conversion over (or delete the output folder)")])
+    return data
+
+
+def output_state(out_dir: Path) -> str:
+    """One sentence on what a failed `convert` left in `out_dir`, for the error message."""
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return f"nothing was written to {out_dir}"
+    try:
+        m = read_manifest(out_dir)
+    except QuantizeError:
+        m = None
+    if m is None:
+        return f"{out_dir} was left as it was"
+    if m.get("status") == "complete":
+        return f"{out_dir} still holds the earlier, complete conversion"
+    return (f"{out_dir} holds an unfinished conversion ({MANIFEST} says in-progress; verify and "
+            "push refuse it): rerun the same command to resume, or add --overwrite if the "
+            "source or the options changed")
 
 
 class Manifest:
@@ -92,13 +127,9 @@ class Manifest:
             old = previous.get("options", {}).get(k)
             if old != v:
                 diffs.append(f"option {k}: was {old!r}, now {v!r}")
-        fp = source_fingerprint(ckpt)
-        old_fp = previous.get("source", {})
-        if old_fp.get("index_sha256") != fp["index_sha256"]:
-            diffs.append("source index changed")
-        for f, stat in fp["files"].items():
-            if old_fp.get("files", {}).get(f) != stat:
-                diffs.append(f"source file {f} changed (size/mtime)")
+        if previous.get("tool_version") != __version__:  # same layout, maybe other arithmetic
+            diffs.append(f"tool version: was {previous.get('tool_version')!r}, now {__version__!r}")
+        diffs += source_changes(previous.get("source", {}), ckpt)
         if not diffs and previous.get("plan_sha256") != plan_digest(plan):
             diffs.append("the planned output differs (tool version or layout changed)")
         if diffs:
@@ -113,11 +144,26 @@ class Manifest:
     def done(self, name: str) -> dict | None:
         return self.data["files"].get(name)
 
+    def holds(self, name: str) -> bool:
+        """Whether `name` is recorded as finished and its bytes on disk still match the record
+        (a resumed run re-hashes what it keeps: a shard changed since is rewritten)."""
+        rec = self.done(name)
+        p = self.path.parent / name
+        return (rec is not None and p.is_file() and p.stat().st_size == rec["bytes"]
+                and sha256_file(p) == rec["sha256"])
+
     def record(self, name: str, nbytes: int, sha256: str) -> None:
         self.data["files"][name] = {"bytes": nbytes, "sha256": sha256}
         self.save()
 
-    def finish(self, **extra) -> None:
+    def finish(self, ckpt: Checkpoint, **extra) -> None:
+        """Mark the conversion complete, unless the source changed while it ran (a download
+        still finishing, a copy over it): then nothing vouches that the shards agree."""
+        diffs = source_changes(self.data["source"], ckpt)
+        if diffs:
+            raise QuantizeError("the source changed during the conversion", [Problem(
+                self.data["source"]["path"], None, d, "the source left alone while converting",
+                "let the download or copy finish, then rerun with --overwrite") for d in diffs])
         self.data.update(extra)
         self.data["status"] = "complete"
         self.save()

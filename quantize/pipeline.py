@@ -2,35 +2,48 @@
 
     1. open the source: config, index, every shard header; validate (no data read)
     2. plan: every output tensor, shard and byte; refuse what the engines cannot serve
-    3. prepare the output folder (never inside the source; resume or overwrite only on request)
-    4. check every FP8 scale is finite (small: one float per 128x128 block)
+    3. check every FP8 scale is finite (small: one float per 128x128 block)
+    4. prepare the output folder (never inside the source; a folder with a manifest is resumed,
+       any other non-empty one refused unless --overwrite)
     5. stream shard by shard: read a source tensor, dequantize / quantize / copy, append to the
-       shard, commit the shard atomically and record its sha256 in the manifest
+       shard, commit the shard atomically and record its sha256 in the manifest; a shard the
+       manifest already records with a matching sha256 is kept
     6. write config.json (compressed-tensors quantization_config), the index, copy the
        tokenizer and other non-weight files, mark the manifest complete
 """
 
 from __future__ import annotations
 
-import json
 import shutil
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from quantize import __version__
-from quantize.checkpoint import INDEX_NAME, Checkpoint, SourceFormat, open_checkpoint
+from quantize.checkpoint import INDEX_NAME, Checkpoint, SourceFormat, escapes, open_checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.fp8 import dequant_block, dequant_channel
 from quantize.int4 import pack_int4, quantize_rtn
 from quantize.manifest import MANIFEST, Manifest, read_manifest
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, Unit, make_plan
-from quantize.shards import PARTIAL, ShardWriter, copy_file_atomic, write_json_atomic
+from quantize.shards import (
+    PARTIAL,
+    ShardWriter,
+    copy_file_atomic,
+    folder_lock,
+    sha256_file,
+    stall_point,
+    write_json_atomic,
+)
 
-__all__ = ["ConvertResult", "convert", "quantization_config", "resolve_device", "source_weight"]
+__all__ = [
+    "ConvertResult", "compute_unit", "convert", "quantization_config", "read_unit", "resolve_device",
+    "source_weight",
+]
 
 # Files never copied from the source: the weights we rewrite, the source's card (we write our
 # own), and VCS / cache folders.
@@ -59,7 +72,11 @@ def resolve_device(device: str) -> torch.device:
 def quantization_config(plan: Plan) -> dict:
     """config.json `quantization_config`, built with compressed-tensors' own classes."""
     import compressed_tensors
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
 
     o = plan.options
     args = QuantizationArgs(num_bits=o.num_bits, type="int", symmetric=o.symmetric, strategy="group",
@@ -77,39 +94,52 @@ def quantization_config(plan: Plan) -> dict:
     return qc
 
 
-def source_weight(ckpt: Checkpoint, unit: Unit, device: torch.device) -> torch.Tensor:
+def read_unit(ckpt: Checkpoint, unit: Unit) -> dict[str, torch.Tensor]:
+    """The source tensors a unit needs (weight, and its FP8 scale), read from disk to host."""
+    names = [unit.source] + ([unit.scale] if unit.scale else [])
+    return {n: ckpt.read(n) for n in names}
+
+
+def source_weight(ckpt: Checkpoint, unit: Unit, device: torch.device,
+                  raw: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """The unit's source weight as float32 on `device` (FP8 dequantized exactly)."""
-    w = ckpt.read(unit.source, device)
+    raw = raw if raw is not None else read_unit(ckpt, unit)
+    w = raw[unit.source].to(device)
     if unit.scale is None:
         return w.float()
-    s = ckpt.read(unit.scale, device)
+    s = raw[unit.scale].to(device)
     if ckpt.source_format == SourceFormat.FP8_BLOCK:
         return dequant_block(w, s, ckpt.block_size)
     return dequant_channel(w, s)
 
 
 def _nonfinite(ckpt: Checkpoint, name: str, t: torch.Tensor) -> QuantizeError:
-    bad = (~torch.isfinite(t)).sum().item()
-    kinds = []
-    if torch.isnan(t).any():
-        kinds.append("NaN")
-    if torch.isinf(t).any():
-        kinds.append("Inf")
+    """Which non-finite values `t` holds, how many, and where the first one is.
+
+    There is no `--allow-nonfinite`: a NaN or Inf makes its whole INT4 group's scale NaN/Inf
+    (the absmax), and a copied NaN norm or embedding poisons every token that touches it, so
+    passing them on would only move the failure into the serving engine.
+    """
+    nan, inf = torch.isnan(t), torch.isinf(t)
+    counts = [f"{int(m.sum())} {k}" for k, m in (("NaN", nan), ("Inf", inf)) if m.any()]
+    first = [int(i) for i in (nan | inf).nonzero()[0]]
     return QuantizeError("non-finite values in the source", [Problem(
-        ckpt.tensors[name].file, name, f"{bad} {'/'.join(kinds)} value(s)", "finite numbers",
+        ckpt.tensors[name].file, name, f"{' and '.join(counts)} value(s), the first at {first}",
+        "finite numbers",
         "the checkpoint is corrupt: re-download this shard (a NaN weight would poison every "
         "token routed through it, so it is never passed on)")])
 
 
-def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.device
-                 ) -> list[torch.Tensor]:
-    """The output tensors of one unit, in plan order."""
+def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.device,
+                 raw: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The output tensors of one unit, in plan order (`raw`: its tensors already read)."""
+    raw = raw if raw is not None else read_unit(ckpt, unit)
     if unit.action == "copy":
-        t = ckpt.read(unit.source)
+        t = raw[unit.source]
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise _nonfinite(ckpt, unit.source, t)
         return [t]
-    W = source_weight(ckpt, unit, device)  # (N, K) float32
+    W = source_weight(ckpt, unit, device, raw)  # (N, K) float32
     if not torch.isfinite(W).all():
         raise _nonfinite(ckpt, unit.source, W)
     if unit.action == "dequant":
@@ -122,8 +152,17 @@ def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: tor
     return outs
 
 
-def _prepare_out(src: Path, out: Path, resume: bool, overwrite: bool) -> dict | None:
-    """Refuse dangerous output folders; return the previous manifest when resuming."""
+def _write_all(w: ShardWriter, tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        w.write(t)
+
+
+def _check_out_path(src: Path, out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse an output folder inside (or around) the source, a file, or contradictory flags."""
+    if resume and overwrite:
+        raise QuantizeError("--resume and --overwrite contradict each other", [Problem(
+            str(out), None, "both flags", "at most one of them",
+            "--resume keeps the finished shards, --overwrite deletes them; choose one")])
     s, o = src.resolve(), out.resolve()
     if o == s or s in o.parents:
         raise QuantizeError("the output folder is inside the source", [Problem(
@@ -133,25 +172,35 @@ def _prepare_out(src: Path, out: Path, resume: bool, overwrite: bool) -> dict | 
         raise QuantizeError("the output folder contains the source", [Problem(
             str(out), None, f"a parent of {src}", "a separate folder",
             "choose an empty output folder next to the source")])
-    previous = read_manifest(out) if out.is_dir() else None
-    if out.is_dir() and any(out.iterdir()):
-        if overwrite:
-            shutil.rmtree(out)
-        elif previous is not None and resume:
-            for p in out.glob(f"*{PARTIAL}"):
-                p.unlink()  # half-written files of the interrupted run
-            return previous
-        elif previous is not None:
-            state = previous.get("status")
-            raise QuantizeError(f"the output folder holds a {state} conversion", [Problem(
-                str(out), None, f"{MANIFEST} status {state!r}", "an empty folder",
-                "add --resume to continue it, or --overwrite to start over")])
-        else:
-            raise QuantizeError("the output folder is not empty", [Problem(
-                str(out), None, "existing files", "an empty or new folder",
-                "choose a new folder, or pass --overwrite to delete its contents")])
-    out.mkdir(parents=True, exist_ok=True)
-    return None
+    if out.exists() and not out.is_dir():
+        raise QuantizeError("the output is not a folder", [Problem(
+            str(out), None, "an existing file", "a new or empty folder", "choose another path")])
+
+
+def _prepare_out(out: Path, overwrite: bool) -> dict | None:
+    """Empty or resume the (locked) output folder; return the previous manifest when resuming.
+
+    A folder holding a manifest is resumed whether or not --resume was given (re-running the
+    same command continues it; `Manifest.resume` refuses other options or a changed source).
+    Any other non-empty folder is refused unless --overwrite. Leftover `.partial` files are
+    ours: a killed run's half-written files, deleted before we start.
+    """
+    previous = None if overwrite else read_manifest(out)
+    ours = [p for p in out.iterdir() if not p.name.endswith(PARTIAL)]
+    if ours and overwrite:
+        for p in ours:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+    elif ours and previous is None:
+        raise QuantizeError("the output folder is not empty", [Problem(
+            str(out), None, f"{len(ours)} existing file(s), no {MANIFEST}",
+            "an empty or new folder, or one holding an earlier conversion's manifest",
+            "choose a new folder, or pass --overwrite to delete its contents")])
+    for p in out.glob(f"*{PARTIAL}"):
+        p.unlink()  # half-written files of an interrupted run (the lock says it is not running)
+    return previous
 
 
 def _check_scales(ckpt: Checkpoint, plan: Plan) -> None:
@@ -159,25 +208,29 @@ def _check_scales(ckpt: Checkpoint, plan: Plan) -> None:
     for u in plan.units:
         if u.scale is None:
             continue
-        s = ckpt.read(u.scale)
-        if not torch.isfinite(s.float()).all():
-            problems.append(Problem(ckpt.tensors[u.scale].file, u.scale, "NaN/Inf scale",
-                                    "finite scales", "re-download this shard"))
+        s = ckpt.read(u.scale).float()
+        if not torch.isfinite(s).all():
+            problems.extend(_nonfinite(ckpt, u.scale, s).problems)
     if problems:
         raise QuantizeError("non-finite FP8 scales in the source", problems)
 
 
-def _copy_aux_files(src: Path, out: Path) -> list[str]:
-    copied = []
+def _aux_files(src: Path) -> list[Path]:
+    """The source's non-weight files we copy (tokenizer, generation config, remote code: copied,
+    never imported). A link leading out of the model folder is refused, not followed."""
+    files, problems = [], []
     for p in sorted(src.iterdir()):
         if p.name in _SKIP_NAMES or p.name.startswith(".") or p.name.endswith(_SKIP_SUFFIXES):
             continue
-        if p.is_symlink() and src.resolve() not in p.resolve().parents:
-            continue  # never follow a link out of the model folder
-        if p.is_file():
-            copy_file_atomic(p, out / p.name)
-            copied.append(p.name)
-    return copied
+        real = escapes(src, p) if p.is_symlink() else None
+        if real is not None:
+            problems.append(Problem(str(p), None, f"a link to {real}", "files inside the model folder",
+                                    "copy the file into the folder, or remove the link"))
+        elif p.is_file():
+            files.append(p)
+    if problems:
+        raise QuantizeError("the source links to files outside the model folder", problems)
+    return files
 
 
 def convert(
@@ -194,9 +247,19 @@ def convert(
     ckpt = open_checkpoint(src)
     plan = make_plan(ckpt, opts)
     dev = resolve_device(device)
-    previous = _prepare_out(src, out, resume, overwrite)
-    _check_scales(ckpt, plan)
-    extra = {"command": command, "source_format": ckpt.source_format, "model_type": ckpt.model_type}
+    aux = _aux_files(src)
+    _check_scales(ckpt, plan)  # everything checkable without reading the weights, before writing
+    _check_out_path(src, out, resume, overwrite)
+    with folder_lock(out):  # one conversion per output folder at a time
+        return _write(ckpt, plan, out, _prepare_out(out, overwrite), aux, opts, dev, on_unit,
+                      {"command": command, "source_format": ckpt.source_format,
+                       "model_type": ckpt.model_type})
+
+
+def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: list[Path],
+           opts: ConvertOptions, dev: torch.device, on_unit: Callable[[Unit], None] | None,
+           extra: dict) -> ConvertResult:
+    """Steps 5 and 6 of the recipe, in the prepared and locked output folder."""
     if previous is not None:
         manifest = Manifest.resume(out, ckpt, plan, previous)
     else:
@@ -204,23 +267,36 @@ def convert(
 
     written, skipped = [], []
     for shard in plan.shards:
-        done = manifest.done(shard.file)
-        if done is not None and (out / shard.file).is_file() and \
-                (out / shard.file).stat().st_size == done["bytes"]:
+        if manifest.holds(shard.file):
             skipped.append(shard.file)
             if on_unit:
                 for u in shard.units:
                     on_unit(u)
             continue
-        with ShardWriter(out / shard.file, shard.tensors) as w:
-            for unit in shard.units:
-                for t in compute_unit(ckpt, unit, opts, dev):
-                    w.write(t)
+        # Three stages overlap: the reader thread fetches unit i+1, this thread computes unit
+        # i, the writer thread hashes and writes unit i-1 (torch, hashlib and file I/O release
+        # the GIL). At most three units' tensors are in memory; the write order is the plan's.
+        with ShardWriter(out / shard.file, shard.tensors) as w, \
+                ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as writer:
+            ahead = reader.submit(read_unit, ckpt, shard.units[0])
+            written_prev = None
+            for i, unit in enumerate(shard.units):
+                raw = ahead.result()
+                if i + 1 < len(shard.units):
+                    ahead = reader.submit(read_unit, ckpt, shard.units[i + 1])
+                outs = [t.cpu() for t in compute_unit(ckpt, unit, opts, dev, raw)]
+                if written_prev is not None:
+                    written_prev.result()  # re-raises a write error (e.g. disk full) here
+                    stall_point("unit", w.f)  # test hook (shards.py): the shard is half written
+                written_prev = writer.submit(_write_all, w, outs)
                 if on_unit:
                     on_unit(unit)
+            if written_prev is not None:
+                written_prev.result()
         manifest.record(shard.file, w.nbytes, w.sha256)
         written.append(shard.file)
 
+    stall_point("finish")
     weight_map = {t.name: s.file for s in plan.shards for t in s.tensors}
     write_json_atomic(out / INDEX_NAME, {
         "metadata": {"total_size": plan.output_bytes},
@@ -230,18 +306,13 @@ def convert(
     config["quantization_config"] = quantization_config(plan)
     config.setdefault("torch_dtype", "bfloat16")
     write_json_atomic(out / "config.json", config)
-    aux = _copy_aux_files(src, out)
-    from quantize.shards import sha256_file
-
-    for name in [INDEX_NAME, "config.json", *aux]:
+    for p in aux:
+        copy_file_atomic(p, out / p.name)
+    for name in [INDEX_NAME, "config.json", *(p.name for p in aux)]:
         manifest.data["files"][name] = {"bytes": (out / name).stat().st_size,
                                         "sha256": sha256_file(out / name)}
-    manifest.finish(tool_version=__version__)
+    manifest.finish(ckpt, tool_version=__version__)
     from quantize.readme import write_readme  # local: readme -> verify -> pipeline
 
     write_readme(out, plan)  # the model card; a report, so not among the manifest's files
     return ConvertResult(out, plan, written, skipped, str(dev))
-
-
-def load_index(out: Path) -> dict:
-    return json.loads((out / INDEX_NAME).read_text())

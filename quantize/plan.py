@@ -28,7 +28,6 @@ from quantize.layout import (
     fused_names,
     ignore_patterns,
     is_ignored,
-    layer_of,
     linear_role,
     module_of,
     natural_key,

@@ -3,16 +3,33 @@
 Every file appears under its final name only when complete: it is written to
 `<name>.partial`, fsynced, then renamed, and the folder is fsynced. A crash leaves at most a
 `.partial` file, which a resumed run discards. A shard is streamed tensor by tensor after its
-header (known from the plan), so memory holds one tensor, never a shard.
+header (known from the plan), so memory holds one tensor, never a shard. While a conversion
+writes, it holds a flock on the output folder, so a second run into the same folder is refused.
+A failed write (disk full, read-only, permissions) becomes a QuantizeError naming the file.
+
+Test hook (off unless the variable is set; never set it in production):
+`QUANTIZE_TEST_STALL_AT=EVENT:N` makes the process print `QUANTIZE_TEST_STALLED EVENT N` to
+stderr and sleep forever at the N-th (1-based) EVENT of this process, so a test can SIGKILL it
+at an exact point, always on the main thread. EVENT is `unit` (a unit's tensors written into a
+`.partial` shard and flushed, more units of that shard to come: the shard is half written),
+`shard` (a shard renamed into place, before the manifest records it) or `finish` (every shard
+done, before the index, config and completed manifest are written).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -20,9 +37,29 @@ from quantize.checkpoint import TORCH_TO_ST
 from quantize.errors import Problem, QuantizeError
 from quantize.plan import OutTensor, shard_header
 
-__all__ = ["ShardWriter", "copy_file_atomic", "fsync_dir", "sha256_file", "write_json_atomic"]
+__all__ = [
+    "ShardWriter", "copy_file_atomic", "folder_lock", "fsync_dir", "sha256_file", "stall_point",
+    "write_failed", "write_json_atomic",
+]
 
 PARTIAL = ".partial"
+STALL_ENV = "QUANTIZE_TEST_STALL_AT"
+_stall_counts: dict[str, int] = {}
+
+
+def stall_point(event: str, partial: BinaryIO | None = None) -> None:
+    """The test hook described in the module docstring; a no-op unless STALL_ENV is set.
+    `partial`: the open `.partial` file, flushed first so the half-written bytes are on disk."""
+    want = os.environ.get(STALL_ENV)
+    if not want:
+        return
+    _stall_counts[event] = n = _stall_counts.get(event, 0) + 1
+    if want == f"{event}:{n}":
+        if partial is not None:
+            partial.flush()
+        print(f"QUANTIZE_TEST_STALLED {event} {n}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(60)
 
 
 def fsync_dir(path: Path) -> None:
@@ -33,11 +70,48 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _disk_full(path: Path, e: OSError) -> QuantizeError:
-    return QuantizeError("the disk filled up while writing", [Problem(
-        str(path), None, f"{e.strerror} (errno {e.errno})", "room for the output",
-        "free space (`quantize plan` prints the output size), then rerun the same command "
-        "with --resume: finished shards are kept")])
+def write_failed(path: Path, e: OSError) -> QuantizeError:
+    """A failed write as a message: the disk filling up, or anything else the OS refused."""
+    if e.errno == errno.ENOSPC:
+        return QuantizeError("the disk filled up while writing", [Problem(
+            str(path), None, f"{e.strerror} (errno {e.errno})", "room for the output",
+            "free space (`quantize plan` prints the output size), then rerun the same command "
+            "with --resume: finished shards are kept")])
+    return QuantizeError("could not write the output", [Problem(
+        str(path), None, f"{e.strerror or e} (errno {e.errno})", "a writable output folder",
+        "fix the folder's permissions or pick another one, then rerun the same command")])
+
+
+@contextmanager
+def folder_lock(path: Path) -> Iterator[None]:
+    """Create `path` if needed and hold an exclusive flock on the folder itself (no lock file is
+    left behind; the kernel drops the lock when the process dies, even by SIGKILL)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise write_failed(path, e) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise QuantizeError("another conversion is writing to this folder", [Problem(
+            str(path), None, "locked by a running `quantize convert`",
+            "one conversion per output folder at a time",
+            "wait for the other run to finish (or stop it), then rerun this command to resume")]
+        ) from None
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a temporary file after a failed write; a second failure must not hide the first."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
@@ -50,8 +124,8 @@ def write_json_atomic(path: Path, obj: object) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise _disk_full(path, e) if e.errno == 28 else e
+        _discard(tmp)
+        raise write_failed(path, e) from None
     fsync_dir(path.parent)
 
 
@@ -63,8 +137,9 @@ def copy_file_atomic(src: Path, dst: Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, dst)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise _disk_full(dst, e) if e.errno == 28 else e
+        _discard(tmp)
+        raise write_failed(dst, e) from None
+    fsync_dir(dst.parent)
 
 
 def sha256_file(path: Path, chunk: int = 2**24) -> str:
@@ -93,15 +168,22 @@ class ShardWriter:
         self.nbytes = 0
 
     def __enter__(self) -> ShardWriter:
-        self.f = open(self.tmp, "wb")
-        self._put(shard_header(self.planned))
+        try:
+            self.f = open(self.tmp, "wb")
+        except OSError as e:
+            raise write_failed(self.path, e) from None
+        try:
+            self._put(shard_header(self.planned))
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
         return self
 
     def _put(self, data) -> None:
         try:
             self.f.write(data)
         except OSError as e:
-            raise _disk_full(self.path, e) if e.errno == 28 else e
+            raise write_failed(self.path, e) from None
         self.hash.update(data)
         self.nbytes += len(data)
 
@@ -116,21 +198,30 @@ class ShardWriter:
         self.next += 1
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc_type is None:
-                if self.next != len(self.planned):
-                    raise RuntimeError(f"internal: {self.path.name} got {self.next} of "
-                                       f"{len(self.planned)} tensors")
-                try:
-                    self.f.flush()
-                    os.fsync(self.f.fileno())
-                except OSError as e:
-                    raise _disk_full(self.path, e) if e.errno == 28 else e
-        finally:
-            self.f.close()
         if exc_type is not None:
-            self.tmp.unlink(missing_ok=True)
+            try:
+                self.f.close()  # may fail again (e.g. disk still full); the original error wins
+            except OSError:
+                pass
+            _discard(self.tmp)
             return
+        try:
+            if self.next != len(self.planned):
+                raise RuntimeError(f"internal: {self.path.name} got {self.next} of "
+                                   f"{len(self.planned)} tensors")
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+        except BaseException as e:
+            try:
+                self.f.close()
+            except OSError:
+                pass
+            _discard(self.tmp)
+            if isinstance(e, OSError):
+                raise write_failed(self.path, e) from None
+            raise
         os.replace(self.tmp, self.path)
         fsync_dir(self.path.parent)
         self.sha256 = self.hash.hexdigest()
+        stall_point("shard")

@@ -1,0 +1,303 @@
+"""GPTQ: INT4 rounding that compensates each column's error on the columns not yet quantized.
+
+Names: N = out_features, K = in_features, g = group_size, G = K // g, B = experts (any
+leading dims of W, flattened). Frantar et al. 2022, "GPTQ", Algorithm 1 with the lazy batch
+updates of section 3.4; the variable names follow IST-DASLab `gptq.py`.
+
+The layer's inputs X (T, K) enter only through H = 2 XᵀX / T (`accumulate_hessian`). The output
+error of a weight change E = W - Q is tr(E H Eᵀ), and quantizing column i while letting the later
+columns F absorb its error is optimal when they move by
+
+    delta_F = -(w_i - q_i) / [H_F⁻¹]_ii · [H_F⁻¹]_{i,F}
+
+which the algorithm reads off one upper Cholesky factor Hinv = chol(H⁻¹)ᵀ, processed in
+blocks of `blocksize` columns (the updates inside a block are rank-1, the block's accumulated
+Err (N, blocksize) reaches the rest of W in one matmul).
+
+Worked number: H = [[1, .5], [.5, 1]] (two inputs with correlation .5), one row w = [0.34, 0.24],
+scale 0.1. Hinv = [[1.155, -0.577], [0, 1]]. Column 0 rounds to 0.3, Err = 0.04 / 1.155, and
+column 1 moves by +0.04 / 1.155 · 0.577 = +0.02 to 0.26, which rounds to 0.3. Output error
+eHeᵀ: RTN's e = [.04, .04] gives 0.0048, GPTQ's e = [.04, -.06] gives 0.0028.
+
+Choices, each where llm-compressor 0.14 (`modifiers/gptq/gptq_quantize.py`) makes the same one
+unless it says otherwise:
+
+- Static groups. Every group's scale (and zero point) is computed from the ORIGINAL W up front by
+  the RTN rule of `quantize.int4.rtn_qparams` (bf16 scale = absmax / 7.5), optionally shrunk by
+  the MSE clip search. Taking them at group start instead (IST-DASLab's `static_groups=False`)
+  would tie a group to the columns processed before it, which under activation order are
+  scattered across groups, and would need a `g_idx` on disk. With static groups the order of
+  processing is free: `actorder` processes columns by descending diag(H) while the groups stay in
+  the original order, so nothing new is stored and the serving kernels are unchanged. Tied
+  diagonals keep column order (a stable sort, the same on CPU and GPU; llm-compressor's unstable
+  sort may order them otherwise, the one source of differing integers measured against it in
+  BENCHMARKS-gptq.md). Static groups also make H = I give RTN exactly: Hinv is then diagonal, no error propagates, and each column is
+  rounded with the very scales and arithmetic of `quantize_with_qparams`.
+- Q inside the loop is the engines' reconstruction bf16((q - zp) * scale), so the error that is
+  compensated is the error that is served.
+- Dampening: H + percdamp · mean(diag H) · I. Where a Cholesky fails (an indefinite H from a
+  rank-deficient calibration set, rounding), that expert alone is retried with percdamp × 10, up
+  to `MAX_DAMP_RETRIES` times; `GPTQResult.damp` holds the fraction each expert ended with.
+  (llm-compressor instead falls back to RTN for that module.)
+- Dead columns (diag H = 0: the input is always 0): H_ii = 1 and W[:, i] = 0, so q = 0 there, as
+  in the reference. An expert that saw no token at all has H = 0 and would come out all-zero:
+  the caller must give it a fallback (all-token statistics or RTN) before calling.
+- `mse_clip`: per group, the scale from the shrunk range p · [min, max], p in 1.00, 0.99, ...,
+  0.80, that minimises sum_k H_kk (w_k - q_k)² (the output error without cross terms; plain MSE
+  when H = I). Ties keep p = 1, the RTN scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from quantize.int4 import QMAX, QMIN, SCALE_DTYPE, Int4Weight, quantize_with_qparams, rtn_qparams
+
+__all__ = [
+    "MAX_DAMP_RETRIES",
+    "GPTQConfig",
+    "GPTQResult",
+    "accumulate_hessian",
+    "gptq_quantize",
+]
+
+MAX_DAMP_RETRIES = 4  # 0.01 -> 100: past a dampening of 100x the mean diagonal H is not the problem
+# 1.00, 0.99, ..., 0.80: the range of llm-compressor's mse observer (maxshrink 0.2, step 0.01)
+MSE_SHRINK = tuple(1.0 - i / 100 for i in range(21))
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    # 32: the layout of the published GLM INT4 checkpoints; 64 / 128 also serve (options.py).
+    group_size: int = 32
+    # Symmetric is what SGLang's MoE WNA16 path asserts.
+    symmetric: bool = True
+    # 128: the paper's lazy-batch width; the result does not depend on it beyond float rounding.
+    blocksize: int = 128
+    # 1% of the mean diagonal: the default of IST-DASLab's code and of llm-compressor.
+    percdamp: float = 0.01
+    # Quantize the columns with the most input energy first (their errors get the most room to
+    # be absorbed); free with static groups: no g_idx, nothing new for the kernels.
+    actorder: bool = True
+    # Off by default so H = I reproduces RTN; on trades ~21 RTN passes for smaller group errors.
+    mse_clip: bool = False
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be positive, got {self.group_size}")
+        if self.blocksize < 1:
+            raise ValueError(f"blocksize must be positive, got {self.blocksize}")
+        if not self.percdamp > 0:
+            raise ValueError(f"percdamp must be > 0 (a retry multiplies it), got {self.percdamp}")
+
+
+class GPTQResult(NamedTuple):
+    weight: Int4Weight  # q int8 (..., N, K), scale bf16 (..., N, G), zero_point int8 or None
+    damp: torch.Tensor  # float32 (...H,) the percdamp fraction used per Hessian (H's lead dims)
+    retries: int  # rounds of raised dampening that were needed, 0 when none
+
+
+def accumulate_hessian(H: torch.Tensor, X: torch.Tensor, n_seen: torch.Tensor | int,
+                       n_new: torch.Tensor | int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | int]:
+    """Running mean H = 2 XᵀX / n over all tokens seen, updated with a new batch X.
+
+    H (..., K, K) float32, X (..., T, K). `n_new` counts the real rows of X per batch element
+    (default T); zero rows that pad experts to a common T add nothing to XᵀX, so passing the
+    true counts keeps every expert's mean exact. Returns new (H, n_seen); inputs are untouched.
+    """
+    if X.shape[-1] != H.shape[-1] or H.shape[-1] != H.shape[-2]:
+        raise ValueError(f"accumulate_hessian: H {tuple(H.shape)} does not fit X {tuple(X.shape)}"
+                         " (need H (..., K, K) and X (..., T, K))")
+    T = X.shape[-2]
+    n_new = T if n_new is None else n_new
+    n_total = n_seen + n_new
+    Xf = X.to(torch.float32)
+    XtX = Xf.mT @ Xf  # (..., K, K)
+    if isinstance(n_total, torch.Tensor):
+        n_f = n_total.to(torch.float32).clamp(min=1)[..., None, None]
+        old = torch.as_tensor(n_seen, dtype=torch.float32, device=H.device)
+        old = old[..., None, None] if old.ndim else old
+        H_new = H * (old / n_f) + XtX * (2.0 / n_f)
+    else:
+        n_f = max(n_total, 1)
+        H_new = H * (n_seen / n_f) + XtX * (2.0 / n_f)
+    return H_new, n_total
+
+
+def _group_qparams(W: torch.Tensor, Hdiag: torch.Tensor, cfg: GPTQConfig
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Static group params of W (B, N, K) from the original weight: RTN rule, optional MSE clip."""
+    B, N, K = W.shape
+    W2 = W.reshape(B * N, K)  # rows are independent for the group rule
+    scale, zp = rtn_qparams(W2, cfg.group_size, cfg.symmetric)  # (B*N, G)
+    if cfg.mse_clip:
+        g = cfg.group_size
+        # (B, 1, G, g) per-column weights of the output error, broadcast over rows
+        weight = Hdiag.expand(B, K).reshape(B, 1, K // g, g)
+        best = None
+        for p in MSE_SHRINK:
+            # amax(p * W) == p * amax(W) in floats (rounding is monotone), so this is the RTN
+            # rule on the range p * [min, max]
+            s_p, z_p = rtn_qparams(W2 * p, g, cfg.symmetric) if p != 1.0 else (scale, zp)
+            q = quantize_with_qparams(W2, s_p, z_p, g)
+            Wq = _dequant(q.reshape(B * N, K // g, g), s_p.unsqueeze(-1),
+                          None if z_p is None else z_p.unsqueeze(-1))
+            err = (W2.reshape(B * N, K // g, g) - Wq).square()
+            err = (err.reshape(B, N, K // g, g) * weight).sum(-1).reshape(B * N, K // g)
+            if best is None:
+                best, scale_b, zp_b = err, s_p, z_p
+                continue
+            better = err < best  # strict: ties keep the larger (RTN) range
+            best = torch.where(better, err, best)
+            scale_b = torch.where(better, s_p, scale_b)
+            if zp_b is not None:
+                zp_b = torch.where(better, z_p, zp_b)
+        scale, zp = scale_b, zp_b
+    G = K // cfg.group_size
+    return scale.reshape(B, N, G), None if zp is None else zp.reshape(B, N, G)
+
+
+def _dequant(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None) -> torch.Tensor:
+    """float32 bf16((q - zp) * scale): the value the engines compute, as `int4.dequantize`."""
+    x = q.to(SCALE_DTYPE)
+    if zp is not None:
+        x = x - zp.to(SCALE_DTYPE)
+    return (x * scale.to(SCALE_DTYPE)).float()
+
+
+def _quantize_column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+    """Codes of one column, with the exact arithmetic of `int4.quantize_with_qparams`."""
+    x = w / s
+    if z is not None:
+        x = x + z
+    return torch.clamp(x, QMIN, QMAX).round()
+
+
+def _factor_inplace(A: torch.Tensor) -> torch.Tensor:
+    """A (b, K, K) damped Hessians -> upper Cholesky factors of their inverses, in place.
+
+    Returns ok (b,): False where a factorization failed (those slices hold garbage).
+    """
+    b, K, _ = A.shape
+    info = torch.empty(b, dtype=torch.int32, device=A.device)
+    torch.linalg.cholesky_ex(A, out=(A, info))  # A = L, lower
+    ok = info == 0
+    if not ok.all():
+        A[~ok] = torch.eye(K, dtype=A.dtype, device=A.device)  # keep the rest of the batch sane
+    torch.cholesky_inverse(A, out=A)  # A = H⁻¹
+    torch.linalg.cholesky_ex(A, upper=True, out=(A, info))  # A = Hinv, upper
+    return ok & (info == 0) & torch.isfinite(A.sum((-2, -1)))
+
+
+def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, percdamp: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Hinv = chol((P H Pᵀ + damp I)⁻¹)ᵀ for H (Bh, K, K) in the processing order perm (Bh, K).
+
+    Dead columns get H_ii = 1 first. A failed expert is rebuilt from H (left untouched) and
+    retried with percdamp x 10. Memory: one (Bh, K, K) buffer beyond H, factored in place.
+    Returns (Hinv (Bh, K, K), dead (Bh, K) in processing order, fraction used (Bh,), retries).
+    """
+    Bh = H.shape[0]
+    diag = torch.diagonal(H, dim1=-2, dim2=-1).gather(-1, perm)  # (Bh, K) processing order
+    dead = diag == 0
+    diag = diag.masked_fill(dead, 1.0)
+    mean_diag = diag.mean(-1)  # (Bh,) after the dead fix, as the reference
+    frac = torch.full((Bh,), percdamp, dtype=torch.float32, device=H.device)
+    todo = torch.arange(Bh, device=H.device)
+    Hinv = None
+    retries = 0
+    while True:
+        p = perm[todo]  # (b, K)
+        A = H[todo[:, None, None], p[:, :, None], p[:, None, :]]  # (b, K, K) new, permuted
+        torch.diagonal(A, dim1=-2, dim2=-1).copy_(
+            diag[todo] + (frac[todo] * mean_diag[todo])[:, None])
+        ok = _factor_inplace(A)
+        if Hinv is None:
+            Hinv = A  # the first round covers every expert
+        else:
+            Hinv[todo[ok]] = A[ok]
+        todo = todo[~ok]
+        if todo.numel() == 0:
+            return Hinv, dead, frac, retries
+        if retries == MAX_DAMP_RETRIES:
+            raise ValueError(
+                f"GPTQ: Cholesky of the Hessian failed for expert(s) {todo.tolist()[:20]} even "
+                f"with percdamp {frac[todo[0]].item():g} x mean(diag H); the Hessian is not "
+                "positive semi-definite (NaN/inf inputs?). Fix: check the calibration inputs of "
+                "those experts, or quantize them with RTN.")
+        frac[todo] *= 10
+        retries += 1
+
+
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig()
+                  ) -> GPTQResult:
+    """GPTQ-round W (..., N, K) against H (..., K, K) (or one shared (K, K)); inputs untouched.
+
+    All leading dims are solved at once (a layer's experts in one batch). With H = I the result
+    equals `quantize_rtn(W)` exactly (without `mse_clip`). Memory beyond the inputs: one
+    (..., K, K) float32 buffer (Hinv, factored in place) and one (..., N, K) working W; for 256
+    GLM-5.2 gate projections (K 6144, N 2048) that is 39 + 13 GB, so pass experts in chunks
+    where H itself does not leave room.
+    """
+    if W.ndim < 2 or H.shape[-2:] != (W.shape[-1], W.shape[-1]):
+        raise ValueError(f"gptq_quantize: W {tuple(W.shape)} and H {tuple(H.shape)} do not fit "
+                         "(need W (..., N, K) and H (..., K, K))")
+    lead, (N, K) = W.shape[:-2], W.shape[-2:]
+    lead_h = H.shape[:-2]
+    if lead_h not in (lead, ()):
+        raise ValueError(f"gptq_quantize: H's leading dims {tuple(lead_h)} must equal W's "
+                         f"{tuple(lead)} (one Hessian per expert) or be absent (one shared)")
+    if K % cfg.group_size:
+        raise ValueError(f"gptq_quantize: in_features {K} is not a multiple of group_size "
+                         f"{cfg.group_size}; pick a group size that divides it")
+    g = cfg.group_size
+    B = lead.numel()
+    Wb = W.reshape(B, N, K).to(torch.float32)  # (B, N, K)
+    Hb = H.reshape(-1, K, K).to(torch.float32)  # (Bh, K, K), Bh = B or 1 (shared)
+    Bh = Hb.shape[0]
+
+    Hdiag = torch.diagonal(Hb, dim1=-2, dim2=-1)  # (Bh, K)
+    scale, zp = _group_qparams(Wb, Hdiag, cfg)  # (B, N, G) from the original W: static groups
+
+    if cfg.actorder:
+        perm = torch.argsort(Hdiag, dim=-1, descending=True, stable=True)  # (Bh, K) order
+    else:
+        perm = torch.arange(K, device=W.device).expand(Bh, K)
+    Hinv, dead, damp, retries = _inverse_cholesky(Hb, perm, cfg.percdamp)  # (Bh, K, K) upper
+    Ww = Wb.gather(-1, perm[:, None, :].expand(B, N, K))  # (B, N, K) working copy, permuted
+    Ww.masked_fill_(dead[:, None, :], 0.0)  # dead inputs: the weight does not matter, q = 0
+    group_of = perm // g  # (Bh, K) group of each processed column, in the original order
+
+    q_perm = torch.empty(B, N, K, dtype=torch.int8, device=W.device)
+    for i1 in range(0, K, cfg.blocksize):
+        i2 = min(i1 + cfg.blocksize, K)
+        count = i2 - i1
+        idx = group_of[:, None, i1:i2].expand(B, N, count)  # (B, N, count)
+        s1 = scale.gather(-1, idx)  # (B, N, count) bf16 scale of each column's group
+        s1f = s1.float()
+        z1 = None if zp is None else zp.gather(-1, idx)
+        z1f = None if z1 is None else z1.float()
+
+        W1 = Ww[..., i1:i2].clone()  # (B, N, count)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[:, i1:i2, i1:i2]  # (Bh, count, count)
+        for i in range(count):
+            w = W1[..., i]  # (B, N)
+            d = Hinv1[:, i, i][:, None]  # (Bh, 1)
+            q = _quantize_column(w, s1f[..., i], None if z1f is None else z1f[..., i])
+            q_perm[..., i1 + i] = q.to(torch.int8)
+            Q = _dequant(q, s1[..., i], None if z1 is None else z1[..., i])  # (B, N)
+            err = (w - Q) / d  # (B, N)
+            W1[..., i:] -= err[..., None] * Hinv1[:, None, i, i:]
+            Err1[..., i] = err
+        Ww[..., i2:] -= Err1 @ Hinv[:, i1:i2, i2:]  # (B, N, count) @ (Bh, count, K - i2)
+
+    q = torch.empty_like(q_perm).scatter_(-1, perm[:, None, :].expand(B, N, K), q_perm)
+    G = K // g
+    weight = Int4Weight(q.reshape(*lead, N, K), scale.reshape(*lead, N, G),
+                        None if zp is None else zp.reshape(*lead, N, G))
+    return GPTQResult(weight, damp.reshape(lead_h), retries)

@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny GLM checkpoints in the release layouts, written into tmp dirs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+from quantize.synth import tiny_config, write_checkpoint
+
+
+@pytest.fixture(scope="session")
+def dsa_fp8(tmp_path_factory):
+    """GLM-5-style block-FP8 glm_moe_dsa: ragged dims, MTP layer, scale in another shard."""
+    return write_checkpoint(tmp_path_factory.mktemp("dsa_fp8"), tiny_config("glm_moe_dsa"),
+                            "fp8-block", seed=1, shard_bytes=2**20)
+
+
+@pytest.fixture(scope="session")
+def glm4_fp8(tmp_path_factory):
+    """GLM-4.x-style compressed-tensors channel-FP8 glm4_moe."""
+    return write_checkpoint(tmp_path_factory.mktemp("glm4_fp8"), tiny_config("glm4_moe"),
+                            "fp8-channel", seed=2, shard_bytes=2**20)
+
+
+@pytest.fixture(scope="session")
+def dsa_bf16(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("dsa_bf16"), tiny_config("glm_moe_dsa"),
+                            "bf16", seed=3, shard_bytes=2**20)

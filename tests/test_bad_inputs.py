@@ -1,0 +1,420 @@
+"""The catalogue of bad inputs (issue 5), each through the CLI.
+
+Every case must give: exit status 2, one `error:` message naming the file (and the tensor
+where there is one), what was found, what was expected and the fix; no traceback; and nothing
+in the output folder that could be mistaken for a result (no folder at all when the problem
+is visible in the headers; otherwise an `in-progress` manifest, no index or config, and
+`verify` refusing it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from quantize.checkpoint import INDEX_NAME, open_checkpoint
+from quantize.cli import app
+from quantize.manifest import MANIFEST
+from quantize.shards import sha256_file
+
+runner = CliRunner()
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def src(dsa_fp8, tmp_path) -> Path:
+    """A private copy of the tiny GLM-5 block-FP8 checkpoint, to damage."""
+    return Path(shutil.copytree(dsa_fp8, tmp_path / "src"))
+
+
+def convert(src: Path, out: Path, *extra: str):
+    return runner.invoke(app, ["convert", str(src), str(out), "--device", "cpu", "--tp", "1",
+                               *extra])
+
+
+def assert_clear_error(r, *must: str) -> str:
+    text = r.output
+    assert r.exit_code == 2, text
+    assert "error:" in text and "Traceback" not in text, text
+    assert "(expected " in text and "Fix: " in text, text  # Problem: found, expected, fix
+    for m in must:
+        assert m in text, f"{m!r} not in:\n{text}"
+    print(text)  # shown with `pytest -s`: the catalogue of messages
+    return text
+
+
+def assert_nothing_written(out: Path) -> None:
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
+
+
+def assert_unfinished(src: Path, out: Path) -> None:
+    """A run stopped mid-way: nothing an engine or `verify` would take for a checkpoint."""
+    assert json.loads((out / MANIFEST).read_text())["status"] == "in-progress"
+    assert not (out / INDEX_NAME).exists() and not (out / "config.json").exists()
+    assert not list(out.glob("*.partial"))
+    r = runner.invoke(app, ["verify", str(src), str(out)])
+    assert r.exit_code == 2 and "not a finished conversion" in r.output
+
+
+def index(src: Path) -> dict:
+    return json.loads((src / INDEX_NAME).read_text())
+
+
+def set_index(src: Path, idx: dict) -> None:
+    (src / INDEX_NAME).write_text(json.dumps(idx, indent=2))
+
+
+def rewrite_shard(src: Path, tensor: str, change) -> str:
+    """Load the shard holding `tensor`, apply `change(dict)` and save it back; its file name."""
+    fname = index(src)["weight_map"][tensor]
+    tensors = load_file(src / fname)
+    change(tensors)
+    save_file(tensors, src / fname, metadata={"format": "pt"})
+    return fname
+
+
+def poke(src: Path, tensor: str, data: bytes, at: int = 0) -> str:
+    """Overwrite bytes of `tensor`'s data in place, `at` bytes in; its shard's file name."""
+    info = open_checkpoint(src).tensors[tensor]
+    with open(src / info.file, "r+b") as f:
+        f.seek(info.begin + at)
+        f.write(data)
+    return info.file
+
+
+def set_config(src: Path, **changes) -> None:
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(changes)
+    (src / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+EXPERT = "model.layers.1.mlp.experts.2.down_proj.weight"  # routed, block FP8, [256, 96]
+NORM = "model.layers.0.input_layernorm.weight"  # BF16, copied
+
+
+# --- shard names that leave the model folder ---------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_shard_names_escaping_the_folder(src, tmp_path, how):
+    outside = tmp_path / "outside.safetensors"
+    shutil.copyfile(src / index(src)["weight_map"][NORM], outside)
+    name = {"dotdot": "../outside.safetensors", "absolute": str(outside),
+            "symlink": "model-evil.safetensors"}[how]
+    if how == "symlink":
+        (src / name).symlink_to(outside)
+    idx = index(src)
+    idx["weight_map"][NORM] = name
+    set_index(src, idx)
+    says = {"dotdot": "a path that climbs out of the folder", "absolute": "an absolute path",
+            "symlink": f"a link that points outside the model folder (to {outside})"}[how]
+    for cmd in (["inspect", str(src)], ["plan", str(src)]):
+        assert_clear_error(runner.invoke(app, cmd), INDEX_NAME, NORM, says)
+    assert_clear_error(convert(src, tmp_path / "out"), INDEX_NAME, NORM, says)
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_non_weight_file_linking_outside_is_refused(src, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not yours")
+    (src / "tokenizer.json").symlink_to(secret)
+    text = assert_clear_error(convert(src, tmp_path / "out"), "tokenizer.json", f"a link to {secret}")
+    assert "the source links to files outside the model folder" in text
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_hugging_face_cache_links_are_accepted(dsa_fp8, tmp_path):
+    """`hf download` without --local-dir: every snapshot file links to ../../blobs/<hash>."""
+    repo = tmp_path / "models--org--tiny"
+    snap, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for p in sorted(dsa_fp8.iterdir()):
+        blob = blobs / sha256_file(p)
+        shutil.copyfile(p, blob)
+        (snap / p.name).symlink_to(os.path.relpath(blob, snap))
+    r = convert(snap, tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out" / "generation_config.json").read_bytes() == \
+        (dsa_fp8 / "generation_config.json").read_bytes()
+
+
+def test_a_source_folder_that_is_itself_a_link_is_fine(dsa_fp8, tmp_path):
+    (tmp_path / "model").symlink_to(dsa_fp8)  # e.g. /data/model -> /mnt/nfs/model
+    r = convert(tmp_path / "model", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+
+
+# --- missing or damaged files ------------------------------------------------------------------
+
+
+def test_index_names_a_missing_shard(src, tmp_path):
+    fname = index(src)["weight_map"][NORM]
+    (src / fname).unlink()
+    assert_clear_error(convert(src, tmp_path / "out"), INDEX_NAME, f"shard {fname} does not exist",
+                       "download the missing shard")
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_tensor_in_index_absent_from_its_shard(src, tmp_path):
+    fname = rewrite_shard(src, NORM, lambda t: t.pop(NORM))
+    assert_clear_error(convert(src, tmp_path / "out"), f"{fname} :: {NORM}",
+                       "not in this shard's header", "different revisions")
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_truncated_shard(src, tmp_path):
+    fname = index(src)["weight_map"][EXPERT]
+    p = src / fname
+    os.truncate(p, p.stat().st_size - 1000)
+    assert_clear_error(convert(src, tmp_path / "out"), "truncated safetensors file", fname,
+                       "the download or copy was cut short")
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("damage", ["json", "length", "offsets", "types"])
+def test_corrupt_header(src, tmp_path, damage):
+    fname = index(src)["weight_map"][EXPERT]
+    p = src / fname
+    data = bytearray(p.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    if damage == "json":
+        data[8:16] = b"\x00garbage"
+        says = "header is not valid JSON"
+    elif damage == "length":
+        data[:8] = (2**40).to_bytes(8, "little")
+        says = f"header length {2**40} in a {len(data)}-byte file"
+    else:  # a header that lies about a tensor's extent
+        header = json.loads(data[8:8 + n])
+        header[EXPERT]["data_offsets"][1] += 8
+        if damage == "types":
+            header[EXPERT]["data_offsets"] = ["0", "8"]
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (n - len(raw))
+        assert len(raw) == n
+        data[8:8 + n] = raw
+        says = f"{fname} :: {EXPERT}: " + ("entry {" if damage == "types" else "data_offsets")
+    p.write_bytes(bytes(data))
+    assert_clear_error(convert(src, tmp_path / "out"), fname, says, "re-download this shard")
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '{"quantization_config": "fp8"}'])
+def test_config_that_is_not_a_config(src, tmp_path, text):
+    (src / "config.json").write_text(text)
+    assert_clear_error(convert(src, tmp_path / "out"), "config.json is not a model config",
+                       "a JSON object")
+    assert_nothing_written(tmp_path / "out")
+
+
+# --- FP8 scales --------------------------------------------------------------------------------
+
+
+def test_fp8_weight_without_its_scale(src, tmp_path):
+    scale = EXPERT + "_scale_inv"
+    rewrite_shard(src, scale, lambda t: t.pop(scale))
+    idx = index(src)
+    del idx["weight_map"][scale]
+    set_index(src, idx)
+    assert_clear_error(convert(src, tmp_path / "out"), EXPERT, f"no `{scale}` in the index",
+                       "F32[2, 1]", "cannot be dequantized")
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_scale_of_the_wrong_shape(src, tmp_path):
+    scale = EXPERT + "_scale_inv"  # [256, 96] in 128x128 blocks -> [2, 1]
+    fname = rewrite_shard(src, scale, lambda t: t.update({scale: torch.ones(1, 2)}))
+    assert_clear_error(convert(src, tmp_path / "out"), f"{fname} :: {scale}", "F32[1, 2]",
+                       "F32/BF16[2, 1] for weight [256, 96]")
+    assert_nothing_written(tmp_path / "out")
+
+
+# --- non-finite numbers ------------------------------------------------------------------------
+
+
+def test_nan_in_a_scale_is_refused_before_writing(src, tmp_path):
+    scale = EXPERT + "_scale_inv"
+    fname = poke(src, scale, b"\x00\x00\xc0\x7f" + b"\x00\x00\x80\x7f")  # F32 NaN, +Inf
+    assert_clear_error(convert(src, tmp_path / "out"), "non-finite FP8 scales", f"{fname} :: {scale}",
+                       "1 NaN and 1 Inf value(s), the first at [0, 0]")
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_nan_in_an_fp8_weight_stops_the_run_cleanly(src, tmp_path):
+    fname = poke(src, EXPERT, b"\x7f\x7f\xff", at=96 * 5)  # three e4m3 NaNs in row 5
+    out = tmp_path / "out"
+    text = assert_clear_error(convert(src, out, "--max-shard-size", "200KB"),
+                              "non-finite values in the source", f"{fname} :: {EXPERT}",
+                              "3 NaN value(s), the first at [5, 0]", "never passed on")
+    assert "holds an unfinished conversion" in text and "--overwrite" in text
+    assert_unfinished(src, out)
+
+
+def test_inf_in_a_bf16_tensor(src, tmp_path):
+    fname = poke(src, NORM, b"\x80\x7f")  # BF16 +Inf, little-endian
+    out = tmp_path / "out"
+    assert_clear_error(convert(src, out), f"{fname} :: {NORM}", "1 Inf value(s), the first at [0]")
+    assert_unfinished(src, out)
+
+
+# --- shapes and layouts ------------------------------------------------------------------------
+
+
+def test_expert_shapes_that_differ_from_the_config(src, tmp_path):
+    set_config(src, moe_intermediate_size=128)  # the tensors are 96 wide
+    text = assert_clear_error(convert(src, tmp_path / "out"),
+                              "the routed experts do not match config.json",
+                              "model.layers.1.mlp.experts.0.gate_proj.weight: shape [96, 256]",
+                              "[128, 256] from config.json (moe_intermediate_size 128, hidden_size 256)")
+    assert "down_proj.weight: shape [256, 96]" in text
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_expert_count_that_differs_from_the_config(src, tmp_path):
+    set_config(src, n_routed_experts=9)  # the checkpoint has 8 per layer
+    assert_clear_error(convert(src, tmp_path / "out"), INDEX_NAME,
+                       "3 expert weight(s) missing (first: 8.gate_proj)", "re-download")
+    set_config(src, n_routed_experts=7)
+    assert_clear_error(convert(src, tmp_path / "out"), "model.layers.1.mlp.experts.7.",
+                       "experts 0..6 (n_routed_experts 7)")
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_in_dimension_the_group_size_cannot_tile(src, tmp_path):
+    """down_proj has K = moe_intermediate_size = 96: 96 % 64 != 0. Refused, not padded: the
+    engines size `weight_scale` from K // group_size, so a padded tensor would not load."""
+    text = assert_clear_error(convert(src, tmp_path / "out", "--group-size", "64"),
+                              "the group size does not tile these weights", "in_features 96",
+                              "a multiple of --group-size 64", "pick a --group-size that divides it")
+    assert "model.layers.1.mlp.experts.0.down_proj.weight" in text
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes"])
+def test_unknown_quant_method(src, tmp_path, method):
+    set_config(src, quantization_config={"quant_method": method, "bits": 4})
+    assert_clear_error(convert(src, tmp_path / "out"), "config.json", "unknown quantization method",
+                       f"quant_method={method!r}", "cannot be re-quantized")
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_unknown_model_type_without_routed_experts(tmp_path):
+    """'Unknown model type' means: no tensor has a role we were asked to quantize. The tool
+    reads roles from tensor names, not `model_type`, so a dense Llama is refused unless
+    `--targets dense` asks for its MLPs, and then converted."""
+    src = tmp_path / "llama"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    w = {"model.embed_tokens.weight": (128, 64), "model.norm.weight": (64,),
+         "lm_head.weight": (128, 64), "model.layers.0.input_layernorm.weight": (64,),
+         "model.layers.0.self_attn.q_proj.weight": (64, 64),
+         "model.layers.0.mlp.gate_proj.weight": (96, 64),
+         "model.layers.0.mlp.up_proj.weight": (96, 64),
+         "model.layers.0.mlp.down_proj.weight": (64, 96)}
+    save_file({n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in w.items()},
+              src / "model.safetensors", metadata={"format": "pt"})
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    assert_clear_error(convert(src, tmp_path / "out"), "nothing to quantize",
+                       "no Linear of role routed", "dense models need --targets dense")
+    assert_nothing_written(tmp_path / "out")
+    r = convert(src, tmp_path / "out", "--targets", "dense")
+    assert r.exit_code == 0, r.output
+
+
+# --- remote code -------------------------------------------------------------------------------
+
+
+def test_trust_remote_code_is_copied_never_executed(src, tmp_path):
+    marker = tmp_path / "EXECUTED"
+    code = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('pwned')\n"
+    for f in ("modeling_evil.py", "configuration_evil.py", "__init__.py"):
+        (src / f).write_text(code)
+    set_config(src, auto_map={"AutoConfig": "configuration_evil.EvilConfig",
+                              "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    out = tmp_path / "out"
+    for cmd in (["inspect", str(src)], ["plan", str(src), "--tp", "1"]):
+        assert runner.invoke(app, cmd).exit_code == 0
+    r = convert(src, out)
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["verify", str(src), str(out)])
+    assert r.exit_code == 0, r.output
+    assert not marker.exists(), "remote code was executed"
+    for f in ("modeling_evil.py", "configuration_evil.py", "__init__.py"):
+        assert (out / f).read_bytes() == (src / f).read_bytes()
+    assert json.loads((out / "config.json").read_text())["auto_map"]["AutoConfig"] == \
+        "configuration_evil.EvilConfig"
+
+
+# --- the disk fills up -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs (the output is ~3.7 MiB); skipped where mounting is not allowed."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_disk_full_stops_cleanly_and_resumes(dsa_fp8, small_disk, tmp_path):
+    out = small_disk / "out"
+    args = ["--max-shard-size", "200KB"]
+    text = assert_clear_error(convert(dsa_fp8, out, *args), "the disk filled up while writing",
+                              "No space left on device (errno 28)", "then rerun the same command")
+    assert "holds an unfinished conversion" in text
+    manifest = json.loads((out / MANIFEST).read_text())  # still valid JSON, still in-progress
+    assert manifest["status"] == "in-progress" and manifest["files"]
+    for name, rec in manifest["files"].items():  # what it vouches for is intact
+        assert sha256_file(out / name) == rec["sha256"]
+    assert_unfinished(dsa_fp8, out)
+
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
+    r = convert(dsa_fp8, out, *args)
+    assert r.exit_code == 0, r.output
+    assert f"{len(manifest['files'])} kept from an earlier run" in r.output
+    ref = tmp_path / "ref"
+    assert convert(dsa_fp8, ref, *args).exit_code == 0
+    for p in sorted(ref.iterdir()):
+        assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
+
+
+def test_read_only_output_is_a_clear_error(dsa_fp8, small_disk):
+    out = small_disk / "out"
+    out.mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    assert_clear_error(convert(dsa_fp8, out), "could not write the output", "Read-only file system",
+                       "a writable output folder")
+    assert not any(out.iterdir())
+    r = convert(dsa_fp8, small_disk / "new")
+    assert_clear_error(r, "could not write the output", f"{small_disk / 'new'}: Read-only file system")
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"status": "complete"}'])
+def test_damaged_output_manifest(dsa_fp8, tmp_path, text):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / MANIFEST).write_text(text)
+    assert_clear_error(convert(dsa_fp8, out), f"{out / MANIFEST}", "the output's manifest is unreadable",
+                       "pass --overwrite")
+    r = runner.invoke(app, ["verify", str(dsa_fp8), str(out)])
+    assert r.exit_code == 2 and "the output's manifest is unreadable" in r.output
+    r = convert(dsa_fp8, out, "--overwrite")
+    assert r.exit_code == 0, r.output

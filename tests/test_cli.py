@@ -1,0 +1,61 @@
+"""The CLI through Typer's runner: tables, JSON, exit codes, error messages."""
+
+import json
+
+from typer.testing import CliRunner
+
+from quantize.cli import app
+
+runner = CliRunner()
+
+
+def test_help_lists_commands_with_examples():
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0
+    for cmd in ("inspect", "plan", "convert", "verify"):
+        assert cmd in r.output
+    r = runner.invoke(app, ["convert", "--help"])
+    assert "Example" in r.output and "--group-size" in r.output and "--resume" in r.output
+
+
+def test_inspect_json(dsa_fp8):
+    r = runner.invoke(app, ["inspect", str(dsa_fp8), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["format"] == "fp8-block" and d["model_type"] == "glm_moe_dsa"
+    assert d["mtp_layers"] == [3] and d["routed_experts_per_layer"] == 8
+    assert d["by_role"]["routed"]["dtypes"] == ["F8_E4M3"]
+
+
+def test_plan_json_and_strict(dsa_fp8):
+    r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["output_bytes"] < d["source_bytes"] * 1.2 and d["quantized_linears"] == 72
+    # expert width 96 at TP 8 breaks the Marlin rule: warning, and exit 1 with --strict
+    r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "8", "--strict"])
+    assert r.exit_code == 1 and "expert width" in r.output
+
+
+def test_convert_then_verify(dsa_fp8, tmp_path):
+    out = tmp_path / "o"
+    r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--device", "cpu", "--tp", "1"])
+    assert r.exit_code == 0, r.output
+    assert "done" in r.output and "quantize verify" in r.output
+    r = runner.invoke(app, ["verify", str(dsa_fp8), str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["ok"] is True
+    # a second convert into the same folder finds the manifest, says so, and keeps every shard
+    # (issue 5: re-running the same command resumes); other options are refused in test_resume.py
+    r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--device", "cpu"])
+    assert r.exit_code == 0 and "resuming" in r.output and " 0 shard(s) written" in r.output
+
+
+def test_bad_options_are_one_line_errors(dsa_fp8, tmp_path):
+    r = runner.invoke(app, ["convert", str(dsa_fp8), str(tmp_path / "o"), "--group-size", "48"])
+    assert r.exit_code == 2 and "--group-size must be one of" in r.output
+    assert "Traceback" not in r.output
+    r = runner.invoke(app, ["plan", str(tmp_path / "missing")])
+    assert r.exit_code == 2 and "no such folder" in r.output
+    r = runner.invoke(app, ["verify", str(dsa_fp8), str(tmp_path)])
+    assert r.exit_code == 2 and "not a finished conversion" in r.output

@@ -1,0 +1,214 @@
+"""End-to-end conversion of tiny checkpoints in each release layout, checked tensor by tensor."""
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from quantize.checkpoint import open_checkpoint
+from quantize.int4 import Int4Weight, dequantize, quantize_rtn, unpack_int4
+from quantize.layout import fused_names, is_ignored, linear_role, module_of
+from quantize.options import ConvertOptions
+from quantize.pipeline import convert, source_weight
+from quantize.plan import make_plan
+from quantize.verify import verify
+
+
+def _load_all(folder):
+    idx = json.loads((folder / "model.safetensors.index.json").read_text())
+    out = {}
+    for shard in sorted(set(idx["weight_map"].values())):
+        with safe_open(str(folder / shard), "pt") as f:
+            for k in f.keys():
+                out[k] = f.get_tensor(k)
+    assert set(out) == set(idx["weight_map"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def dsa_out(dsa_fp8, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dsa_out") / "int4"
+    convert(dsa_fp8, out, ConvertOptions(max_shard_size=400_000), device="cpu")
+    return out
+
+
+def test_block_fp8_layout(dsa_fp8, dsa_out):
+    src = open_checkpoint(dsa_fp8)
+    got = _load_all(dsa_out)
+    L = src.num_hidden_layers
+    # no FP8 and no scales left; every routed expert (MTP layer's too) packed, nothing else
+    assert not any(t.dtype == torch.float8_e4m3fn for t in got.values())
+    assert not any(k.endswith("weight_scale_inv") for k in got)
+    packed = {k[: -len(".weight_packed")] for k in got if k.endswith(".weight_packed")}
+    routed = {module_of(n) for n in src.tensors if linear_role(module_of(n)) == "routed"}
+    assert packed == routed
+    assert any(f"layers.{L}.mlp.experts." in m for m in packed)
+    for m in sorted(packed):
+        W = source_weight(src, next(u for u in make_plan(src, ConvertOptions()).units
+                                    if u.source == m + ".weight"), torch.device("cpu"))
+        N, K = W.shape
+        assert got[m + ".weight_packed"].dtype == torch.int32 and got[m + ".weight_packed"].shape == (N, K // 8)
+        assert got[m + ".weight_scale"].dtype == torch.bfloat16 and got[m + ".weight_scale"].shape == (N, K // 32)
+        assert got[m + ".weight_shape"].tolist() == [N, K]
+        assert m + ".weight_zero_point" not in got
+        ref = quantize_rtn(W, 32)
+        assert torch.equal(unpack_int4(got[m + ".weight_packed"], K), ref.q)
+        assert torch.equal(got[m + ".weight_scale"], ref.scale)
+    # non-targets: FP8 -> exact BF16 dequant; BF16/F32 bit for bit
+    for name, t in src.tensors.items():
+        if name.endswith("weight_scale_inv") or module_of(name) in routed:
+            continue
+        if t.dtype == "F8_E4M3":
+            s = src.read(name[: -len("weight")] + "weight_scale_inv")
+            from quantize.fp8 import dequant_block
+            assert torch.equal(got[name], dequant_block(src.read(name), s, (128, 128)).bfloat16()), name
+        else:
+            assert torch.equal(got[name], src.read(name)), name
+    # one all-zero group (synth.py zeroes experts.0.down_proj row 1, first 32 columns)
+    m = "model.layers.1.mlp.experts.0.down_proj"
+    q = unpack_int4(got[m + ".weight_packed"], got[m + ".weight_shape"][1].item())
+    assert q[1, :32].eq(0).all() and got[m + ".weight_scale"][1, 0] == torch.finfo(torch.bfloat16).eps
+
+
+def test_scale_in_another_shard_was_used(dsa_fp8):
+    src = open_checkpoint(dsa_fp8)
+    w = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    assert src.tensors[w].file != src.tensors[w[: -len("weight")] + "weight_scale_inv"].file
+
+
+def test_config_and_ignore_list(dsa_fp8, dsa_out):
+    cfg = json.loads((dsa_out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    assert qc["quantization_status"] == "compressed"
+    (group,) = qc["config_groups"].values()
+    assert group["targets"] == ["Linear"]
+    w = group["weights"]
+    assert (w["num_bits"], w["type"], w["symmetric"], w["strategy"], w["group_size"]) == (4, "int", True, "group", 32)
+    assert w["actorder"] is None and group["input_activations"] is None
+    for p in ("lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*", r"re:.*mlp\.gate$",
+              r"re:.*mlp\.(gate|up|gate_up|down)_proj.*", r"re:.*eh_proj.*", r"re:.*shared_head.*"):
+        assert p in qc["ignore"]
+    # every Linear is either a target or ignored, under the engines' fused names too
+    src = open_checkpoint(dsa_fp8)
+    for name, t in src.tensors.items():
+        if not name.endswith(".weight") or len(t.shape) != 2 or "embed_tokens" in name:
+            continue
+        mod = module_of(name)
+        target = linear_role(mod) == "routed"
+        for n in fused_names(mod):
+            assert is_ignored(n, qc["ignore"]) != target, n
+    assert "fp8" not in json.dumps(qc)
+
+
+def test_verify_passes_and_reports(dsa_fp8, dsa_out):
+    rep = verify(dsa_fp8, dsa_out)
+    assert rep.ok, rep.summary()
+    s = rep.summary()
+    # Gaussian weights, symmetric min-max group 32: ~20 dB (4 bits at ~5 dB/bit minus the
+    # peak-to-RMS loss of absmax scaling); a scrambled layout would give < 3 dB
+    assert 18 < s["min_sqnr_db"] < 23
+    assert json.loads((dsa_out / "verify.json").read_text())["summary"]["ok"] is True
+
+
+def test_verify_catches_a_wrong_scale(dsa_fp8, dsa_out, tmp_path):
+    import shutil
+
+    from quantize.shards import sha256_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(dsa_out, bad)
+    idx = json.loads((bad / "model.safetensors.index.json").read_text())
+    name = "model.layers.2.mlp.experts.3.up_proj.weight_scale"
+    shard = bad / idx["weight_map"][name]
+    tensors = {}
+    with safe_open(str(shard), "pt") as f:
+        meta = f.metadata()
+        for k in f.keys():
+            tensors[k] = f.get_tensor(k)
+    tensors[name] = tensors[name] * 4  # a wrong scale
+    from safetensors.torch import save_file
+    save_file(tensors, str(shard), metadata=meta)
+    rep = verify(dsa_fp8, bad)
+    assert not rep.ok and any("sha256" in p for p in rep.problems)  # the manifest notices first
+    # with the manifest updated (as if the tool itself had written it), the numerics catch it
+    man = json.loads((bad / "quantize-manifest.json").read_text())
+    man["files"][shard.name] = {"bytes": shard.stat().st_size, "sha256": sha256_file(shard)}
+    (bad / "quantize-manifest.json").write_text(json.dumps(man))
+    rep = verify(dsa_fp8, bad)
+    failed = [t for t in rep.tensors if not t.ok]
+    assert [t.name for t in failed] == ["model.layers.2.mlp.experts.3.up_proj.weight"]
+    assert failed[0].sqnr_db < 5
+
+
+def test_channel_fp8_glm4(glm4_fp8, tmp_path):
+    out = tmp_path / "o"
+    convert(glm4_fp8, out, ConvertOptions(targets=frozenset({"routed", "shared"})), device="cpu")
+    got = _load_all(out)
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight_packed" in got
+    assert "model.layers.1.self_attn.q_proj.bias" in got  # attention biases kept
+    assert not any(k.endswith("weight_scale") and "packed" not in k and
+                   (k[: -len("_scale")] + "_packed") not in got for k in got)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert r"re:.*shared_experts.*" not in qc["ignore"]
+    assert verify(glm4_fp8, out).ok
+
+
+@pytest.mark.parametrize("group_size,symmetric", [(64, False), (128, True)])
+def test_bf16_source_other_group_sizes(dsa_bf16, tmp_path, group_size, symmetric):
+    # experts of width 96 cannot be tiled by 64/128 at down_proj: the plan refuses with the fix
+    from quantize.errors import QuantizeError
+    with pytest.raises(QuantizeError, match="group size does not tile") as e:
+        make_plan(open_checkpoint(dsa_bf16), ConvertOptions(group_size=group_size))
+    assert "down_proj" in str(e.value) and "in_features 96" in str(e.value)
+    # dense MLP (hidden 256 / intermediate 384 in-features) can be
+    opts = ConvertOptions(group_size=group_size, symmetric=symmetric, targets=frozenset({"dense"}))
+    convert(dsa_bf16, tmp_path / "o", opts, device="cpu")
+    got = _load_all(tmp_path / "o")
+    m = "model.layers.0.mlp.down_proj"
+    assert got[m + ".weight_scale"].shape == (256, 384 // group_size)
+    assert (m + ".weight_zero_point" in got) == (not symmetric)
+    if not symmetric:
+        assert got[m + ".weight_zero_point"].shape == (256 // 8, 384 // group_size)
+        zp = unpack_int4(got[m + ".weight_zero_point"], 256, dim=0)
+        W = open_checkpoint(dsa_bf16).read(m + ".weight").float()
+        q = unpack_int4(got[m + ".weight_packed"], 384)
+        Wq = dequantize(Int4Weight(q, got[m + ".weight_scale"], zp), torch.float32)
+        assert ((Wq - W).norm() / W.norm()).item() < 0.1
+    assert verify(dsa_bf16, tmp_path / "o").ok
+
+
+def test_non_weight_files_copied_and_remote_code_not_run(dsa_fp8, tmp_path):
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(dsa_fp8, src)
+    marker = tmp_path / "EXECUTED"
+    (src / "modeling_glm.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
+    (src / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_glm.GlmForCausalLM"}
+    (src / "config.json").write_text(json.dumps(cfg))
+    convert(src, tmp_path / "o", ConvertOptions(), device="cpu")
+    for f in ("modeling_glm.py", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "o" / f).read_bytes() == (src / f).read_bytes()
+    assert not marker.exists()
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["auto_map"] == cfg["auto_map"]
+
+
+def test_shards_respect_max_size(dsa_fp8, tmp_path):
+    opts = ConvertOptions(max_shard_size=250_000)
+    convert(dsa_fp8, tmp_path / "o", opts, device="cpu")
+    plan = make_plan(open_checkpoint(dsa_fp8), opts)
+    for s in plan.shards:
+        assert s.data_bytes <= 250_000 or len(s.units) == 1
+        assert re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", s.file)
+
+
+def test_deterministic_bytes(dsa_fp8, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    convert(dsa_fp8, a, ConvertOptions(max_shard_size=400_000), device="cpu")
+    convert(dsa_fp8, b, ConvertOptions(max_shard_size=400_000), device="cpu")
+    for f in sorted(p.name for p in a.glob("*.safetensors")):
+        assert (a / f).read_bytes() == (b / f).read_bytes()

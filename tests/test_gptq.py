@@ -1,0 +1,217 @@
+"""GPTQ: H = I gives RTN exactly; correlated inputs make it beat RTN; batching changes nothing."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
+from quantize.int4 import Int4Weight, dequantize, quantize_rtn
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _correlated_inputs(T: int, K: int, seed: int) -> torch.Tensor:
+    """X = Z A: tokens with correlated channels (a random mixing matrix plus identity)."""
+    g = _gen(seed)
+    A = torch.randn(K, K, generator=g) / K**0.5 + torch.eye(K)  # (K, K)
+    return torch.randn(T, K, generator=g) @ A  # (T, K)
+
+
+def _output_error(W: torch.Tensor, w: Int4Weight, X: torch.Tensor) -> float:
+    """||(W - Q) Xᵀ||_F for W (N, K), X (T, K), Q as the engines reconstruct it (bf16)."""
+    return ((W - dequantize(w).float()) @ X.T).norm().item()
+
+
+def _expert(w: Int4Weight, e: int) -> Int4Weight:
+    return Int4Weight(w.q[e], w.scale[e], None if w.zero_point is None else w.zero_point[e])
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("actorder", [True, False])
+def test_identity_hessian_equals_rtn_exactly(symmetric, actorder):
+    E, N, K = 3, 17, 96  # odd row count, three groups of 32
+    W = torch.randn(E, N, K, generator=_gen(1))
+    W[0, 0, :32] = 0.0  # an all-zero group: eps scale
+    H = torch.eye(K).expand(E, K, K)
+    cfg = GPTQConfig(group_size=32, symmetric=symmetric, blocksize=40, actorder=actorder)
+    res = gptq_quantize(W, H, cfg)
+    assert res.retries == 0 and torch.equal(res.damp, torch.full((E,), 0.01))
+    for e in range(E):
+        rtn = quantize_rtn(W[e], 32, symmetric)
+        ours = _expert(res.weight, e)
+        assert torch.equal(ours.scale, rtn.scale)
+        assert torch.equal(ours.q, rtn.q), f"expert {e}: {(ours.q != rtn.q).sum()} codes differ"
+        if symmetric:
+            assert ours.zero_point is None
+        else:
+            assert torch.equal(ours.zero_point, rtn.zero_point)
+
+
+@pytest.mark.parametrize("cfg", [GPTQConfig(), GPTQConfig(actorder=False),
+                                 GPTQConfig(mse_clip=True), GPTQConfig(symmetric=False)],
+                         ids=["actorder", "no-actorder", "mse-clip", "asymmetric"])
+def test_gptq_beats_rtn_on_correlated_inputs(cfg):
+    N, K, T = 64, 256, 1024
+    W = torch.randn(N, K, generator=_gen(2))
+    X = _correlated_inputs(T, K, seed=3)
+    H, n = accumulate_hessian(torch.zeros(K, K), X, 0)
+    assert n == T
+    res = gptq_quantize(W, H, cfg)
+    gptq = _output_error(W, res.weight, X)
+    rtn = _output_error(W, quantize_rtn(W, cfg.group_size, cfg.symmetric), X)
+    # Measured ratios on this seed: 0.716 actorder, 0.728 without, 0.704 with MSE clip, 0.742
+    # asymmetric (GPTQ removes ~25-30% of RTN's output error here); 0.8 leaves room for BLAS
+    # differences and still proves the point.
+    assert gptq < 0.8 * rtn, f"GPTQ {gptq:.4f} vs RTN {rtn:.4f} (ratio {gptq / rtn:.3f})"
+
+
+def test_actorder_and_mse_clip_each_help_on_this_seed():
+    N, K, T = 64, 256, 1024
+    W = torch.randn(N, K, generator=_gen(2))
+    X = _correlated_inputs(T, K, seed=3)
+    X[:, :8] *= 5.0  # a few loud channels: where activation order matters
+    H, _ = accumulate_hessian(torch.zeros(K, K), X, 0)
+    err = {name: _output_error(W, gptq_quantize(W, H, cfg).weight, X) for name, cfg in
+           [("plain", GPTQConfig(actorder=False)), ("actorder", GPTQConfig()),
+            ("actorder+mse", GPTQConfig(mse_clip=True))]}
+    # Measured (GPTQ / RTN): 0.601 plain, 0.597 actorder, 0.594 actorder + MSE clip. Small,
+    # deterministic gains on a fixed seed; this guards against either option making things worse.
+    assert err["actorder"] < err["plain"], err
+    assert err["actorder+mse"] < err["actorder"], err
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_mse_clip_with_identity_hessian_never_loses_to_rtn(symmetric):
+    W = torch.randn(32, 128, generator=_gen(4))
+    res = gptq_quantize(W, torch.eye(128), GPTQConfig(mse_clip=True, symmetric=symmetric))
+    rtn = quantize_rtn(W, 32, symmetric)
+    err_g = (W - dequantize(res.weight).float()).square().reshape(32, 4, 32).sum(-1)
+    err_r = (W - dequantize(rtn).float()).square().reshape(32, 4, 32).sum(-1)
+    assert (err_g <= err_r).all()  # per group: p = 1 (RTN) is one of the candidates
+    # measured 0.842 symmetric, 0.933 asymmetric: the clip search pays off
+    assert err_g.sum() < 0.97 * err_r.sum()
+
+
+def test_batched_experts_equal_a_loop_over_experts():
+    E, N, K, T = 4, 24, 128, 512
+    W = torch.randn(E, N, K, generator=_gen(5))
+    X = torch.stack([_correlated_inputs(T, K, seed=10 + e) for e in range(E)])  # (E, T, K)
+    H, _ = accumulate_hessian(torch.zeros(E, K, K), X, 0)
+    cfg = GPTQConfig(blocksize=48)  # blocks that do not divide K
+    batched = gptq_quantize(W, H, cfg)
+    for e in range(E):
+        solo = gptq_quantize(W[e], H[e], cfg)
+        assert torch.equal(batched.weight.scale[e], solo.weight.scale)
+        diff = (batched.weight.q[e] != solo.weight.q).sum().item()
+        assert diff == 0, f"expert {e}: {diff} of {N * K} codes differ from the solo run"
+    # one shared Hessian ((K, K), as all-expert calibration gives) == the same one per expert
+    shared = gptq_quantize(W, H[0], cfg)
+    per_expert = gptq_quantize(W, H[0].expand(E, K, K), cfg)
+    assert torch.equal(shared.weight.q, per_expert.weight.q)
+    assert shared.damp.shape == ()
+
+
+def test_failed_cholesky_raises_damp_for_the_affected_expert_only():
+    E, N, K = 3, 16, 64
+    W = torch.randn(E, N, K, generator=_gen(6))
+    X = torch.stack([_correlated_inputs(256, K, seed=20 + e) for e in range(E)])
+    H, _ = accumulate_hessian(torch.zeros(E, K, K), X, 0)
+    # Expert 1: rank 8 of 64 (few tokens), and rounding in the accumulation left it indefinite:
+    # smallest eigenvalue -5% of the mean diagonal. 1% dampening cannot fix that, 10% can.
+    Z = torch.randn(8, K, generator=_gen(7))
+    H1 = 2 * Z.T @ Z / 8
+    H[1] = H1 - 0.05 * H1.diagonal().mean() * torch.eye(K)
+    res = gptq_quantize(W, H)
+    assert res.retries == 1
+    torch.testing.assert_close(res.damp, torch.tensor([0.01, 0.1, 0.01]))
+    q = res.weight.q
+    assert q.min() >= -8 and q.max() <= 7
+    for e in (0, 2):  # the others are untouched by expert 1's retry
+        assert torch.equal(q[e], gptq_quantize(W[e], H[e]).weight.q)
+    assert torch.equal(q[1], gptq_quantize(W[1], H[1], GPTQConfig(percdamp=0.1)).weight.q)
+
+
+def test_hopeless_hessian_fails_with_the_expert_named():
+    K = 32
+    H = torch.eye(K).repeat(2, 1, 1)
+    H[1, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"expert\(s\) \[1\]"):
+        gptq_quantize(torch.randn(2, 4, K, generator=_gen(8)), H)
+
+
+def test_dead_columns_quantize_to_zero_and_the_rest_is_finite():
+    N, K = 8, 64
+    W = torch.randn(N, K, generator=_gen(9))
+    X = _correlated_inputs(256, K, seed=11)
+    X[:, [3, 40]] = 0.0  # inputs that never fire
+    H, _ = accumulate_hessian(torch.zeros(K, K), X, 0)
+    W0, H0 = W.clone(), H.clone()
+    res = gptq_quantize(W, H)
+    assert torch.equal(W, W0) and torch.equal(H, H0), "inputs must not be mutated"
+    assert (res.weight.q[:, [3, 40]] == 0).all()
+    # scales still come from the original W (static groups), as RTN's do
+    assert torch.equal(res.weight.scale, quantize_rtn(W, 32).scale)
+
+
+def test_accumulate_hessian_is_a_running_mean():
+    K, T = 16, 96
+    X = torch.randn(T, K, generator=_gen(12))
+    full, n = accumulate_hessian(torch.zeros(K, K), X, 0)
+    torch.testing.assert_close(full, 2 * X.T @ X / T)
+    H, n = torch.zeros(K, K), 0
+    for chunk in X.split(40):  # ragged chunks
+        H, n = accumulate_hessian(H, chunk, n)
+    assert n == T
+    torch.testing.assert_close(H, full, rtol=1e-5, atol=1e-5)
+    # experts padded to a common T with zero rows: true counts keep each mean exact
+    Xe = torch.zeros(2, T, K)
+    Xe[0, :30], Xe[1] = X[:30], X
+    He, ne = accumulate_hessian(torch.zeros(2, K, K), Xe, torch.zeros(2), torch.tensor([30, T]))
+    torch.testing.assert_close(He[0], 2 * X[:30].T @ X[:30] / 30)
+    torch.testing.assert_close(He[1], full)
+    assert ne.tolist() == [30, T]
+
+
+def test_config_and_shape_validation():
+    with pytest.raises(ValueError, match="percdamp"):
+        GPTQConfig(percdamp=0.0)
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        gptq_quantize(torch.randn(4, 48), torch.eye(48))
+    with pytest.raises(ValueError, match="leading dims"):
+        gptq_quantize(torch.randn(3, 4, 64), torch.eye(64).expand(2, 64, 64))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llmcompressor") is None,
+                    reason="llm-compressor not installed (optional; see BENCHMARKS-gptq.md)")
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("actorder", [True, False])
+def test_matches_llm_compressor_quantize_weight(symmetric, actorder):
+    """Same W, H: llm-compressor 0.14's batched GPTQ loop gives our integers exactly."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
+
+    E, N, K, T, g = 3, 32, 256, 1024, 32
+    W = torch.randn(E, N, K, generator=_gen(13)).bfloat16().float()  # bf16 values, as a model
+    X = torch.stack([_correlated_inputs(T, K, seed=30 + e) for e in range(E)])
+    H, _ = accumulate_hessian(torch.zeros(E, K, K), X, 0)
+    # tied diagonals may be ordered differently by their unstable sort (see gptq.py)
+    assert all(d.unique().numel() == K for d in torch.diagonal(H, dim1=-2, dim2=-1))
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group",
+                            group_size=g, actorder="static" if actorder else None)
+    ours = gptq_quantize(W, H, GPTQConfig(group_size=g, symmetric=symmetric, actorder=actorder))
+    if symmetric:  # their observer's rule on the bf16 weight (memoryless min-max per group)
+        Wg = W.bfloat16().reshape(E, N, K // g, g)
+        scale, zp = calculate_qparams(Wg.amin(-1), Wg.amax(-1), args)
+        assert torch.equal(scale, ours.weight.scale)
+    else:  # asymmetric scales differ by rule (see BENCHMARKS-gptq.md): compare the loop alone
+        scale, zp = ours.weight.scale, ours.weight.zero_point
+    W_fq, _, rtn_fallback = quantize_weight(W.clone(), H.clone(), scale, zp, None, args)
+    assert not rtn_fallback.any()
+    zc = zp.float().unsqueeze(-1) if not symmetric else 0.0
+    q = (W_fq.reshape(E, N, K // g, g) / scale.float().unsqueeze(-1) + zc).round()
+    same = (q.reshape(E, N, K) == ours.weight.q.float()).float().mean().item()
+    assert same == 1.0, f"only {same:.4%} of the integers agree"

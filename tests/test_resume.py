@@ -1,0 +1,325 @@
+"""Crash safety (issue 5): kill the converter from outside, resume, get the same bytes.
+
+The converter runs as a real subprocess through the CLI. `QUANTIZE_TEST_STALL_AT=EVENT:N`
+(quantize/shards.py) makes it announce and sleep at an exact point, where the test SIGKILLs
+it: no sleeps-and-hope, no races. Also here: resume refuses other options or a changed
+source, verify never passes an unfinished folder and names any changed byte, and the output
+folder rules (not inside the source, not a non-empty stranger's folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from quantize.cli import app
+from quantize.errors import QuantizeError
+from quantize.manifest import MANIFEST
+from quantize.options import ConvertOptions
+from quantize.pipeline import convert
+from quantize.shards import STALL_ENV, sha256_file
+from quantize.verify import verify
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARD = "200KB"  # ~20 output shards from the tiny checkpoint
+OPTS = ConvertOptions(max_shard_size=200_000)
+runner = CliRunner()
+
+
+def cli_args(src: Path, out: Path, *extra: str) -> list[str]:
+    return ["convert", str(src), str(out), "--max-shard-size", SHARD, "--device", "cpu",
+            "--tp", "1", *extra]
+
+
+def run_cli(*args: str, stall: str | None = None, timeout: float = 60, sig=signal.SIGKILL,
+            meanwhile=None) -> subprocess.CompletedProcess | tuple[int, str]:
+    """Run `quantize ARGS` in a subprocess. With `stall`, wait until it reaches that point, call
+    `meanwhile()`, send it `sig` (SIGKILL: no cleanup runs); return (exit status, stderr)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "300"}
+    env.pop(STALL_ENV, None)
+    # Ctrl-C as in a terminal, even when the test runner itself was started with SIGINT ignored
+    code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from quantize.cli import app; app()")
+    cmd = [sys.executable, "-c", code, *args]
+    if stall is None:
+        return subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout)
+    env[STALL_ENV] = stall
+    log = Path(args[2]).with_name(Path(args[2]).name + ".stderr")
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=f)
+    deadline = time.monotonic() + timeout
+    try:
+        while "QUANTIZE_TEST_STALLED" not in log.read_text():
+            assert p.poll() is None, f"exited {p.returncode} before {stall}: {log.read_text()}"
+            assert time.monotonic() < deadline, f"never reached {stall}"
+            time.sleep(0.05)
+        if meanwhile is not None:
+            meanwhile()
+    finally:
+        os.kill(p.pid, sig)  # from outside
+        rc = p.wait(timeout=30)
+    text = log.read_text()
+    log.unlink()
+    return rc, text
+
+
+def folder_bytes(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def assert_not_a_result(out: Path) -> None:
+    """An interrupted folder: manifest in-progress, no index/config, verify refuses it."""
+    m = json.loads((out / MANIFEST).read_text())
+    assert m["status"] == "in-progress"
+    assert not (out / "model.safetensors.index.json").exists()
+    assert not (out / "config.json").exists()
+    for name, rec in m["files"].items():  # what the manifest records is really there, intact
+        assert sha256_file(out / name) == rec["sha256"], name
+    r = runner.invoke(app, ["verify", "unused-src", str(out)])
+    assert r.exit_code == 2 and "not a finished conversion" in r.output
+    assert "in-progress" in r.output
+
+
+def assert_half_written(out: Path, reference: Path) -> None:
+    """Exactly one `.partial` shard, holding more than its header and less than the whole."""
+    (partial,) = out.glob("*.partial")
+    whole = (reference / partial.name.removesuffix(".partial")).stat().st_size
+    header = 8 + int.from_bytes(partial.read_bytes()[:8], "little")
+    assert header < partial.stat().st_size < whole
+
+
+@pytest.fixture(scope="module")
+def reference(dsa_fp8, tmp_path_factory) -> Path:
+    """An uninterrupted conversion, through the same CLI subprocess."""
+    out = tmp_path_factory.mktemp("ref") / "out"
+    r = run_cli(*cli_args(dsa_fp8, out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_killed_four_times_then_resumed_is_byte_identical(dsa_fp8, reference, tmp_path):
+    out = tmp_path / "out"
+    n_shards = len(list(reference.glob("*.safetensors")))
+    assert n_shards >= 10
+
+    # 1. killed while the first multi-unit shard is half written (its first unit flushed)
+    run_cli(*cli_args(dsa_fp8, out), stall="unit:1")
+    assert_half_written(out, reference)
+    assert_not_a_result(out)
+
+    # 2. `--resume`, killed in the middle of a later shard (50th unit event of this run)
+    _, err = run_cli(*cli_args(dsa_fp8, out, "--resume"), stall="unit:50")
+    assert "resuming" in err
+    assert_half_written(out, reference)
+    assert_not_a_result(out)
+    recorded = json.loads((out / MANIFEST).read_text())["files"]
+    assert 0 < len(recorded) < n_shards
+
+    # 3. the same command again (no --resume): detects the manifest, says so, continues; killed
+    #    after its 2nd shard was renamed into place but before the manifest recorded it
+    _, err = run_cli(*cli_args(dsa_fp8, out), stall="shard:2")
+    assert f"{len(recorded)} of {n_shards} shards recorded): resuming" in err
+    on_disk = {p.name for p in out.glob("*.safetensors")}
+    recorded2 = set(json.loads((out / MANIFEST).read_text())["files"])
+    assert len(on_disk - recorded2) == 1  # a complete shard the manifest does not vouch for
+    assert_not_a_result(out)
+
+    # 4. killed after every shard, before index / config / completed manifest
+    run_cli(*cli_args(dsa_fp8, out), stall="finish:1")
+    assert len(json.loads((out / MANIFEST).read_text())["files"]) == n_shards
+    assert_not_a_result(out)
+
+    # 5. finish; it keeps what the manifest vouches for and rewrites nothing else
+    r = run_cli(*cli_args(dsa_fp8, out))
+    assert r.returncode == 0, r.stderr
+    assert f"0 shard(s) written, {n_shards} kept" in r.stderr
+    assert not list(out.glob("*.partial"))
+    got, want = folder_bytes(out), folder_bytes(reference)
+    assert sorted(got) == sorted(want)
+    for name in want:  # every file, the manifest included, byte for byte
+        assert got[name] == want[name], f"{name} differs from the uninterrupted run"
+    assert verify(dsa_fp8, out, write=False).ok
+
+
+def test_ctrl_c_removes_the_half_written_shard_and_says_how_to_resume(dsa_fp8, tmp_path):
+    out = tmp_path / "out"
+    rc, err = run_cli(*cli_args(dsa_fp8, out), stall="unit:30", sig=signal.SIGINT)
+    assert rc == 130 and "Traceback" not in err
+    assert "interrupted:" in err and "rerun the same command to resume" in err
+    assert not list(out.glob("*.partial"))
+    assert_not_a_result(out)
+
+
+def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(dsa_fp8, tmp_path):
+    out = tmp_path / "out"
+
+    def second_run() -> None:
+        partial = sorted(out.glob("*.partial"))
+        for extra in ([], ["--resume"], ["--overwrite"]):
+            r = runner.invoke(app, cli_args(dsa_fp8, out, *extra))
+            assert r.exit_code == 2, r.output
+            assert "another conversion is writing to this folder" in r.output
+        assert sorted(out.glob("*.partial")) == partial  # the running one's file left alone
+
+    run_cli(*cli_args(dsa_fp8, out), stall="unit:3", meanwhile=second_run)
+    r = runner.invoke(app, cli_args(dsa_fp8, out))  # the lock died with the process
+    assert r.exit_code == 0, r.output
+
+
+def test_a_changed_kept_shard_is_rewritten_on_resume(dsa_fp8, reference, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    victim = sorted(out.glob("*.safetensors"))[3]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF  # same size, one bit pattern changed
+    victim.write_bytes(bytes(data))
+    res = convert(dsa_fp8, out, OPTS, device="cpu", resume=True)
+    assert res.written == [victim.name]
+    assert victim.read_bytes() == (reference / victim.name).read_bytes()
+
+
+def test_resume_refuses_other_options_and_says_which(dsa_fp8, tmp_path):
+    out = tmp_path / "out"
+    run_cli(*cli_args(dsa_fp8, out), stall="shard:2")
+    before = folder_bytes(out)
+    for extra, says in ((["--asymmetric"], "option symmetric: was True, now False"),
+                        (["--group-size", "32", "--targets", "routed,shared"],
+                         "option targets: was ['routed'], now ['routed', 'shared']")):
+        r = runner.invoke(app, cli_args(dsa_fp8, out, "--resume", *extra))
+        assert r.exit_code == 2, r.output
+        assert "cannot resume: this output was made differently" in r.output and says in r.output
+        assert "holds an unfinished conversion" in r.output  # what was left, and what to do
+    original = (out / MANIFEST).read_bytes()
+    m = json.loads(original)
+    (out / MANIFEST).write_text(json.dumps({**m, "tool_version": "0.0.1"}))
+    r = runner.invoke(app, cli_args(dsa_fp8, out))  # shards of another version are not mixed in
+    assert r.exit_code == 2 and "tool version: was '0.0.1', now " in r.output
+    (out / MANIFEST).write_bytes(original)
+    r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--device", "cpu"])  # 5GB shards
+    assert r.exit_code == 2 and "option max_shard_size: was 200000, now 5000000000" in r.output
+    assert folder_bytes(out) == before  # a refused resume touches nothing
+    r = runner.invoke(app, cli_args(dsa_fp8, out))  # the original options still resume it
+    assert r.exit_code == 0, r.output
+
+
+def test_resume_refuses_a_changed_source(dsa_fp8, tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(dsa_fp8, src)
+    run_cli(*cli_args(src, out), stall="shard:1")
+    shard = min(src.glob("*.safetensors"))
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    r = runner.invoke(app, cli_args(src, out, "--resume"))
+    assert r.exit_code == 2 and f"source file {shard.name} changed (size/mtime)" in r.output
+    idx = src / "model.safetensors.index.json"
+    idx.write_text(idx.read_text() + "\n")
+    r = runner.invoke(app, cli_args(src, out))
+    assert r.exit_code == 2 and "source index changed" in r.output
+    r = runner.invoke(app, cli_args(src, out, "--overwrite"))  # the way out the message names
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / MANIFEST).read_text())["status"] == "complete"
+
+
+def test_a_source_changed_during_the_run_is_never_marked_complete(dsa_fp8, tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(dsa_fp8, src)
+    shard = max(src.glob("*.safetensors"))
+
+    def touch_once(unit) -> None:  # e.g. `hf download` still rewriting a shard
+        if not touch_once.done:
+            os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+            touch_once.done = True
+    touch_once.done = False
+
+    with pytest.raises(QuantizeError, match="the source changed during the conversion") as e:
+        convert(src, out, OPTS, device="cpu", on_unit=touch_once)
+    assert f"source file {shard.name} changed (size/mtime)" in str(e.value)
+    assert json.loads((out / MANIFEST).read_text())["status"] == "in-progress"
+
+
+def test_resume_and_overwrite_together_are_refused(dsa_fp8, tmp_path):
+    r = runner.invoke(app, cli_args(dsa_fp8, tmp_path / "o", "--resume", "--overwrite"))
+    assert r.exit_code == 2 and "contradict" in r.output
+    assert not (tmp_path / "o").exists()
+
+
+# --- integrity ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["shard", "model.safetensors.index.json", "config.json",
+                                   "generation_config.json"])
+def test_verify_names_any_changed_byte(dsa_fp8, reference, tmp_path, which):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    name = sorted(out.glob("*.safetensors"))[5].name if which == "shard" else which
+    p = out / name
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of one byte, size unchanged
+    p.write_bytes(bytes(data))
+    r = runner.invoke(app, ["verify", str(dsa_fp8), str(out)])
+    assert r.exit_code == 1, r.output
+    assert f"{name}: sha256 differs from the manifest" in r.output
+
+
+def test_verify_names_a_missing_file_and_refuses_a_folder_without_manifest(dsa_fp8, reference,
+                                                                           tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    victim = min(out.glob("*.safetensors"))
+    victim.unlink()
+    r = runner.invoke(app, ["verify", str(dsa_fp8), str(out)])
+    assert r.exit_code == 1 and f"{victim.name}: listed in the manifest but missing" in r.output
+    (out / MANIFEST).unlink()
+    r = runner.invoke(app, ["verify", str(dsa_fp8), str(out)])
+    assert r.exit_code == 2 and "no manifest" in r.output
+
+
+def test_output_inside_or_equal_to_source_is_refused(dsa_fp8, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(dsa_fp8, src)
+    before = sorted(p.name for p in src.rglob("*"))
+    link = tmp_path / "alias"
+    link.symlink_to(src)
+    for out, says in ((src, "is inside"), (src / "int4", "is inside"), (link / "x", "is inside"),
+                      (tmp_path, "contains the source")):
+        r = runner.invoke(app, cli_args(src, out))
+        assert r.exit_code == 2 and f"the output folder {says}" in r.output, (out, r.output)
+    assert sorted(p.name for p in src.rglob("*")) == before  # nothing written into the source
+
+
+def test_non_empty_output_without_manifest_is_refused(dsa_fp8, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("mine")
+    for extra in ([], ["--resume"]):
+        r = runner.invoke(app, cli_args(dsa_fp8, out, *extra))
+        assert r.exit_code == 2 and "the output folder is not empty" in r.output
+        assert "--overwrite" in r.output
+        assert [p.name for p in out.iterdir()] == ["precious.txt"]
+    r = runner.invoke(app, cli_args(dsa_fp8, out, "--overwrite"))
+    assert r.exit_code == 0, r.output
+    assert not (out / "precious.txt").exists()
+
+
+def test_killed_before_the_first_manifest_is_not_a_stranger(dsa_fp8, tmp_path):
+    """Only `.partial` leftovers (a kill during the very first write) do not block a rerun."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / f"{MANIFEST}.partial").write_text("{")
+    res = convert(dsa_fp8, out, OPTS, device="cpu")
+    assert not list(out.glob("*.partial")) and res.skipped == []
+
+
+def test_verify_in_process_refuses_in_progress(dsa_fp8, tmp_path):
+    out = tmp_path / "out"
+    run_cli(*cli_args(dsa_fp8, out), stall="unit:3")
+    with pytest.raises(QuantizeError, match="not a finished conversion"):
+        verify(dsa_fp8, out)
