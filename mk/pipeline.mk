@@ -14,6 +14,8 @@
 
 PY ?= .venv/bin/python
 QUANTIZE ?= .venv/bin/quantize
+# Run before any step (order-only), e.g. PIPELINE_PREREQ := install in the main Makefile.
+PIPELINE_PREREQ ?=
 
 MODEL ?=
 OUT ?=
@@ -55,11 +57,12 @@ endif
 
 .PHONY: plan convert verify eval push all
 
+plan: | $(PIPELINE_PREREQ)
 plan: ## print the size plan and the serving checks (MODEL, GROUP_SIZE, TARGETS, TP)
 	$(call need,MODEL,plan,zai-org/GLM-5.2-FP8)
 	$(QUANTIZE) plan $(MODEL) $(SRC_FLAGS) $(PLAN_FLAGS)
 
-$(PLAN_JSON):
+$(PLAN_JSON): | $(PIPELINE_PREREQ)
 	$(QUANTIZE) plan $(MODEL) $(SRC_FLAGS) $(PLAN_FLAGS) --strict --json > $@.tmp
 	mv $@.tmp $@
 
