@@ -30,7 +30,10 @@ app = typer.Typer(
 out = Console()
 err = Console(stderr=True, soft_wrap=True)  # messages stay one line for logs and grep
 
-Src = Annotated[str, typer.Argument(help="Source checkpoint folder (config.json + safetensors).")]
+Src = Annotated[str, typer.Argument(
+    help="Source checkpoint: a folder (config.json + safetensors) or a Hub repo id org/name.")]
+Revision = Annotated[str | None, typer.Option(
+    "--revision", help="Hub source only: branch, tag or commit to read (default: main).")]
 Dst = Annotated[Path, typer.Argument(help="Output folder for the INT4 checkpoint.")]
 GroupSize = Annotated[int, typer.Option("--group-size", "-g", help="INT4 group size: 32, 64 or 128.")]
 Targets = Annotated[str, typer.Option(
@@ -66,16 +69,18 @@ def _progress() -> Progress:
 
 
 @app.command()
-def inspect(src: Src, json_: Json = False, debug: Debug = False) -> None:
+def inspect(src: Src, revision: Revision = None, json_: Json = False, debug: Debug = False) -> None:
     """What a checkpoint holds: format, layers, experts, bytes by category. Reads headers only.
 
-    Example:  quantize inspect ./GLM-5.2-FP8
+    Examples:
+      quantize inspect ./GLM-5.2-FP8
+      quantize inspect zai-org/GLM-5.2-FP8       # Hub: config + safetensors headers, no weights
     """
-    from quantize.checkpoint import open_checkpoint
+    from quantize.hub import resolve_source
     from quantize.report import inspect_data, inspect_table
 
     try:
-        d = inspect_data(open_checkpoint(src))
+        d = inspect_data(resolve_source(src, revision, headers_only=True))
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
     out.print_json(json.dumps(d)) if json_ else out.print(inspect_table(d))
@@ -91,6 +96,7 @@ def plan(
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")] = "5GB",
     json_: Json = False,
     strict: Annotated[bool, typer.Option(help="Exit 1 when a serving check fails.")] = False,
+    revision: Revision = None,
     debug: Debug = False,
 ) -> None:
     """Predict the output size and per-GPU weight memory; check the serving kernels' rules.
@@ -101,14 +107,16 @@ def plan(
     Examples:
       quantize plan ./GLM-5.2-FP8 --tp 8
       quantize plan ./GLM-4.6-FP8 --tp 8 --group-size 128     # warns: 1536/8 = 192
+      quantize plan zai-org/GLM-5.2-FP8 --tp 8                # Hub: headers only
     """
-    from quantize.checkpoint import open_checkpoint
+    from quantize.hub import resolve_source
     from quantize.plan import make_plan
     from quantize.report import plan_data, plan_tables
 
     try:
-        d = plan_data(make_plan(open_checkpoint(src), _options("rtn", group_size, targets, asymmetric,
-                                                                 max_shard_size), tp), tp)
+        ckpt = resolve_source(src, revision, headers_only=True)
+        d = plan_data(make_plan(ckpt, _options("rtn", group_size, targets, asymmetric,
+                                               max_shard_size), tp), tp)
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
     if json_:
@@ -137,6 +145,7 @@ def convert(
         help="Continue an interrupted conversion in DST (also automatic when DST has a manifest).")] = False,
     overwrite: Annotated[bool, typer.Option(help="Delete DST's contents and start over.")] = False,
     tp: Tp = 8,
+    revision: Revision = None,
     debug: Debug = False,
 ) -> None:
     """Convert SRC to a compressed-tensors pack-quantized INT4 checkpoint in DST.
@@ -149,8 +158,10 @@ def convert(
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4
       quantize convert ./GLM-4.6-FP8 ./GLM-4.6-INT4 --group-size 64 --targets routed,shared
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --resume
+      quantize convert zai-org/GLM-5.2-FP8 ./GLM-5.2-INT4     # downloads into HF_HOME first
     """
     from quantize.checkpoint import open_checkpoint
+    from quantize.hub import resolve_source
     from quantize.manifest import read_manifest
     from quantize.pipeline import convert as run_convert
     from quantize.plan import make_plan
@@ -159,7 +170,8 @@ def convert(
     command = shlex.join(["quantize", *sys.argv[1:]]) if sys.argv[0].endswith("quantize") else None
     try:
         opts = _options(method, group_size, targets, asymmetric, max_shard_size)
-        ckpt = open_checkpoint(src)
+        local = resolve_source(src, revision, headers_only=False)
+        ckpt = open_checkpoint(local)
         plan_ = make_plan(ckpt, opts, tp)
         for c in plan_.checks:
             if c.level != "ok":
@@ -180,7 +192,7 @@ def convert(
                 done = bar.tasks[0].completed
                 bar.update(task, rate=f"{done / max(time.perf_counter() - t0, 1e-9) / 2**20:,.0f} MiB/s")
 
-            res = run_convert(src, dst, opts, device=device, resume=resume, overwrite=overwrite,
+            res = run_convert(local, dst, opts, device=device, resume=resume, overwrite=overwrite,
                               on_unit=step, command=command)
     except (QuantizeError, ValueError) as e:
         from quantize.manifest import output_state
@@ -205,6 +217,7 @@ def verify(
     min_sqnr: Annotated[float, typer.Option(help="Fail when an INT4 tensor's SQNR (dB) is below this.")] = 12.0,
     device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
     json_: Json = False,
+    revision: Revision = None,
     debug: Debug = False,
 ) -> None:
     """Reload every output tensor and compare it with the source; write DST/verify.json.
@@ -215,13 +228,15 @@ def verify(
 
     Example:  quantize verify ./GLM-5.2-FP8 ./GLM-5.2-INT4 --min-sqnr 15
     """
+    from quantize.hub import resolve_source
     from quantize.report import verify_table
     from quantize.verify import verify as run_verify
 
     try:
+        local = resolve_source(src, revision, headers_only=False)
         with _progress() as bar:
             task = bar.add_task("verify", total=None, rate="")
-            rep = run_verify(src, dst, min_sqnr, device, on_unit=lambda u: bar.advance(task, 1))
+            rep = run_verify(local, dst, min_sqnr, device, on_unit=lambda u: bar.advance(task, 1))
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
     if json_:
@@ -232,6 +247,53 @@ def verify(
         err.print(f"[red]problem:[/] {p}", highlight=False)
     if not rep.ok:
         raise typer.Exit(1)
+
+
+@app.command()
+def push(
+    dst: Annotated[Path, typer.Argument(help="A converted and verified output folder.")],
+    repo_id: Annotated[str, typer.Argument(help="Hub repo id org/name (created if missing).")],
+    private: Annotated[bool, typer.Option(help="Create the repo private (an existing repo keeps "
+                                               "its visibility).")] = False,
+    revision: Annotated[str, typer.Option(help="Branch to push to (created from main if missing).")] = "main",
+    dry_run: Annotated[bool, typer.Option(help="List the files and sizes and print the card; "
+                                               "upload nothing.")] = False,
+    skip_verify_check: Annotated[bool, typer.Option(
+        help="Publish even without a passing verify.json (the manifest must still be complete).")] = False,
+    base_model: Annotated[str | None, typer.Option(
+        help="The card's base_model (default: the Hub repo the source was downloaded from).")] = None,
+    debug: Debug = False,
+) -> None:
+    """Upload DST to the Hugging Face Hub with a model card (README.md), resumably.
+
+    Refuses a folder whose manifest is not complete or that has no passing verify.json. Uploads
+    exactly the manifest's files plus README.md, verify.json and the manifest. Re-running after an
+    interruption sends only what is missing. The token comes from HF_TOKEN or `hf auth login`.
+
+    Examples:
+      quantize push ./GLM-5.2-INT4 my-org/GLM-5.2-INT4 --dry-run
+      quantize push ./GLM-5.2-INT4 my-org/GLM-5.2-INT4 --private
+    """
+    from quantize.push import prepare_push, upload
+    from quantize.report import fmt_bytes
+
+    try:
+        p = prepare_push(dst, repo_id, revision, private, skip_verify_check, base_model,
+                         write_card=not dry_run)
+        if dry_run:
+            for f in p.files:
+                out.print(f"{f.nbytes:>16,}  {f.name}", highlight=False, soft_wrap=True)
+            out.print(f"{p.total_bytes:>16,}  total: {len(p.files)} files ({fmt_bytes(p.total_bytes)}) "
+                      f"-> {p.repo_id}@{p.revision}{' (private)' if p.private else ''}",
+                      highlight=False, soft_wrap=True)
+            out.print("\n" + p.card, markup=False, highlight=False, soft_wrap=True)
+            return
+        err.print(f"uploading {len(p.files)} files ({fmt_bytes(p.total_bytes)}) to {p.repo_id}"
+                  f"@{p.revision}", highlight=False)
+        url = upload(p)
+    except (QuantizeError, ValueError) as e:
+        _fail(e, debug)
+    out.print(url, highlight=False, soft_wrap=True)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -337,5 +337,8 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
         manifest.data["files"][name] = {"bytes": (out / name).stat().st_size,
                                         "sha256": sha256_file(out / name)}
     manifest.finish(ckpt, tool_version=__version__)
+    from quantize.readme import write_readme  # local: readme -> verify -> pipeline
+
+    write_readme(out, plan)  # the model card; a report, so not among the manifest's files
     return ConvertResult(out, plan, written, skipped, str(dev),
                          calib.report() if calib is not None else None)

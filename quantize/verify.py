@@ -207,4 +207,7 @@ def _finish(report: VerifyReport, dst: Path, write: bool) -> VerifyReport:
     if write:
         # Not through the manifest: verify.json is a report about the checkpoint, not part of it.
         (dst / VERIFY_JSON).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        from quantize.readme import refresh_readme  # local: readme imports this module
+
+        refresh_readme(dst)  # the card shows these results
     return report

@@ -1,0 +1,109 @@
+# The pipeline as make targets: plan -> convert -> verify -> [eval] -> push.
+# Included by the main Makefile, which defines PY and QUANTIZE. Every recipe is one CLI call;
+# each step produces a file, so a re-run skips finished steps:
+#
+#   $(OUT).plan.json                     plan (next to OUT: convert wants OUT empty or its own)
+#   $(OUT)/model.safetensors.index.json  convert; only "made" once the manifest is complete, so
+#                                        an interrupted convert is resumed by the next `make`
+#   $(OUT)/verify.json                   verify; removed when verify fails, so it runs again
+#   $(OUT)/eval.json                     eval (EVAL=1)
+#   $(OUT)/.pushed-ORG--NAME@REVISION    push (a stamp, outside the uploaded file list)
+#
+#   make all MODEL=zai-org/GLM-5.2-FP8 OUT=./GLM-5.2-INT4 REPO=my-org/GLM-5.2-INT4
+#   make all MODEL=... OUT=... REPO=... DRY_RUN=1     # everything but the upload
+
+PY ?= .venv/bin/python
+QUANTIZE ?= .venv/bin/quantize
+# Run before any step (order-only), e.g. PIPELINE_PREREQ := install in the main Makefile.
+PIPELINE_PREREQ ?=
+
+MODEL ?=
+OUT ?=
+METHOD ?= rtn
+GROUP_SIZE ?= 32
+TARGETS ?= routed
+CALIB ?=
+TP ?= 8
+DEVICE ?= auto
+MAX_SHARD_SIZE ?= 5GB
+MIN_SQNR ?= 12
+REVISION ?=
+REPO ?=
+REPO_REVISION ?= main
+PRIVATE ?=
+DRY_RUN ?=
+EVAL ?= 0
+
+PIPELINE_GOALS := convert verify eval push all
+
+INDEX := $(OUT)/model.safetensors.index.json
+PLAN_JSON := $(OUT).plan.json
+VERIFY_JSON := $(OUT)/verify.json
+EVAL_JSON := $(OUT)/eval.json
+PUSH_STAMP := $(OUT)/.pushed-$(subst /,--,$(REPO))@$(REPO_REVISION)
+
+SRC_FLAGS := $(if $(REVISION),--revision $(REVISION))
+QUANT_FLAGS := --method $(METHOD) --group-size $(GROUP_SIZE) --targets $(TARGETS) $(if $(CALIB),--calib $(CALIB))
+CONVERT_FLAGS := --tp $(TP) --device $(DEVICE) --max-shard-size $(MAX_SHARD_SIZE)
+PLAN_FLAGS := --tp $(TP) --group-size $(GROUP_SIZE) --targets $(TARGETS) --max-shard-size $(MAX_SHARD_SIZE)
+PUSH_FLAGS := --revision $(REPO_REVISION) $(if $(PRIVATE),--private)
+
+need = $(if $($(1)),,$(error $(1) is required, e.g. make $(2) $(1)=$(3)))
+
+ifneq ($(filter $(PIPELINE_GOALS),$(MAKECMDGOALS)),)
+$(call need,MODEL,all,zai-org/GLM-5.2-FP8)
+$(call need,OUT,all,./GLM-5.2-INT4)
+endif
+
+.PHONY: plan convert verify eval push all
+
+plan: | $(PIPELINE_PREREQ)
+plan: ## print the size plan and the serving checks (MODEL, GROUP_SIZE, TARGETS, TP)
+	$(call need,MODEL,plan,zai-org/GLM-5.2-FP8)
+	$(QUANTIZE) plan $(MODEL) $(SRC_FLAGS) $(PLAN_FLAGS)
+
+$(PLAN_JSON): | $(PIPELINE_PREREQ)
+	$(QUANTIZE) plan $(MODEL) $(SRC_FLAGS) $(PLAN_FLAGS) --strict --json > $@.tmp
+	mv $@.tmp $@
+
+# The index exists before the manifest says complete (and after a crash in between): the
+# manifest's status, not the file's presence, decides whether convert still has work to do.
+CONVERT_STATUS := $(shell $(PY) -c 'import json,sys; print(json.load(open(sys.argv[1])).get("status"))' \
+                    $(OUT)/quantize-manifest.json 2>/dev/null)
+ifneq ($(CONVERT_STATUS),complete)
+$(INDEX): FORCE
+endif
+FORCE:
+.PHONY: FORCE
+
+$(INDEX): | $(PLAN_JSON)
+	$(QUANTIZE) convert $(MODEL) $(OUT) $(SRC_FLAGS) $(QUANT_FLAGS) $(CONVERT_FLAGS)
+
+convert: $(INDEX) ## convert MODEL into OUT (resumes an interrupted run)
+
+$(VERIFY_JSON): $(INDEX)
+	$(QUANTIZE) verify $(MODEL) $(OUT) $(SRC_FLAGS) --min-sqnr $(MIN_SQNR) || { rm -f $@; exit 1; }
+
+verify: $(VERIFY_JSON) ## check every output tensor against MODEL; writes OUT/verify.json
+
+$(EVAL_JSON): $(VERIFY_JSON)
+	$(QUANTIZE) eval $(MODEL) $(OUT) $(SRC_FLAGS) || { rm -f $@; exit 1; }
+
+eval: $(EVAL_JSON) ## evaluate OUT against MODEL; writes OUT/eval.json
+
+PUSH_DEPS := $(VERIFY_JSON) $(if $(filter 1,$(EVAL)),$(EVAL_JSON))
+
+$(PUSH_STAMP): $(PUSH_DEPS)
+	$(call need,REPO,push,my-org/GLM-5.2-INT4)
+	$(QUANTIZE) push $(OUT) $(REPO) $(PUSH_FLAGS)
+	touch $@
+
+ifeq ($(DRY_RUN),)
+push: $(PUSH_STAMP) ## upload OUT to REPO with its model card (DRY_RUN=1: list files, print card)
+else
+push: $(PUSH_DEPS)
+	$(call need,REPO,push,my-org/GLM-5.2-INT4)
+	$(QUANTIZE) push $(OUT) $(REPO) $(PUSH_FLAGS) --dry-run
+endif
+
+all: push ## the chain: plan -> convert -> verify -> [eval if EVAL=1] -> push

@@ -1,0 +1,249 @@
+"""The model card (README.md of an output folder): facts in, markdown out. No I/O here.
+
+`readme.py` gathers the facts from the output folder (manifest, config, verify.json, eval.json,
+the plan recomputed from the source headers) and writes the file; this module only renders.
+
+The card opens with the Hub's YAML front matter:
+
+    ---
+    base_model: zai-org/GLM-5.2-FP8        # only when the source is known as a Hub repo id
+    base_model_relation: quantized
+    library_name: transformers             # compressed-tensors checkpoints load through it
+    tags: [compressed-tensors, int4, w4a16, ...]
+    ---
+
+then: what was quantized and how, the size figures, the verify (and eval) results, serving
+commands for vLLM and SGLang with the tensor-parallel sizes the group size allows, and the
+exact command and tool version that produced the folder.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["CardFacts", "Sizes", "render_card"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The plan's byte figures (exactly what convert wrote)."""
+
+    source_bytes: int | None  # tensor data in the source (None: source folder not available)
+    output_bytes: int  # tensor data written (= index total_size)
+    output_file_bytes: int  # shard files on disk, headers included
+    shards: int
+    by_role: tuple[tuple[str, int, int], ...] = ()  # (role, source bytes, output bytes)
+
+
+@dataclass(frozen=True)
+class CardFacts:
+    source_name: str  # the source as given (path or repo id)
+    base_model: str | None  # Hub repo id of the source, when known
+    base_revision: str | None  # the source's commit sha, when known
+    repo_id: str | None  # the repo this card is published to, when known
+    model_type: str
+    method: str
+    num_bits: int
+    group_size: int
+    symmetric: bool
+    targets: tuple[str, ...]
+    ignore: tuple[str, ...]
+    int4_linears: int
+    kept_tensors: int  # output tensors that are not INT4 (BF16 weights, norms, ...)
+    sizes: Sizes
+    tp: int  # tensor-parallel size used in the serving commands
+    valid_tp: tuple[int, ...]  # TP sizes the MoE kernels accept at this group size
+    expert_width: int | None
+    calibration: dict | None  # as recorded in the manifest
+    verify: dict | None  # verify.json (summary + worst)
+    eval: dict | None  # eval.json, when an eval ran
+    tool_version: str
+    compressed_tensors_version: str | None
+    command: str | None
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    if n >= GiB / 10:
+        return f"{n:,} bytes ({n / GiB:,.1f} GiB)"
+    return f"{n:,} bytes ({n / 2**20:,.2f} MiB)"
+
+
+def _num(x) -> str:
+    if isinstance(x, float):
+        return "inf" if math.isinf(x) else f"{x:.2f}"
+    return str(x)
+
+
+def _front_matter(f: CardFacts) -> list[str]:
+    tags = ["compressed-tensors", "int4", "w4a16", "quantized", "moe", f.method]
+    if f.model_type and f.model_type != "unknown":
+        tags.append(f.model_type)
+    lines = ["---"]
+    if f.base_model:
+        lines.append(f"base_model: {f.base_model}")
+        lines.append("base_model_relation: quantized")
+    lines.append("library_name: transformers")
+    lines.append("tags:")
+    lines += [f"- {t}" for t in dict.fromkeys(tags)]
+    lines.append("---")
+    return lines
+
+
+def _what(f: CardFacts) -> list[str]:
+    scheme = (f"W{f.num_bits}A16, INT{f.num_bits} weights, {'symmetric' if f.symmetric else 'asymmetric'}"
+              f", one BF16 scale per {f.group_size} input channels"
+              f"{'' if f.symmetric else ' plus a zero point'}; activations stay BF16")
+    base = f.base_model or f.source_name
+    rev = f" at revision `{f.base_revision}`" if f.base_revision else ""
+    return [
+        (f"INT{f.num_bits} weight-only quantization of `{base}`{rev}, in the compressed-tensors "
+         "`pack-quantized` format (vLLM and SGLang load it directly)."),
+        "",
+        "| | |",
+        "|---|---|",
+        f"| base model | `{base}`{rev} |",
+        f"| method | `{f.method}` |",
+        f"| scheme | {scheme} |",
+        f"| group size | {f.group_size} |",
+        f"| INT{f.num_bits} modules | {f.int4_linears:,} Linear layers of role(s): {', '.join(f.targets)} |",
+        (f"| kept in original precision | {f.kept_tensors:,} tensors: everything matched by the "
+         "`ignore` list below (BF16; FP8 sources are dequantized exactly) |"),
+        f"| calibration data | {_calibration(f)} |",
+        "",
+        "Kept out of INT4 (`quantization_config.ignore`, as the engines match it):",
+        "",
+        *[f"- `{p}`" for p in f.ignore],
+    ]
+
+
+def _calibration(f: CardFacts) -> str:
+    if f.calibration:
+        return ", ".join(f"{k}: {v}" for k, v in f.calibration.items() if not isinstance(v, (dict, list)))
+    if f.method == "rtn":
+        return "none (round-to-nearest needs no calibration data)"
+    return "not recorded in the manifest"
+
+
+def _sizes(f: CardFacts) -> list[str]:
+    s = f.sizes
+    ratio = f"{s.output_bytes / s.source_bytes:.3f}" if s.source_bytes else "n/a"
+    lines = [
+        "## Size",
+        "",
+        "| | bytes |",
+        "|---|---|",
+        f"| source tensors | {_bytes(s.source_bytes)} |",
+        f"| output tensors | {_bytes(s.output_bytes)} |",
+        f"| output files ({s.shards} shards, headers included) | {_bytes(s.output_file_bytes)} |",
+        f"| output / source | {ratio} |",
+        f"| weights per GPU at TP{f.tp} (even split) | {_bytes(s.output_bytes // f.tp)} |",
+    ]
+    if s.by_role:
+        lines += ["", "| role | source | output |", "|---|---|---|"]
+        lines += [f"| {r} | {_bytes(a)} | {_bytes(b)} |" for r, a, b in s.by_role]
+    return lines
+
+
+def _results(f: CardFacts) -> list[str]:
+    lines = ["## Verification", ""]
+    v = f.verify
+    if v is None:
+        lines.append("Not verified yet: run `quantize verify SRC DST`.")
+    else:
+        s = v["summary"]
+        lines += [
+            ("`quantize verify` reloaded every output tensor and compared it with the source: "
+             f"**{'PASS' if s['ok'] else 'FAIL'}**."),
+            "",
+            "| check | result |",
+            "|---|---|",
+            f"| INT4 tensors checked | {s['quantized']:,} |",
+            f"| SQNR min / mean (dB) | {_num(s['min_sqnr_db'])} / {_num(s['mean_sqnr_db'])} |",
+            f"| SQNR floor (dB) | {_num(v.get('min_sqnr_db_threshold'))} |",
+            f"| max relative error | {s['max_rel_err']:.4f} |",
+            f"| bit-exact tensors (copied / dequantized) | {s['exact_ok']:,} / {s['exact_total']:,} |",
+            f"| problems | {len(s['problems'])} |",
+        ]
+        worst = v.get("worst") or []
+        if worst:
+            lines += ["", "Lowest-SQNR tensors:", "", "| tensor | rel. error | SQNR dB |", "|---|---|---|"]
+            lines += [f"| `{w['name']}` | {w['rel_err']:.4f} | {_num(w['sqnr_db'])} |" for w in worst[:5]]
+    if f.eval:
+        lines += ["", "## Evaluation", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {_num(x)} |" for k, x in _flat(f.eval)]
+    return lines
+
+
+def _flat(d: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out: list[tuple[str, object]] = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += _flat(v, f"{prefix}{k}.")
+        elif isinstance(v, (int, float, str, bool)):
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+def _serving(f: CardFacts) -> list[str]:
+    model = f.repo_id or "PATH_OR_REPO_ID"
+    tps = ", ".join(map(str, f.valid_tp)) or "none in 1..16"
+    width = (f"The routed experts are {f.expert_width} wide; the MoE INT4 kernels need "
+             f"`{f.expert_width} / TP` to be a multiple of max(64, group size) = "
+             f"{max(64, f.group_size)}, so the tensor-parallel sizes that work at group size "
+             f"{f.group_size} are: **{tps}**.") if f.expert_width else ""
+    lines = [
+        "## Serving",
+        "",
+        "vLLM (Marlin / Machete W4A16 kernels):",
+        "",
+        "```bash",
+        f"vllm serve {model} --tensor-parallel-size {f.tp}",
+        "```",
+        "",
+        "SGLang (MoE WNA16 kernels):",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {model} --tp {f.tp}",
+        "```",
+        "",
+    ]
+    if width:
+        lines += [width, ""]
+    lines.append("Weights need about the per-GPU figure in the size table plus KV cache and "
+                 "activations; add `--enable-expert-parallel` (vLLM) / `--ep-size` (SGLang) to "
+                 "shard experts instead of slicing them.")
+    if not f.symmetric:
+        lines += ["", ("Asymmetric (zero-point) weights: vLLM's Marlin reads the zero points; "
+                       "SGLang's MoE WNA16 path and transformers expect symmetric weights.")]
+    return lines
+
+
+def _provenance(f: CardFacts) -> list[str]:
+    cmd = f.command or "(not recorded: converted through the Python API)"
+    ct = f", compressed-tensors {f.compressed_tensors_version}" if f.compressed_tensors_version else ""
+    return [
+        "## How this was made",
+        "",
+        f"glm-int4-quantize {f.tool_version}{ct}:",
+        "",
+        "```bash",
+        cmd,
+        "```",
+        "",
+        ("`quantize-manifest.json` lists every file with its sha256; `verify.json` holds the "
+         "per-tensor results."),
+    ]
+
+
+def render_card(f: CardFacts) -> str:
+    """The README.md text for one output folder."""
+    name = f.repo_id or f"{(f.base_model or f.source_name).rstrip('/').split('/')[-1]}-INT4"
+    title = f"# {name.split('/')[-1]}"
+    parts = [_front_matter(f), [title, ""], _what(f), [""], _sizes(f), [""], _results(f), [""],
+             _serving(f), [""], _provenance(f)]
+    return "\n".join(line for part in parts for line in part) + "\n"

@@ -1,0 +1,116 @@
+"""Hub sources: `inspect`, `plan`, `convert` and `verify` accept a Hub repo id for SRC.
+
+    resolve_source("zai-org/GLM-5.2-FP8", None, headers_only=True)    -> Checkpoint (no data)
+    resolve_source("zai-org/GLM-5.2-FP8", "main", headers_only=False) -> Path of the snapshot
+
+SRC is a repo id when no local folder of that name exists and it reads `org/name`.
+
+headers_only (plan, inspect): config.json through `hf_hub_download`, and every shard's
+safetensors header through `get_safetensors_metadata` (range requests for the first ~100 kB of
+each shard): GLM-5.2's 700 GB are planned from a few MB of downloads.
+
+otherwise (convert, verify): `snapshot_download` at `revision` (branch, tag or commit, resolved
+to its commit first), skipping weight formats the tool never reads (*.bin, *.pth, ...), into
+
+    $HF_HOME/quantize/sources/models--ORG--NAME/snapshots/SHA
+
+as plain files (`local_dir`), not into the hub cache: the cache's snapshot folders are symlinks
+into `../../blobs`, and the reader refuses links that leave the model folder (its guard against
+hostile checkpoints). An interrupted download resumes on the next run; a finished one is reused
+(also offline, HF_HUB_OFFLINE=1, when the revision is a commit or a single snapshot is there).
+That path is what the manifest records, so the card names the base model and its exact commit.
+
+huggingface_hub reads the token itself (HF_TOKEN or the stored login); it is never passed,
+printed or logged here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from quantize.checkpoint import Checkpoint, checkpoint_from_headers, open_checkpoint
+from quantize.errors import Problem, QuantizeError
+
+__all__ = ["is_repo_id", "resolve_source"]
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+# Formats in source repos that the tool never reads (it reads safetensors + config + tokenizer).
+_SKIP_DOWNLOAD = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.msgpack", "*.h5", "*.onnx",
+                  "original/*", "*.md"]
+
+
+def is_repo_id(src: str) -> bool:
+    """`org/name` with no local folder of that name."""
+    return bool(_REPO_ID.match(src)) and not Path(src).exists()
+
+
+def resolve_source(src: str, revision: str | None, headers_only: bool) -> Checkpoint | Path:
+    """A local folder or a Hub repo id -> a header-only Checkpoint (`headers_only`) or a local
+    folder holding the checkpoint (downloading it when SRC is a repo id)."""
+    if not is_repo_id(src):
+        if revision is not None:
+            raise QuantizeError("--revision only applies to Hub sources", [Problem(
+                src, None, "a local folder", "a Hub repo id org/name", "drop --revision")])
+        return open_checkpoint(src) if headers_only else Path(src)
+    import httpx2
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        NotASafetensorsRepoError,
+        OfflineModeIsEnabled,
+    )
+
+    shown = f"{src}@{revision}" if revision else src
+    try:
+        if not headers_only:
+            folder = _snapshot_folder(src, revision)
+            snapshot_download(src, revision=folder.name, local_dir=folder, ignore_patterns=_SKIP_DOWNLOAD)
+            return folder
+        config = json.loads(Path(hf_hub_download(src, "config.json", revision=revision)).read_text())
+        meta = HfApi().get_safetensors_metadata(src, revision=revision)
+    except NotASafetensorsRepoError:
+        raise QuantizeError("no safetensors weights in this Hub repo", [Problem(
+            shown, None, "neither model.safetensors nor model.safetensors.index.json",
+            "a safetensors checkpoint", "pick the repo's safetensors release (e.g. the -FP8 one)")]) from None
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
+        raise QuantizeError("the Hub cannot be reached and nothing is cached", [Problem(
+            shown, None, type(e).__name__, "network access or a cached snapshot",
+            "check the network (and HF_ENDPOINT), or unset HF_HUB_OFFLINE")]) from None
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else None
+        fix = {401: "log in: set HF_TOKEN (read access) or run `hf auth login`",
+               403: "accept the model's terms on its Hub page, or use a token with access",
+               404: "check the repo id and --revision"}.get(status, "retry; the download resumes")
+        raise QuantizeError("the Hub refused the request", [Problem(
+            shown, None, f"HTTP {status}: {type(e).__name__}", "a readable model repo", fix)]) from None
+    except (OSError, httpx2.HTTPError) as e:
+        raise QuantizeError("the Hub download failed", [Problem(
+            shown, None, f"{type(e).__name__}: {e}", "a finished download",
+            "check the network and HF_ENDPOINT, then re-run: finished files are not fetched again")]) from None
+    headers = {
+        fname: {name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": list(t.data_offsets)}
+                for name, t in fm.tensors.items()}
+        for fname, fm in meta.files_metadata.items()
+    }
+    return checkpoint_from_headers(shown, config, headers)
+
+
+def _snapshot_folder(repo_id: str, revision: str | None) -> Path:
+    """$HF_HOME/quantize/sources/models--ORG--NAME/snapshots/SHA for `revision` (default main)."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    repo_dir = f"models--{repo_id.replace('/', '--')}"
+    base = Path(constants.HF_HOME) / "quantize" / "sources" / repo_dir / "snapshots"
+    if revision is not None and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return base / revision
+    try:
+        return base / HfApi().repo_info(repo_id, revision=revision).sha
+    except OfflineModeIsEnabled:
+        have = sorted(base.iterdir()) if base.is_dir() else []
+        if len(have) == 1 and revision is None:
+            return have[0]
+        raise

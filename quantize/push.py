@@ -1,0 +1,160 @@
+"""Publish a finished, verified output folder to the Hugging Face Hub.
+
+    quantize push ./GLM-5.2-INT4 my-org/GLM-5.2-INT4 [--private] [--revision main] [--dry-run]
+
+1. refuse what is not publishable: the manifest must be `complete` and every file it lists
+   present with its recorded size (no override: an unfinished conversion is never published);
+   verify.json must say `ok` and be newer than the manifest (override: --skip-verify-check)
+2. refresh README.md (the model card) with the repo id
+3. the upload list is exactly: the manifest's files, README.md, verify.json, the manifest
+   itself. Nothing else in the folder (half-written `.partial` files, scratch) is sent
+4. `upload` (the one network call site): create the repo if missing (private on request),
+   create the branch if it is not `main`, then `HfApi.upload_folder` restricted to that list.
+   huggingface_hub 2.x folded `upload_large_folder` into `upload_folder`: with hf_xet installed
+   (the default) it is the streamed, multi-worker, multi-commit Xet upload, and re-running it
+   after an interruption skips committed files and re-sends only missing chunks. Without hf_xet
+   (or HF_HUB_DISABLE_XET=1) it is one commit over Git LFS, whose batch API skips the objects
+   the Hub already holds, so a re-run sends only what is missing.
+
+The token is huggingface_hub's business (HF_TOKEN or `hf auth login`): this module never passes,
+prints or logs it, and scrubs it from any error message it re-raises.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantize import __version__
+from quantize.errors import Problem, QuantizeError
+from quantize.manifest import MANIFEST, read_manifest
+from quantize.readme import CARD, card_text, write_readme
+from quantize.verify import VERIFY_JSON
+
+__all__ = ["PushPlan", "UploadFile", "prepare_push", "upload"]
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+_TOKEN_LIKE = re.compile(r"hf_[A-Za-z0-9]{8,}")
+
+
+@dataclass(frozen=True)
+class UploadFile:
+    name: str  # path in the folder and in the repo
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    folder: Path
+    repo_id: str
+    revision: str
+    private: bool
+    files: tuple[UploadFile, ...]
+    card: str  # the README.md that is (or would be) uploaded
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+
+def _check_publishable(dst: Path, repo_id: str, skip_verify_check: bool) -> dict:
+    """The manifest of a publishable folder; raises listing every reason it is not."""
+    if not _REPO_ID.match(repo_id):
+        raise QuantizeError("not a Hub repo id", [Problem(
+            repo_id, None, "not of the form org/name", "e.g. my-org/GLM-5.2-INT4",
+            "pass the namespace and the repo name separated by one '/'")])
+    manifest = read_manifest(dst) if dst.is_dir() else None
+    if manifest is None or manifest.get("status") != "complete":
+        state = "no manifest" if manifest is None else f"status {manifest.get('status')!r}"
+        raise QuantizeError("not a finished conversion: refusing to publish it", [Problem(
+            str(dst / MANIFEST), None, state, "a complete conversion made by `quantize convert`",
+            "finish it with `quantize convert SRC DST --resume`, then `quantize verify SRC DST`")])
+    problems = []
+    for name, rec in sorted(manifest["files"].items()):
+        p = dst / name
+        if not p.is_file():
+            problems.append(Problem(str(p), None, "missing", f"{rec['bytes']} bytes",
+                                    "re-run `quantize convert SRC DST --resume`"))
+        elif p.stat().st_size != rec["bytes"]:
+            problems.append(Problem(str(p), None, f"{p.stat().st_size} bytes",
+                                    f"{rec['bytes']} bytes as converted",
+                                    "the file changed after conversion; convert again with --overwrite"))
+    if problems:
+        raise QuantizeError("the folder does not match its manifest: refusing to publish it", problems)
+    if skip_verify_check:
+        return manifest
+    vpath = dst / VERIFY_JSON
+    fix = "run `quantize verify SRC DST` (or pass --skip-verify-check to publish unverified)"
+    if not vpath.is_file():
+        raise QuantizeError("not verified: refusing to publish it", [Problem(
+            str(vpath), None, "missing", "a passing verify report", fix)])
+    summary = json.loads(vpath.read_text()).get("summary", {})
+    if summary.get("ok") is not True:
+        raise QuantizeError("verify failed: refusing to publish it", [Problem(
+            str(vpath), None, f"ok={summary.get('ok')}, problems={summary.get('problems', [])[:3]}, "
+            f"failed={summary.get('failed', [])[:3]}", "ok=true", fix)])
+    if vpath.stat().st_mtime_ns < (dst / MANIFEST).stat().st_mtime_ns:
+        raise QuantizeError("verify.json is older than the conversion: refusing to publish it", [Problem(
+            str(vpath), None, "written before the manifest's last change", "a report of this conversion",
+            fix)])
+    return manifest
+
+
+def prepare_push(dst: str | Path, repo_id: str, revision: str = "main", private: bool = False,
+                 skip_verify_check: bool = False, base_model: str | None = None,
+                 write_card: bool = True) -> PushPlan:
+    """Check `dst`, refresh its card (unless `write_card` is False: dry run) and list the upload."""
+    dst = Path(dst)
+    manifest = _check_publishable(dst, repo_id, skip_verify_check)
+    if write_card:
+        card = write_readme(dst, repo_id=repo_id, base_model=base_model).read_text()
+    else:
+        card = card_text(dst, repo_id=repo_id, base_model=base_model)
+    files = [UploadFile(n, r["bytes"]) for n, r in sorted(manifest["files"].items())]
+    files.append(UploadFile(CARD, len(card.encode())))
+    for extra in (VERIFY_JSON, MANIFEST):
+        if (dst / extra).is_file():
+            files.append(UploadFile(extra, (dst / extra).stat().st_size))
+    return PushPlan(dst, repo_id, revision, private, tuple(files), card)
+
+
+def _scrub(text: str) -> str:
+    from huggingface_hub import get_token
+
+    token = get_token()
+    if token:
+        text = text.replace(token, "***")
+    return _TOKEN_LIKE.sub("hf_***", text)
+
+
+def upload(plan: PushPlan) -> str:
+    """Create the repo (and branch) if missing and upload `plan.files`; return the commit URL.
+
+    The only function in the package that writes to the network; tests point it at a loopback
+    Hub with HF_ENDPOINT.
+    """
+    import httpx2
+    from huggingface_hub import HfApi
+
+    api = HfApi(library_name="glm-int4-quantize", library_version=__version__)
+    try:
+        api.create_repo(plan.repo_id, private=plan.private, exist_ok=True, repo_type="model")
+        if plan.revision != "main":
+            api.create_branch(plan.repo_id, branch=plan.revision, exist_ok=True)
+        info = api.upload_folder(
+            repo_id=plan.repo_id,
+            folder_path=plan.folder,
+            revision=plan.revision,
+            allow_patterns=[glob.escape(f.name) for f in plan.files],
+            commit_message=f"Upload INT4 checkpoint ({len(plan.files)} files) with glm-int4-quantize "
+                           f"{__version__}",
+        )
+    except (OSError, httpx2.HTTPError, RuntimeError, ValueError) as e:  # HfHubHTTPError is an OSError
+        raise QuantizeError(f"upload to {plan.repo_id} failed: {_scrub(str(e))}", [Problem(
+            plan.repo_id, None, type(e).__name__, "a finished upload",
+            "check HF_TOKEN has write access to the namespace, then re-run the same `quantize push`: "
+            "files already on the Hub are not sent again")]) from None
+    return str(info.commit_url) if hasattr(info, "commit_url") else str(info)

@@ -1,0 +1,158 @@
+"""Write README.md, the model card, into an output folder: gather the facts, render with card.py.
+
+The facts come from the folder itself: quantize-manifest.json (options, command, tool version,
+calibration, where the source was), config.json (`quantization_config`), the index,
+verify.json and eval.json when they exist. The size figures are the plan's, recomputed from
+the source's headers when the source is still where the manifest says (no tensor data is
+read); otherwise the output-side figures alone (index `total_size`, shard bytes).
+
+A source downloaded from the Hub lives in the cache as `.../models--ORG--NAME/snapshots/SHA`:
+that path names the base model and its exact revision, so the card needs no extra record.
+
+README.md is not among the manifest's checksummed files: like verify.json it is a report about
+the checkpoint, rewritten by convert, verify and push, and verify never fails because of it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from quantize import __version__
+from quantize.card import CardFacts, Sizes, render_card
+from quantize.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
+from quantize.errors import QuantizeError
+from quantize.manifest import read_manifest
+from quantize.options import ConvertOptions
+from quantize.plan import Plan, make_plan, tp_checks
+from quantize.verify import VERIFY_JSON
+
+__all__ = ["CARD", "EVAL_JSON", "card_facts", "card_text", "hub_source", "refresh_readme",
+           "write_readme"]
+
+CARD = "README.md"
+EVAL_JSON = "eval.json"
+TP_SIZES = (1, 2, 4, 8, 16)
+_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<sha>[0-9a-f]{40})/?$")
+_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def hub_source(path: str) -> tuple[str | None, str | None]:
+    """(repo id, commit sha) of a Hub cache snapshot path, else (None, None)."""
+    m = _SNAPSHOT.search(path.replace("\\", "/"))
+    if m is None:
+        return None, None
+    return f"{m['org']}/{m['name']}", m["sha"]
+
+
+def _options(manifest: dict) -> ConvertOptions:
+    o = manifest["options"]
+    return ConvertOptions(**{**o, "targets": frozenset(o["targets"])})
+
+
+def _source_plan(manifest: dict) -> Plan | None:
+    """The plan recomputed from the source headers, or None when the source is gone."""
+    path = (manifest.get("source") or {}).get("path")
+    if not path or not Path(path).is_dir():
+        return None
+    try:
+        return make_plan(open_checkpoint(path), _options(manifest))
+    except (QuantizeError, ValueError, OSError):
+        return None  # moved or changed since conversion: fall back to the output's own figures
+
+
+def _read_json(p: Path) -> dict | None:
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = None,
+               base_model: str | None = None, tp: int | None = None) -> CardFacts:
+    """Everything the card says about `dst`, read from the folder (and the source's headers)."""
+    dst = Path(dst)
+    manifest = read_manifest(dst)
+    if manifest is None:
+        raise QuantizeError(f"{dst} is not an output of `quantize convert` (no manifest)")
+    opts = _options(manifest)
+    config = json.loads((dst / "config.json").read_text())
+    index = json.loads((dst / INDEX_NAME).read_text())
+    names = index["weight_map"]
+    packed = [n[: -len(".weight_packed")] for n in names if n.endswith(".weight_packed")]
+    int4_outputs = sum(f"{m}.{s}" in names for m in packed for s in
+                       ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"))
+
+    plan = plan or _source_plan(manifest)
+    shard_files = sorted(set(names.values()))
+    if plan is not None:
+        by_role = tuple((r, s, o) for r, (s, o) in sorted(plan.bytes_by("role").items(),
+                                                           key=lambda kv: -kv[1][0]))
+        sizes = Sizes(plan.source_bytes, plan.output_bytes, plan.output_file_bytes, len(plan.shards),
+                      by_role)
+    else:
+        files = manifest["files"]
+        sizes = Sizes(None, int(index["metadata"]["total_size"]),
+                      sum(files[f]["bytes"] for f in shard_files if f in files), len(shard_files))
+
+    src_path = (manifest.get("source") or {}).get("path") or ""
+    hub_repo, hub_rev = hub_source(src_path)
+    named = config.get("_name_or_path", "")
+    base = base_model or hub_repo or (named if _REPO_ID.match(named or "") else None)
+
+    width = config.get("moe_intermediate_size")
+    probe = Checkpoint(None, str(dst), config, {}, [], {}, "compressed-tensors")
+    valid = tuple(t for t in TP_SIZES
+                  if all(c.level != "fail" for c in tp_checks(probe, opts, t, width)))
+    if tp is None:  # the serving commands' TP: 8 (one H200/H100 node) unless the kernels refuse it
+        tp = 8 if (8 in valid or not valid) else max((t for t in valid if t <= 8), default=min(valid))
+
+    qc = config.get("quantization_config") or {}
+    eval_ = _read_json(dst / EVAL_JSON)
+    return CardFacts(
+        source_name=src_path or "unknown",
+        base_model=base,
+        base_revision=hub_rev,
+        repo_id=repo_id,
+        model_type=str(config.get("model_type", "unknown")),
+        method=opts.method,
+        num_bits=opts.num_bits,
+        group_size=opts.group_size,
+        symmetric=opts.symmetric,
+        targets=tuple(sorted(opts.targets)),
+        ignore=tuple(qc.get("ignore") or ()),
+        int4_linears=len(packed),
+        kept_tensors=len(names) - int4_outputs,
+        sizes=sizes,
+        tp=tp,
+        valid_tp=valid,
+        expert_width=int(width) if width else None,
+        calibration=manifest.get("calibration"),
+        verify=_read_json(dst / VERIFY_JSON),
+        eval=(eval_.get("summary", eval_) if isinstance(eval_, dict) else None),
+        tool_version=manifest.get("tool_version") or __version__,
+        compressed_tensors_version=qc.get("version"),
+        command=manifest.get("command"),
+    )
+
+
+def card_text(dst: str | Path, plan: Plan | None = None, repo_id: str | None = None,
+              base_model: str | None = None, tp: int | None = None) -> str:
+    return render_card(card_facts(dst, plan, repo_id, base_model, tp))
+
+
+def write_readme(dst: str | Path, plan: Plan | None = None, repo_id: str | None = None,
+                 base_model: str | None = None, tp: int | None = None) -> Path:
+    """(Re)write DST/README.md; return its path."""
+    p = Path(dst) / CARD
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(card_text(dst, plan, repo_id, base_model, tp))
+    tmp.replace(p)
+    return p
+
+
+def refresh_readme(dst: str | Path) -> Path | None:
+    """Rewrite the card after verify / eval. A folder too broken to describe (a missing index or
+    config: exactly what verify reports as a problem) keeps its previous card; returns None then."""
+    try:
+        return write_readme(dst)
+    except (QuantizeError, OSError, KeyError, ValueError):
+        return None

@@ -1,0 +1,79 @@
+"""Hub sources (`quantize plan/inspect/convert org/name`) against the loopback Hub.
+
+plan/inspect must read only config.json and the shards' headers (range requests); convert
+downloads a snapshot into HF_HOME and the card names the repo and its exact commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hubserver import Hub, HubState
+
+from quantize.synth import tiny_config, write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = "from quantize.cli import app; app()"
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    src = tmp_path_factory.mktemp("hubsrc") / "GLM-tiny-FP8"
+    write_checkpoint(src, tiny_config())
+    state = HubState()
+    h = Hub(state)
+    h.sha = state.add_repo("zai-org/GLM-tiny-FP8", src)
+    h.src = src
+    yield h
+    h.close()
+
+
+def _run(hub: Hub, home: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_HUB_DISABLE_XET="1",
+               HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", CLI, *args], env=env, cwd=ROOT, check=False,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_plan_and_inspect_read_headers_only(hub, tmp_path):
+    n0 = len(hub.state.requests)
+    remote = _run(hub, tmp_path / "home", "plan", "zai-org/GLM-tiny-FP8", "--json", "--tp", "2")
+    assert remote.returncode == 0, remote.stderr
+    local = _run(hub, tmp_path / "home", "plan", str(hub.src), "--json", "--tp", "2")
+    assert json.loads(remote.stdout) == json.loads(local.stdout)  # same plan, byte for byte
+    shard_gets = [r for r in hub.state.requests[n0:]
+                  if r[0] == "GET" and r[1].endswith(".safetensors")]
+    assert shard_gets and all(r[2] and r[2].startswith("bytes=0-") for r in shard_gets)
+
+    ins = _run(hub, tmp_path / "home", "inspect", "zai-org/GLM-tiny-FP8", "--json")
+    assert ins.returncode == 0, ins.stderr
+    assert json.loads(ins.stdout)["format"] == "fp8-block"
+
+
+def test_convert_downloads_and_card_names_base_model(hub, tmp_path):
+    home, out = tmp_path / "home", tmp_path / "out"
+    r = _run(hub, home, "convert", "zai-org/GLM-tiny-FP8", str(out), "--revision", hub.sha)
+    assert r.returncode == 0, r.stderr
+    snap = home / "quantize" / "sources" / "models--zai-org--GLM-tiny-FP8" / "snapshots" / hub.sha
+    assert (snap / "config.json").is_file()
+    manifest = json.loads((out / "quantize-manifest.json").read_text())
+    assert manifest["source"]["path"] == str(snap.resolve())
+    card = (out / "README.md").read_text()
+    assert "base_model: zai-org/GLM-tiny-FP8\nbase_model_relation: quantized" in card
+    assert f"at revision `{hub.sha}`" in card
+    assert (out / "generation_config.json").is_file()  # non-weight files came along
+    v = _run(hub, home, "verify", "zai-org/GLM-tiny-FP8", str(out))  # main resolves to hub.sha
+    assert v.returncode == 0, v.stderr
+
+
+def test_missing_repo_and_local_revision_are_clear_errors(hub, tmp_path):
+    r = _run(hub, tmp_path / "home", "plan", "zai-org/No-Such-Model")
+    assert r.returncode == 2 and "HTTP 404" in r.stderr and "check the repo id" in r.stderr
+    r = _run(hub, tmp_path / "home", "plan", str(hub.src), "--revision", "main")
+    assert r.returncode == 2 and "--revision only applies to Hub sources" in r.stderr

@@ -1,0 +1,82 @@
+"""mk/pipeline.mk: `make -n all` prints the chain; a real `make all` (push in dry run) on a tiny
+checkpoint runs it, and a second `make all` skips every finished step."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quantize.synth import tiny_config, write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+
+
+def _wrapper(tmp_path: Path) -> Path:
+    """What the main Makefile provides (PY, QUANTIZE), pointed at this checkout."""
+    mk = tmp_path / "Makefile"
+    mk.write_text(f"PY := {sys.executable}\n"
+                  f"QUANTIZE := {sys.executable} -c 'from quantize.cli import app; app()'\n"
+                  f"include {ROOT / 'mk' / 'pipeline.mk'}\n")
+    return mk
+
+
+def _make(mk: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return subprocess.run(["make", "--no-print-directory", "-f", str(mk), *args], cwd=ROOT, env=env,
+                          check=False, capture_output=True, text=True, timeout=300)
+
+
+def test_make_n_all_prints_the_chain(tmp_path):
+    out = tmp_path / "GLM-5.2-INT4"
+    r = _make(_wrapper(tmp_path), "-n", "all", "MODEL=zai-org/GLM-5.2-FP8", f"OUT={out}",
+              "REPO=my-org/GLM-5.2-INT4", "GROUP_SIZE=64", "TP=4", "PRIVATE=1")
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stdout.splitlines() if "quantize.cli" in x]
+    steps = [x.split("app()'")[1].split()[0] for x in lines]
+    assert steps == ["plan", "convert", "verify", "push"]
+    assert "convert zai-org/GLM-5.2-FP8 " + str(out) in lines[1] and "--group-size 64" in lines[1]
+    assert "--tp 4" in lines[0] and "--strict" in lines[0]
+    assert lines[3].endswith(f"push {out} my-org/GLM-5.2-INT4 --revision main --private")
+    assert not out.exists()  # -n ran nothing
+
+
+def test_make_requires_model_and_out(tmp_path):
+    r = _make(_wrapper(tmp_path), "-n", "all", "REPO=a/b")
+    assert r.returncode != 0 and "MODEL is required" in r.stderr
+
+
+def test_make_all_runs_then_skips_finished_steps(tmp_path):
+    mk = _wrapper(tmp_path)
+    src, out = tmp_path / "GLM-tiny-FP8", tmp_path / "GLM-tiny-INT4"
+    # expert width 128: at TP 2, 64 per GPU satisfies the MoE kernels (plan runs with --strict)
+    write_checkpoint(src, tiny_config(moe_intermediate_size=128))
+    args = ("all", f"MODEL={src}", f"OUT={out}", "REPO=my-org/GLM-tiny-INT4", "TP=2", "DRY_RUN=1",
+            "MAX_SHARD_SIZE=1MB")
+    r = _make(mk, *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((out / "verify.json").read_text())["summary"]["ok"] is True
+    assert json.loads((out / "quantize-manifest.json").read_text())["status"] == "complete"
+    assert (tmp_path / "GLM-tiny-INT4.plan.json").is_file()
+    assert "vllm serve my-org/GLM-tiny-INT4 --tensor-parallel-size 2" in r.stdout  # the card
+    assert "model-00001-of-" in r.stdout  # the dry-run file list
+
+    again = _make(mk, *args)
+    assert again.returncode == 0, again.stderr
+    ran = [x.split("app()'")[1].split()[0] for x in again.stdout.splitlines() if "app()'" in x]
+    assert ran == ["push"]  # plan, convert and verify are up to date
+
+    # a conversion that is not complete is resumed, whatever files are already there
+    m = json.loads((out / "quantize-manifest.json").read_text())
+    m["status"] = "in-progress"
+    (out / "quantize-manifest.json").write_text(json.dumps(m))
+    dry = _make(mk, "-n", *args)
+    ran = [x.split("app()'")[1].split()[0] for x in dry.stdout.splitlines() if "app()'" in x]
+    assert ran == ["convert", "verify", "push"]

@@ -1,0 +1,199 @@
+"""`quantize push` end to end against the loopback Hub in hubserver.py.
+
+The real huggingface_hub client runs unmodified in a subprocess pointed at the server by
+HF_ENDPOINT (with HF_HUB_DISABLE_XET=1: the loopback Hub speaks Git LFS, not Xet). Checked: the
+refusals, the dry-run listing, the bytes that arrive, resuming after a killed upload, pushing to
+a branch, and that the token never shows in output, debug logs or uploaded files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hubserver import Hub, HubState
+
+from quantize.manifest import MANIFEST
+from quantize.options import ConvertOptions
+from quantize.pipeline import convert
+from quantize.push import prepare_push
+from quantize.synth import tiny_config, write_checkpoint
+from quantize.verify import VERIFY_JSON, verify
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "hf_loopbackTESTtoken0123456789abcdef"
+CLI = "from quantize.cli import app; app()"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny FP8 source converted into several shards and verified."""
+    d = tmp_path_factory.mktemp("push")
+    src, dst = d / "src", d / "out"
+    write_checkpoint(src, tiny_config())
+    convert(src, dst, ConvertOptions(max_shard_size=1_000_000), device="cpu")
+    assert verify(src, dst).ok
+    return src, dst
+
+
+def _env(hub: Hub, home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    env.update(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HOME=str(home), HF_HUB_DISABLE_XET="1",
+               HF_HUB_VERBOSITY="debug", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT))
+    return env
+
+
+def _push(hub: Hub, home: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", CLI, "push", *args], env=_env(hub, home), cwd=ROOT,
+                          check=False,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _expected_files(dst: Path) -> set[str]:
+    manifest = json.loads((dst / MANIFEST).read_text())
+    return set(manifest["files"]) | {"README.md", VERIFY_JSON, MANIFEST}
+
+
+def test_refuses_unfinished_and_unverified(converted, tmp_path):
+    _, dst = converted
+    bad = tmp_path / "out"
+    bad.mkdir()
+    for p in dst.iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    os.utime(bad / VERIFY_JSON)  # copied after the manifest: a current report
+
+    prepare_push(bad, "org/ok", write_card=False)  # the copy is publishable
+
+    with pytest.raises(Exception, match="not a Hub repo id"):
+        prepare_push(bad, "no-slash", write_card=False)
+
+    report = json.loads((bad / VERIFY_JSON).read_text())
+    report["summary"]["ok"] = False
+    (bad / VERIFY_JSON).write_text(json.dumps(report))
+    with pytest.raises(Exception, match="verify failed"):
+        prepare_push(bad, "org/x", write_card=False)
+    assert prepare_push(bad, "org/x", skip_verify_check=True, write_card=False).files
+
+    (bad / VERIFY_JSON).unlink()
+    with pytest.raises(Exception, match="not verified"):
+        prepare_push(bad, "org/x", write_card=False)
+
+    m = json.loads((bad / MANIFEST).read_text())
+    m["status"] = "in-progress"
+    (bad / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(Exception, match="not a finished conversion"):  # no override for this
+        prepare_push(bad, "org/x", skip_verify_check=True, write_card=False)
+
+
+def test_stale_verify_is_refused(converted, tmp_path):
+    _, dst = converted
+    bad = tmp_path / "out"
+    bad.mkdir()
+    for p in dst.iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    old = time.time() - 100
+    os.utime(bad / VERIFY_JSON, (old, old))  # verify ran before the (re)conversion
+    with pytest.raises(Exception, match="older than the conversion"):
+        prepare_push(bad, "org/x", write_card=False)
+
+
+def test_dry_run_lists_exact_files_and_card(converted, tmp_path):
+    _, dst = converted
+    (dst / "scratch.partial").write_bytes(b"half-written")  # must not be uploaded
+    before = (dst / "README.md").read_text()
+    hub = Hub(HubState(token=TOKEN))
+    try:
+        r = _push(hub, tmp_path / "home", str(dst), "org/GLM-tiny-INT4", "--dry-run")
+        assert r.returncode == 0, r.stderr
+        assert hub.state.requests == []  # a dry run touches no network
+    finally:
+        hub.close()
+        (dst / "scratch.partial").unlink()
+    listed = {}
+    for line in r.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0].replace(",", "").isdigit():
+            listed[parts[1]] = int(parts[0].replace(",", ""))
+    assert set(listed) == _expected_files(dst)
+    for name, n in listed.items():
+        if name != "README.md":  # the card is listed as it would be rewritten
+            assert (dst / name).stat().st_size == n, name
+    assert "vllm serve org/GLM-tiny-INT4" in r.stdout
+    assert (dst / "README.md").read_text() == before  # dry run writes nothing
+    assert TOKEN not in r.stdout + r.stderr
+
+
+def test_push_end_to_end_then_resume_after_kill(converted, tmp_path):
+    _, dst = converted
+    home = tmp_path / "home"
+    state = HubState(token=TOKEN, stall_after=1)
+    hub = Hub(state)
+    try:
+        # 1. interrupted: the server completes one LFS upload, holds the next; we kill the client
+        proc = subprocess.Popen([sys.executable, "-c", CLI, "push", str(dst), "org/GLM-tiny-INT4",
+                                 "--private"], env=_env(hub, home), cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        assert state.stalled.wait(60), "the client never reached the second upload"
+        proc.kill()
+        out1, err1 = proc.communicate(timeout=30)
+        first = list(state.uploads)
+        assert len(first) == 1 and state.repos["org/GLM-tiny-INT4"].commits == []
+        assert state.repos["org/GLM-tiny-INT4"].private
+
+        # 2. the same command again: only the missing objects are sent, then one commit
+        state.stall_after = None
+        state.release.set()
+        r = _push(hub, home, str(dst), "org/GLM-tiny-INT4", "--private")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip().endswith(state.repos["org/GLM-tiny-INT4"].heads["main"])
+    finally:
+        hub.close()
+
+    shards = sorted(p.name for p in dst.glob("*.safetensors"))
+    assert len(shards) >= 3
+    assert len(state.uploads) == len(shards) and len(set(state.uploads)) == len(shards)
+    assert state.uploads[0] == first[0]  # resumed: the finished object was not sent again
+
+    remote = state.files("org/GLM-tiny-INT4")
+    assert set(remote) == _expected_files(dst)
+    for name, data in remote.items():
+        assert data == (dst / name).read_bytes(), f"{name} arrived with different bytes"
+    assert "vllm serve org/GLM-tiny-INT4" in remote["README.md"].decode()
+
+    # the token was used (every write carried it) and never shown or uploaded
+    assert f"Bearer {TOKEN}" in state.auth_seen
+    logs = out1 + err1 + r.stdout + r.stderr
+    assert TOKEN not in logs
+    assert all(TOKEN.encode() not in data for data in remote.values())
+
+
+def test_push_to_branch_and_nothing_to_do_twice(converted, tmp_path):
+    _, dst = converted
+    home = tmp_path / "home"
+    state = HubState(token=TOKEN)
+    hub = Hub(state)
+    try:
+        r = _push(hub, home, str(dst), "org/tiny", "--revision", "int4-g32")
+        assert r.returncode == 0, r.stderr
+        r2 = _push(hub, home, str(dst), "org/tiny", "--revision", "int4-g32")
+        assert r2.returncode == 0, r2.stderr
+        bad = _push(hub, home, str(dst), "org/other")
+        hub.state.token = "hf_someOTHERtoken0000000000"  # the server now rejects ours
+        denied = _push(hub, home, str(dst), "org/denied")
+    finally:
+        hub.close()
+    repo = state.repos["org/tiny"]
+    assert set(repo.branches["int4-g32"]) == _expected_files(dst)
+    assert repo.branches["main"] == {}
+    assert len(repo.commits) == 1  # the second push found every file unchanged
+    assert len(state.uploads) == len(list(dst.glob("*.safetensors")))  # and uploaded nothing
+    assert bad.returncode == 0  # a second repo reuses the stored LFS objects
+    assert denied.returncode == 2 and "upload to org/denied failed" in denied.stderr
+    for p in (r, r2, bad, denied):
+        assert TOKEN not in p.stdout + p.stderr
