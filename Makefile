@@ -9,9 +9,15 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 
 .PHONY: help install demo test lint bench clean
 
+# plan / convert / verify / eval / push / all: the pipeline on MODEL -> OUT (mk/pipeline.mk)
+PIPELINE_PREREQ := install
+include mk/pipeline.mk
+
 help: ## list targets and variables
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
-	@echo; echo "variables: MODEL OUT METHOD GROUP_SIZE TARGETS CALIB REPO TP DEVICE"
+	@echo; echo "variables: MODEL OUT METHOD GROUP_SIZE TARGETS CALIB NUM_SAMPLES SEQ_LEN TP DEVICE"
+	@echo "           MAX_SHARD_SIZE MIN_SQNR REVISION REPO REPO_REVISION PRIVATE DRY_RUN EVAL"
+	@echo "e.g.  make all MODEL=zai-org/GLM-5.2-FP8 OUT=./GLM-5.2-INT4 METHOD=gptq REPO=my-org/GLM-5.2-INT4"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,12 +29,15 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed ## create .venv with the package (CLI at .venv/bin/quantize)
 
-demo: install ## build a tiny GLM-5 FP8 checkpoint and run inspect -> plan -> convert -> verify
+demo: install ## tiny GLM-5 FP8 checkpoint: inspect -> plan -> convert (RTN, then AWQ+GPTQ) -> verify
 	$(PY) scripts/demo.py build demo/GLM-tiny-FP8
 	$(QUANTIZE) inspect demo/GLM-tiny-FP8
 	$(QUANTIZE) plan demo/GLM-tiny-FP8 --tp 2
 	$(QUANTIZE) convert demo/GLM-tiny-FP8 demo/GLM-tiny-INT4 --overwrite --max-shard-size 2MB --tp 2
 	$(QUANTIZE) verify demo/GLM-tiny-FP8 demo/GLM-tiny-INT4
+	$(QUANTIZE) convert demo/GLM-tiny-FP8 demo/GLM-tiny-INT4-awq-gptq --overwrite --max-shard-size 2MB \
+	    --tp 2 --method awq+gptq --num-samples 16 --seq-len 128
+	$(QUANTIZE) verify demo/GLM-tiny-FP8 demo/GLM-tiny-INT4-awq-gptq
 
 test: install ## run the test suite (CPU only, no network)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -x

@@ -23,6 +23,8 @@ METHOD ?= rtn
 GROUP_SIZE ?= 32
 TARGETS ?= routed
 CALIB ?=
+NUM_SAMPLES ?=
+SEQ_LEN ?=
 TP ?= 8
 DEVICE ?= auto
 MAX_SHARD_SIZE ?= 5GB
@@ -43,7 +45,8 @@ EVAL_JSON := $(OUT)/eval.json
 PUSH_STAMP := $(OUT)/.pushed-$(subst /,--,$(REPO))@$(REPO_REVISION)
 
 SRC_FLAGS := $(if $(REVISION),--revision $(REVISION))
-QUANT_FLAGS := --method $(METHOD) --group-size $(GROUP_SIZE) --targets $(TARGETS) $(if $(CALIB),--calib $(CALIB))
+QUANT_FLAGS := --method $(METHOD) --group-size $(GROUP_SIZE) --targets $(TARGETS) $(if $(CALIB),--calib $(CALIB)) \
+  $(if $(NUM_SAMPLES),--num-samples $(NUM_SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN))
 CONVERT_FLAGS := --tp $(TP) --device $(DEVICE) --max-shard-size $(MAX_SHARD_SIZE)
 PLAN_FLAGS := --tp $(TP) --group-size $(GROUP_SIZE) --targets $(TARGETS) --max-shard-size $(MAX_SHARD_SIZE)
 PUSH_FLAGS := --revision $(REPO_REVISION) $(if $(PRIVATE),--private)

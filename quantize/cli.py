@@ -45,12 +45,13 @@ Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON 
 Debug = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
 
 
-def _options(method: str, group_size: int, targets: str, asymmetric: bool, max_shard_size: str = "5GB"):
+def _options(method: str, group_size: int, targets: str, asymmetric: bool, max_shard_size: str = "5GB",
+             **calibration):
     from quantize.options import ConvertOptions, parse_size
 
     return ConvertOptions(method=method, group_size=group_size, symmetric=not asymmetric,
                           targets=frozenset(t.strip() for t in targets.split(",") if t.strip()),
-                          max_shard_size=parse_size(max_shard_size))
+                          max_shard_size=parse_size(max_shard_size), **calibration)
 
 
 def _fail(e: Exception, debug: bool, hint: str | None = None) -> None:
@@ -135,11 +136,31 @@ def plan(
 def convert(
     src: Src,
     dst: Dst,
-    method: Annotated[str, typer.Option(help="Rounding: rtn.")] = "rtn",
+    method: Annotated[str, typer.Option(
+        help="Rounding: rtn (no data), gptq, awq or awq+gptq (calibrated, layer by layer).")] = "rtn",
     group_size: GroupSize = 32,
     targets: Targets = "routed",
     asymmetric: Asym = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")] = "5GB",
+    calib: Annotated[str | None, typer.Option(
+        help="Calibration text: .jsonl (text or chat messages), .txt/.md, .parquet or a saved "
+             "datasets folder. Default: the shipped calib_data/default.jsonl.",
+        rich_help_panel="Calibration (gptq, awq)")] = None,
+    num_samples: Annotated[int, typer.Option(
+        help="Calibration sequences.", rich_help_panel="Calibration (gptq, awq)")] = 128,
+    seq_len: Annotated[int, typer.Option(
+        help="Tokens per calibration sequence.", rich_help_panel="Calibration (gptq, awq)")] = 2048,
+    seed: Annotated[int, typer.Option(
+        help="Seed for sampling the calibration windows.", rich_help_panel="Calibration (gptq, awq)")] = 0,
+    expert_calibration: Annotated[str, typer.Option(
+        help="routed: each expert's statistics from its routed tokens; all: every expert sees "
+             "every token (llm-compressor's way).", rich_help_panel="Calibration (gptq, awq)")] = "routed",
+    min_expert_tokens: Annotated[int, typer.Option(
+        help="Experts routed fewer tokens use all-token statistics (reported).",
+        rich_help_panel="Calibration (gptq, awq)")] = 16,
+    percdamp: Annotated[float, typer.Option(
+        help="GPTQ dampening, relative to the mean Hessian diagonal.",
+        rich_help_panel="Calibration (gptq, awq)")] = 0.01,
     device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
     resume: Annotated[bool, typer.Option(
         help="Continue an interrupted conversion in DST (also automatic when DST has a manifest).")] = False,
@@ -159,6 +180,8 @@ def convert(
       quantize convert ./GLM-4.6-FP8 ./GLM-4.6-INT4 --group-size 64 --targets routed,shared
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --resume
       quantize convert zai-org/GLM-5.2-FP8 ./GLM-5.2-INT4     # downloads into HF_HOME first
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 512
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
     """
     from quantize.checkpoint import open_checkpoint
     from quantize.hub import resolve_source
@@ -169,7 +192,10 @@ def convert(
 
     command = shlex.join(["quantize", *sys.argv[1:]]) if sys.argv[0].endswith("quantize") else None
     try:
-        opts = _options(method, group_size, targets, asymmetric, max_shard_size)
+        opts = _options(method, group_size, targets, asymmetric, max_shard_size,
+                        calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed,
+                        expert_calibration=expert_calibration,
+                        min_expert_tokens=min_expert_tokens, percdamp=percdamp)
         local = resolve_source(src, revision, headers_only=False)
         ckpt = open_checkpoint(local)
         plan_ = make_plan(ckpt, opts, tp)
@@ -192,8 +218,11 @@ def convert(
                 done = bar.tasks[0].completed
                 bar.update(task, rate=f"{done / max(time.perf_counter() - t0, 1e-9) / 2**20:,.0f} MiB/s")
 
+            def line(text: str) -> None:
+                bar.console.print(text, highlight=False)
+
             res = run_convert(local, dst, opts, device=device, resume=resume, overwrite=overwrite,
-                              on_unit=step, command=command)
+                              on_unit=step, command=command, log=line)
     except (QuantizeError, ValueError) as e:
         from quantize.manifest import output_state
 
@@ -207,7 +236,33 @@ def convert(
     err.print(f"[green]done[/] in {dt:.1f} s on {res.device}: {len(res.written)} shard(s) written, "
               f"{len(res.skipped)} kept from an earlier run; {fmt_bytes(res.plan.output_bytes)} "
               f"({fmt_bytes(total)} read, {total / dt / 2**20:,.0f} MiB/s)", highlight=False)
+    if res.calibration is not None:
+        _calibration_summary(res.calibration, dst)
     err.print(f"next: quantize verify {src} {dst}", highlight=False)
+
+
+def _calibration_summary(rep: dict, dst: Path) -> None:
+    """Per layer: Linears rounded, tokens, experts' routed-token range, fallbacks, time."""
+    from rich.table import Table
+
+    c = rep["calibration"]
+    t = Table(title=f"calibration: {rep['method']}, {c['num_samples']} x {c['seq_len']} tokens "
+                    f"from {c['source']}, experts {rep['expert_calibration']}")
+    for col in ("layer", "MLP", "Linears", "expert tokens min/median/max", "fallback experts", "s"):
+        t.add_column(col, justify="left" if col in ("MLP", "fallback experts") else "right")
+    for lay in rep["layers"]:
+        et = sorted(lay.get("expert_tokens") or [])
+        spread = f"{et[0]:,} / {et[len(et) // 2]:,} / {et[-1]:,}" if et else "-"
+        fb = lay.get("fallback") or []
+        t.add_row(str(lay["layer"]), str(lay.get("mlp", "-")), str(lay.get("quantized", 0)), spread,
+                  (", ".join(str(f["expert"]) for f in fb[:12]) + (" ..." if len(fb) > 12 else ""))
+                  if fb else "-", f"{lay.get('seconds', 0):.1f}")
+    out.print(t)
+    n_fb = sum(len(lay.get("fallback") or []) for lay in rep["layers"])
+    if n_fb:
+        err.print(f"[yellow]note:[/] {n_fb} expert(s) had fewer than --min-expert-tokens "
+                  f"{rep['min_expert_tokens']} routed tokens and used all-token statistics; "
+                  f"see {dst / 'calibration-report.json'}", highlight=False)
 
 
 @app.command()
@@ -236,7 +291,9 @@ def verify(
         local = resolve_source(src, revision, headers_only=False)
         with _progress() as bar:
             task = bar.add_task("verify", total=None, rate="")
-            rep = run_verify(local, dst, min_sqnr, device, on_unit=lambda u: bar.advance(task, 1))
+            rep = run_verify(local, dst, min_sqnr, device,
+                             on_start=lambda total: bar.update(task, total=total),
+                             on_unit=lambda u: bar.advance(task, u.source_bytes))
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
     if json_:

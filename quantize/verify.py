@@ -10,6 +10,10 @@ in the manifest):
                wrong scale or a scrambled nibble order (both give < 3 dB), not honest INT4 error.
     dequant    must equal bf16(FP8 dequant of the source) bit for bit
     copy       must equal the source bytes bit for bit
+    AWQ        (method awq, awq+gptq) the reference is the source with the folds recorded in
+               calibration/awq-scales.safetensors re-applied (`calibrate.awq_expected`): the
+               rescaled norms, routers and up_proj rows must equal it exactly in their dtype,
+               INT4 targets are compared with it as above
 
 plus: the manifest is `complete` and every file's sha256 matches it, the index lists exactly
 the planned tensors in the planned shards, `total_size` is right, and config.json carries the
@@ -38,6 +42,8 @@ from quantize.shards import sha256_file
 __all__ = ["TensorCheck", "VerifyReport", "verify"]
 
 VERIFY_JSON = "verify.json"
+AWQ_SCALES = "calibration/awq-scales.safetensors"  # = quantize.calibrate.AWQ_SCALES (no torch
+# model imports here: verify must not pull in transformers for RTN checkpoints)
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,21 @@ def _error_stats(W: torch.Tensor, Wq: torch.Tensor) -> tuple[float, float]:
 
 
 def _check_unit(src: Checkpoint, dst: Checkpoint, unit: Unit, opts: ConvertOptions,
-                min_sqnr: float, device: torch.device) -> TensorCheck:
+                min_sqnr: float, device: torch.device,
+                awq_scales: dict[str, torch.Tensor] | None = None) -> TensorCheck:
+    if awq_scales:
+        from quantize.calibrate import awq_expected
+
+        W = source_weight(src, unit, device)
+        want = awq_expected(unit.source, W, awq_scales)
+        if want is not W and unit.action != "quantize":  # a norm, router or expert AWQ rescaled
+            got = dst.read(unit.source, device)
+            same = torch.equal(got, want.to(got.dtype))
+            rel, sq = _error_stats(want, got.float())
+            return TensorCheck(unit.source, unit.action, rel, sq, same,
+                               "AWQ-folded" if same else "differs from the AWQ-folded source")
+        if unit.action == "quantize":
+            return _check_quantized(dst, unit, opts, min_sqnr, device, want)
     if unit.action == "copy":
         same = torch.equal(_bytes(src, unit.source), _bytes(dst, unit.source))
         return TensorCheck(unit.source, "copy", 0.0 if same else float("nan"), float("inf"), same,
@@ -116,6 +136,12 @@ def _check_unit(src: Checkpoint, dst: Checkpoint, unit: Unit, opts: ConvertOptio
         rel, sq = _error_stats(W, got.float())
         return TensorCheck(unit.source, "dequant", rel, sq, same,
                            "" if same else "differs from the BF16 dequant of the FP8 source")
+    return _check_quantized(dst, unit, opts, min_sqnr, device, W)
+
+
+def _check_quantized(dst: Checkpoint, unit: Unit, opts: ConvertOptions, min_sqnr: float,
+                     device: torch.device, W: torch.Tensor) -> TensorCheck:
+    """Unpack and dequantize `unit`'s INT4 output; compare it with W (the float reference)."""
     m = unit.source[: -len(".weight")]
     N, K = (int(x) for x in dst.read(m + ".weight_shape"))
     q = unpack_int4(dst.read(m + ".weight_packed", device), K)
@@ -143,8 +169,10 @@ def _bytes(ckpt: Checkpoint, name: str) -> torch.Tensor:
 
 
 def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = 12.0, device: str = "cpu",
-           on_unit: Callable[[Unit], None] | None = None, write: bool = True) -> VerifyReport:
-    """Check `dst` against `src`; write `dst/verify.json`; return the report."""
+           on_unit: Callable[[Unit], None] | None = None, write: bool = True,
+           on_start: Callable[[int], None] | None = None) -> VerifyReport:
+    """Check `dst` against `src`; write `dst/verify.json`; return the report.
+    `on_start(source_bytes)` once the tensors are about to be read, `on_unit(unit)` after each."""
     dst = Path(dst)
     manifest = read_manifest(dst)
     if manifest is None or manifest.get("status") != "complete":
@@ -196,8 +224,19 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = 12.0, device: 
         return _finish(report, dst, write)
 
     dev = torch.device(device)
+    awq_scales = None
+    if AWQ_SCALES in manifest["files"]:  # AWQ folded scales into norms, routers and weights
+        from safetensors.torch import load_file
+
+        awq_scales = load_file(dst / AWQ_SCALES)
+    elif "awq" in opts.method:
+        report.problems.append(f"{AWQ_SCALES}: missing, but the manifest says method {opts.method}")
+        return _finish(report, dst, write)
+    if on_start:
+        on_start(sum(u.source_bytes for u in plan.units))
     for unit in plan.units:
-        report.tensors.append(_check_unit(src_ckpt, dst_ckpt, unit, opts, min_sqnr_db, dev))
+        report.tensors.append(_check_unit(src_ckpt, dst_ckpt, unit, opts, min_sqnr_db, dev,
+                                          awq_scales))
         if on_unit:
             on_unit(unit)
     return _finish(report, dst, write)

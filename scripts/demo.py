@@ -9,7 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from quantize.synth import tiny_config, write_checkpoint
+from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
 
 
 def main() -> None:
@@ -23,6 +23,7 @@ def main() -> None:
     cfg = tiny_config("glm_moe_dsa", num_hidden_layers=4, n_routed_experts=16,
                       moe_intermediate_size=256, hidden_size=512)
     write_checkpoint(out, cfg, "fp8-block", seed=0, shard_bytes=4 * 2**20)
+    write_tokenizer(out, cfg["vocab_size"])  # a real (tiny) tokenizer, for calibrated methods
     print(f"wrote {out}", file=sys.stderr)
 
 
