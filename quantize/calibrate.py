@@ -56,6 +56,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -458,15 +459,51 @@ class LayerWeights:
         return w
 
 
+class _ReadAhead:
+    """W[name] for names used in a known order, read `depth` ahead on worker threads: the
+    disk reads, host-to-device copies and FP8 dequantization of the next experts overlap the
+    rounding of the current ones (each read releases the GIL). A name out of order, or one not
+    listed, is read on the spot."""
+
+    def __init__(self, W: LayerWeights, names: list[str], depth: int, workers: int = 4) -> None:
+        self.W, self.names, self.depth = W, list(names), max(1, depth)
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="quantize-read")
+        self.ahead: dict[str, Future] = {}
+        self.i = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while self.i < len(self.names) and len(self.ahead) < self.depth:
+            n = self.names[self.i]
+            self.ahead[n] = self.pool.submit(self.W.__getitem__, n)
+            self.i += 1
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        f = self.ahead.pop(name, None)
+        t = f.result() if f is not None else self.W[name]
+        self._fill()
+        return t
+
+    def close(self) -> None:
+        for f in self.ahead.values():
+            f.cancel()
+        self.ahead.clear()
+        self.pool.shutdown(wait=True)
+
+
 class _Clock:
-    """Wall-clock laps of a layer's phases (device-synchronized), for the report."""
+    """Wall-clock laps of a layer's phases (device-synchronized), and on CUDA each phase's peak
+    allocated memory, for the report."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.laps, self.t = device, {}, time.perf_counter()
+        self.device, self.laps, self.peaks, self.t = device, {}, {}, time.perf_counter()
 
     def lap(self, name: str) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            self.peaks[name] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
+            # the layer's peak is the max over phases; the next phase starts from here
+            torch.cuda.reset_peak_memory_stats(self.device)
         now = time.perf_counter()
         self.laps[name] = round(now - self.t, 3)
         self.t = now
@@ -672,7 +709,8 @@ class Calibrator:
         free_layer(layer)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            entry["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
+            entry["peak_gpu_gib"] = max([round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2),
+                                         *entry.get("peak_gpu_gib_by_phase", {}).values()])
         entry["seconds"] = round(time.perf_counter() - t0, 3)
         self.layers.append(entry)
         fb = entry.get("fallback") or []
@@ -807,18 +845,23 @@ class Calibrator:
 
         quant = [n for n, t in targets.items() if t.quantize]
         if "gptq" not in method:
+            R = _ReadAhead(W, quant, depth=32)
             for n in quant:
-                done(n, quantize_rtn(W[n], o.group_size, o.symmetric))
+                done(n, quantize_rtn(R[n], o.group_size, o.symmetric))
+            R.close()
         else:
             H_in = H_scaled(stats.H_in, s_in)
             routed = [e for e in range(E) if f"{p}experts.{e}.gate_proj.weight" in quant]
             nb = self._gptq_batch(W.shape(f"{p}experts.{routed[0]}.gate_proj.weight"), len(routed)) \
                 if routed else 1
             report["gptq_expert_batch"] = nb
+            order = [f"{p}experts.{e}.{proj}.weight" for c in range(0, len(routed), nb)
+                     for proj in ("gate_proj", "up_proj", "down_proj") for e in routed[c: c + nb]]
+            R = _ReadAhead(W, order, depth=min(2 * nb, 64))  # the next reads overlap the solves
             for c in range(0, len(routed), nb):
                 es = routed[c: c + nb]
                 gu = [(f"{p}experts.{e}.gate_proj.weight", f"{p}experts.{e}.up_proj.weight") for e in es]
-                Ws = torch.stack([torch.cat([W[g], W[u]]) for g, u in gu])  # (e, 2I, H)
+                Ws = torch.stack([torch.cat([R[g], R[u]]) for g, u in gu])  # (e, 2I, H)
                 if stats.all_experts:  # one Hessian for every expert: one solve of e*2I rows
                     w = gptq(Ws.reshape(-1, Ws.shape[-1]), H_in)
                     w = Int4Weight(*(None if t is None else t.reshape(len(es), -1, t.shape[-1])
@@ -844,9 +887,10 @@ class Calibrator:
                                                               device=self.device),
                                                   expert_inter_sample(e), 0)
                     Hs.append(H_scaled(H, W.col.get(n)))
-                w = gptq(torch.stack([W[n] for n in downs]), torch.stack(Hs))  # (e, H, I)
+                w = gptq(torch.stack([R[n] for n in downs]), torch.stack(Hs))  # (e, H, I)
                 for i, n in enumerate(downs):
                     done(n, split(w, i))
+            R.close()
             rest = [n for n in quant if ".experts." not in n]  # shared experts / dense MLP
             gu = [n for n in rest if n.endswith(("gate_proj.weight", "up_proj.weight"))]
             if gu:
@@ -879,6 +923,8 @@ class Calibrator:
             self.hidden.put(i, out)
         clock.lap("pass2_forward")
         report["timing_s"] = clock.laps
+        if clock.peaks:
+            report["peak_gpu_gib_by_phase"] = clock.peaks
         report["quantized"] = nq
         report["modified_bf16"] = sorted(mods)
         return report

@@ -54,6 +54,7 @@ from typing import NamedTuple
 
 import torch
 
+from quantize import gptq_triton
 from quantize.int4 import QMAX, QMIN, SCALE_DTYPE, Int4Weight, quantize_with_qparams, rtn_qparams
 
 __all__ = [
@@ -84,6 +85,9 @@ class GPTQConfig:
     actorder: bool = True
     # Off by default so H = I reproduces RTN; on trades ~21 RTN passes for smaller group errors.
     mse_clip: bool = False
+    # CUDA: run each block's column loop as one Triton kernel (same arithmetic; the update may
+    # be fused into an FMA, so a code can differ at an exact rounding tie). CPU: always eager.
+    fused: bool = True
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -273,6 +277,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig
     group_of = perm // g  # (Bh, K) group of each processed column, in the original order
 
     q_perm = torch.empty(B, N, K, dtype=torch.int8, device=W.device)
+    fused = cfg.fused and cfg.blocksize <= 128 and gptq_triton.available(Ww)
+    Hinv = Hinv.contiguous()
     for i1 in range(0, K, cfg.blocksize):
         i2 = min(i1 + cfg.blocksize, K)
         count = i2 - i1
@@ -282,7 +288,11 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig
         z1 = None if zp is None else zp.gather(-1, idx)
         z1f = None if z1 is None else z1.float()
 
-        W1 = Ww[..., i1:i2].clone()  # (B, N, count)
+        W1 = Ww[..., i1:i2].contiguous()  # (B, N, count), a copy
+        if fused:  # CUDA: the column loop in one kernel (quantize/gptq_triton.py)
+            Err1 = gptq_triton.gptq_block(W1, s1.contiguous(), z1, Hinv, i1, q_perm, QMIN, QMAX)
+            Ww[..., i2:] -= Err1 @ Hinv[:, i1:i2, i2:]
+            continue
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[:, i1:i2, i1:i2]  # (Bh, count, count)
         for i in range(count):

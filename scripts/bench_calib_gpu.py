@@ -152,7 +152,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench-calib-gpu"))
     ap.add_argument("--out", type=Path, default=Path("bench_out/calib_gpu.json"))
-    ap.add_argument("--runs", default="rtn-plain,rtn,gptq,gptq-all,awq")
+    ap.add_argument("--runs", default="rtn-plain,rtn,gptq,gptq-all,awq",
+                    help="comma list of our runs, or 'none' (e.g. only --llmcompressor)")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32768)
@@ -180,7 +181,7 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "model": "glm_moe_dsa, GLM-5.2 shapes, 2 layers (0 dense, 1 MoE 256x2048 top-8), FP8 block",
            "tokens": list(tokens.shape), "group_size": 32, "command": " ".join(sys.argv), "runs": []}
-    for name in args.runs.split(","):
+    for name in [n for n in args.runs.split(",") if n and n != "none"]:
         r = run_rtn_plain(src, dev) if name == "rtn-plain" else run_ours(src, name, RUNS[name], tokens, dev)
         print(json.dumps(r), flush=True)
         res["runs"].append(r)
@@ -193,6 +194,7 @@ def main() -> None:
         r = run_llmcompressor(src_bf16, tokens, dev)
         print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
         res["runs"].append(r)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))
 
 
