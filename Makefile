@@ -16,7 +16,7 @@ include mk/pipeline.mk
 help: ## list targets and variables
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
 	@echo; echo "variables: MODEL OUT METHOD GROUP_SIZE TARGETS CALIB NUM_SAMPLES SEQ_LEN TP DEVICE"
-	@echo "           MAX_SHARD_SIZE MIN_SQNR REVISION REPO REPO_REVISION PRIVATE DRY_RUN EVAL"
+	@echo "           MAX_SHARD_SIZE MIN_SQNR REVISION REPO REPO_REVISION PRIVATE DRY_RUN EVAL EVAL_FLAGS"
 	@echo "e.g.  make all MODEL=zai-org/GLM-5.2-FP8 OUT=./GLM-5.2-INT4 METHOD=gptq REPO=my-org/GLM-5.2-INT4"
 
 $(VENV)/.installed: pyproject.toml

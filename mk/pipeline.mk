@@ -6,7 +6,7 @@
 #   $(OUT)/model.safetensors.index.json  convert; only "made" once the manifest is complete, so
 #                                        an interrupted convert is resumed by the next `make`
 #   $(OUT)/verify.json                   verify; removed when verify fails, so it runs again
-#   $(OUT)/eval.json                     eval (EVAL=1)
+#   $(OUT)/eval.json                     eval (EVAL=1; EVAL_FLAGS e.g. --num-samples 64 --max-ppl-ratio 1.05)
 #   $(OUT)/.pushed-ORG--NAME@REVISION    push (a stamp, outside the uploaded file list)
 #
 #   make all MODEL=zai-org/GLM-5.2-FP8 OUT=./GLM-5.2-INT4 REPO=my-org/GLM-5.2-INT4
@@ -35,6 +35,7 @@ REPO_REVISION ?= main
 PRIVATE ?=
 DRY_RUN ?=
 EVAL ?= 0
+EVAL_FLAGS ?=
 
 PIPELINE_GOALS := convert verify eval push all
 
@@ -90,7 +91,7 @@ $(VERIFY_JSON): $(INDEX)
 verify: $(VERIFY_JSON) ## check every output tensor against MODEL; writes OUT/verify.json
 
 $(EVAL_JSON): $(VERIFY_JSON)
-	$(QUANTIZE) eval $(MODEL) $(OUT) $(SRC_FLAGS) || { rm -f $@; exit 1; }
+	$(QUANTIZE) eval $(MODEL) $(OUT) $(SRC_FLAGS) --device $(DEVICE) $(EVAL_FLAGS) || { rm -f $@; exit 1; }
 
 eval: $(EVAL_JSON) ## evaluate OUT against MODEL; writes OUT/eval.json
 

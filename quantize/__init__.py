@@ -12,6 +12,7 @@ The stages, in the order `pipeline.convert` runs them:
     shards.py       write: streamed safetensors shards, index, config, atomic renames
     pipeline.py     the recipe: validate, plan, stream units, write, finish
     verify.py       reload the output and compare it with the source
+    evaluate.py     perplexity / KL of the output against the source, layer by layer  [eval]
 """
 
 __version__ = "0.1.0"

@@ -26,7 +26,8 @@ import torch
 
 from quantize.errors import Problem, QuantizeError
 
-__all__ = ["DEFAULT_CALIB", "CalibrationSet", "load_calibration", "read_documents"]
+__all__ = ["DEFAULT_CALIB", "CalibrationSet", "join_documents", "load_calibration", "read_documents",
+           "tokenize_documents", "window_starts"]
 
 DEFAULT_CALIB = Path(__file__).resolve().parent.parent / "calib_data" / "default.jsonl"
 
@@ -125,33 +126,55 @@ def _render(doc: str | list[dict], tokenizer) -> tuple[str, bool]:
     return "".join(f"{m['role']}: {m['content']}\n" for m in doc), False
 
 
+def tokenize_documents(docs: list[str | list[dict]], tokenizer) -> tuple[list[list[int]], int, int]:
+    """Each document's token ids (no special tokens), and (chats, templated) counts."""
+    ids, chats, templated = [], 0, 0
+    for doc in docs:
+        text, used = _render(doc, tokenizer)
+        chats += not isinstance(doc, str)
+        templated += used
+        ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids, chats, templated
+
+
+def join_documents(doc_ids: list[list[int]], seed: int, eos: int | None) -> tuple[torch.Tensor, tuple]:
+    """The stream of `doc_ids` in the order `torch.randperm` gives for `seed`, each document
+    followed by `eos`; and each document's span in it (indexed like `doc_ids`)."""
+    order = torch.randperm(len(doc_ids), generator=torch.Generator().manual_seed(seed)).tolist()
+    stream: list[int] = []
+    spans: list[tuple[int, int]] = [(0, 0)] * len(doc_ids)
+    for i in order:
+        begin = len(stream)
+        stream += doc_ids[i]
+        if eos is not None:
+            stream.append(eos)
+        spans[i] = (begin, len(stream))
+    return torch.tensor(stream, dtype=torch.int64), tuple(spans)
+
+
+def window_starts(stream_tokens: int, num_samples: int, seq_len: int, seed: int) -> tuple[list[int], bool]:
+    """Where the calibration windows start in a stream of `stream_tokens` ids, and whether they
+    overlap: consecutive windows from 0 when the stream holds them all, else seeded random
+    starts (`seed + 1`)."""
+    if stream_tokens >= num_samples * seq_len:
+        return [i * seq_len for i in range(num_samples)], False
+    g = torch.Generator().manual_seed(seed + 1)
+    starts = torch.randint(0, stream_tokens - seq_len + 1, (num_samples,), generator=g)
+    return starts.tolist(), True
+
+
 def load_calibration(path: str | Path | None, tokenizer, num_samples: int, seq_len: int,
                      seed: int = 0) -> CalibrationSet:
     """`num_samples` windows of `seq_len` token ids from `path` (default set when None)."""
     p = Path(path) if path is not None else DEFAULT_CALIB
     docs = read_documents(p)
-    order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed)).tolist()
-    eos = tokenizer.eos_token_id
-    stream: list[int] = []
-    chats = templated = 0
-    for i in order:
-        text, used = _render(docs[i], tokenizer)
-        chats += not isinstance(docs[i], str)
-        templated += used
-        stream += tokenizer(text, add_special_tokens=False)["input_ids"]
-        if eos is not None:
-            stream.append(eos)
-    if len(stream) < seq_len:
-        raise _error(str(p), f"{len(stream)} tokens in all", f"at least --seq-len {seq_len} tokens",
+    doc_ids, chats, templated = tokenize_documents(docs, tokenizer)
+    ids, _ = join_documents(doc_ids, seed, tokenizer.eos_token_id)
+    if len(ids) < seq_len:
+        raise _error(str(p), f"{len(ids)} tokens in all", f"at least --seq-len {seq_len} tokens",
                      "add text, or lower --seq-len")
-    ids = torch.tensor(stream, dtype=torch.int64)
-    overlapping = len(stream) < num_samples * seq_len
-    if overlapping:
-        g = torch.Generator().manual_seed(seed + 1)
-        starts = torch.randint(0, len(stream) - seq_len + 1, (num_samples,), generator=g)
-        tokens = torch.stack([ids[s: s + seq_len] for s in starts.tolist()])
-    else:
-        tokens = ids[: num_samples * seq_len].view(num_samples, seq_len)  # (num_samples, seq_len)
+    starts, overlapping = window_starts(len(ids), num_samples, seq_len, seed)
+    tokens = torch.stack([ids[s: s + seq_len] for s in starts])  # (num_samples, seq_len)
     template = "unused" if not chats else (
         "checkpoint" if templated == chats else "plain role: content (the tokenizer has none)")
-    return CalibrationSet(tokens.clone(), str(p), len(docs), len(stream), overlapping, template)
+    return CalibrationSet(tokens, str(p), len(docs), len(ids), overlapping, template)

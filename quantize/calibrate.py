@@ -178,10 +178,11 @@ def _mlp_kind(mlp: torch.nn.Module) -> str:
     return "unsupported"
 
 
-def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit], L: int,
+def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit] | None, L: int,
                device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """Layer L of `skeleton` filled from the checkpoint, in `dtype` on `device` (router and
-    fp32-kept modules stay float32)."""
+    fp32-kept modules stay float32). `units`: the plan's, so FP8 weights are dequantized with
+    their scales; None reads every tensor as `ckpt.read` gives it (eval's INT4 view)."""
     from quantize.pipeline import _nonfinite, source_weight
 
     layer = skeleton.model.layers[L]
@@ -197,7 +198,8 @@ def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit], L: int,
             return [f"{m}{e}.down_proj.weight" for e in range(E)]
         return [prefix + key]
 
-    missing = [n for key in layer.state_dict() for n in names(key) if n not in units]
+    have = units if units is not None else ckpt.tensors
+    missing = [n for key in layer.state_dict() for n in names(key) if n not in have]
     if missing:
         raise QuantizeError("the checkpoint lacks tensors the layer class needs", [Problem(
             "model.safetensors.index.json", n, "missing", "every parameter of the transformers layer",
@@ -214,7 +216,8 @@ def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit], L: int,
     with torch.no_grad():
         for key, t in layer.state_dict().items():  # views of the parameters: filled in place
             for i, n in enumerate(names(key)):
-                w = source_weight(ckpt, units[n], device)
+                w = (source_weight(ckpt, units[n], device) if units is not None
+                     else ckpt.read(n, device).float())
                 if not torch.isfinite(w).all():
                     raise _nonfinite(ckpt, n, w)
                 if key.endswith("experts.gate_up_proj"):  # (E, 2I, H): gate rows, then up rows

@@ -175,8 +175,19 @@ def _results(f: CardFacts) -> list[str]:
             lines += [f"| `{w['name']}` | {w['rel_err']:.4f} | {_num(w['sqnr_db'])} |" for w in worst[:5]]
     if f.eval:
         lines += ["", "## Evaluation", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {_num(x)} |" for k, x in _flat(f.eval)]
+        lines += [f"| {k} | {_metric(x)} |" for k, x in _flat(f.eval)]
     return lines
+
+
+def _metric(x) -> str:
+    """An eval figure with the digits that matter: a ppl ratio of 1.0123 stays 1.0123 (not
+    1.01), a KL of 0.0123 stays 0.0123; at least two decimals (5.4 -> 5.40)."""
+    if not isinstance(x, float) or not math.isfinite(x):
+        return _num(x)
+    if x != 0 and abs(x) < 1e-3:
+        return f"{x:.3e}"
+    whole, frac = f"{x:.4f}".rstrip("0").split(".")
+    return f"{whole}.{frac.ljust(2, '0')}"
 
 
 def _flat(d: dict, prefix: str = "") -> list[tuple[str, object]]:

@@ -356,3 +356,58 @@ def push(
 def main() -> None:  # pragma: no cover - console entry point
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     app()
+
+
+@app.command("eval")
+def eval_(
+    src: Src,
+    dst: Annotated[Path, typer.Argument(help="A finished `quantize convert` output folder.")],
+    data: Annotated[str | None, typer.Option(
+        help="Eval text (.jsonl, .txt/.md, .parquet or a saved datasets folder). Default: the "
+             "shipped calib_data/default.jsonl, minus every document under a calibration window.")] = None,
+    num_samples: Annotated[int, typer.Option(help="Eval windows.")] = 16,
+    seq_len: Annotated[int, typer.Option(
+        help="Tokens per window (capped to max_position_embeddings).")] = 2048,
+    seed: Annotated[int, typer.Option(help="Seed for shuffling the held-out documents.")] = 0,
+    device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
+    dtype: Annotated[str, typer.Option(
+        help="auto (bfloat16 on a GPU, float32 on the CPU), float32 or bfloat16.")] = "auto",
+    max_ppl_ratio: Annotated[float | None, typer.Option(
+        help="Exit 1 when quantized / source perplexity exceeds this (default: no gate).")] = None,
+    json_: Json = False,
+    revision: Revision = None,
+    debug: Debug = False,
+) -> None:
+    """Measure DST against its source SRC on held-out text; write DST/eval.json.
+
+    Runs both models side by side one decoder layer at a time (memory: one layer plus the
+    hidden states), then reports source and quantized perplexity, their ratio, the mean
+    per-token KL(source || quantized), top-1 agreement, and each layer's hidden-state error.
+    Windows under the conversion's calibration are held out. The model card shows the summary.
+
+    Examples:
+      quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4
+      quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4 --data held-out.jsonl --num-samples 64
+      quantize eval ./GLM-4.6-FP8 ./GLM-4.6-INT4 --max-ppl-ratio 1.05 --json
+    """
+    from quantize.evaluate import EvalOptions, evaluate
+    from quantize.hub import resolve_source
+    from quantize.report import eval_tables
+
+    try:
+        opts = EvalOptions(data=data, num_samples=num_samples, seq_len=seq_len, seed=seed, dtype=dtype)
+        local = resolve_source(src, revision, headers_only=False)
+        rep = evaluate(local, dst, opts, device=device,
+                       log=lambda text: err.print(text, highlight=False, markup=False))
+    except (QuantizeError, ValueError) as e:
+        _fail(e, debug)
+    if json_:
+        out.print_json(json.dumps(rep))
+    else:
+        for t in eval_tables(rep):
+            out.print(t)
+    ratio = rep["summary"]["ppl_ratio"]
+    if max_ppl_ratio is not None and ratio > max_ppl_ratio:
+        err.print(f"[red]fail:[/] perplexity ratio {ratio:.4f} > --max-ppl-ratio {max_ppl_ratio}",
+                  highlight=False)
+        raise typer.Exit(1)

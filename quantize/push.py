@@ -31,7 +31,7 @@ from pathlib import Path
 from quantize import __version__
 from quantize.errors import Problem, QuantizeError
 from quantize.manifest import MANIFEST, read_manifest
-from quantize.readme import CARD, card_text, write_readme
+from quantize.readme import CARD, EVAL_JSON, card_text, write_readme
 from quantize.verify import VERIFY_JSON
 
 __all__ = ["PushPlan", "UploadFile", "prepare_push", "upload"]
@@ -115,7 +115,7 @@ def prepare_push(dst: str | Path, repo_id: str, revision: str = "main", private:
         card = card_text(dst, repo_id=repo_id, base_model=base_model)
     files = [UploadFile(n, r["bytes"]) for n, r in sorted(manifest["files"].items())]
     files.append(UploadFile(CARD, len(card.encode())))
-    for extra in (VERIFY_JSON, MANIFEST):
+    for extra in (VERIFY_JSON, EVAL_JSON, MANIFEST):  # the reports the card quotes
         if (dst / extra).is_file():
             files.append(UploadFile(extra, (dst / extra).stat().st_size))
     return PushPlan(dst, repo_id, revision, private, tuple(files), card)

@@ -1,4 +1,4 @@
-"""Rich tables and JSON summaries for inspect / plan / convert / verify (no computation here)."""
+"""Rich tables and JSON summaries for inspect / plan / convert / verify / eval (no computation here)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from quantize.layout import layer_of, linear_role, module_of
 from quantize.plan import Plan
 from quantize.verify import VerifyReport
 
-__all__ = ["fmt_bytes", "inspect_data", "inspect_table", "plan_data", "plan_tables", "verify_table"]
+__all__ = ["eval_tables", "fmt_bytes", "inspect_data", "inspect_table", "plan_data", "plan_tables",
+           "verify_table"]
 
 GiB, GB = 2**30, 10**9
 
@@ -132,3 +133,28 @@ def verify_table(rep: VerifyReport) -> Table:
     for w in rep.worst(10):
         t.add_row(w.name, f"{w.rel_err:.4f}", f"{w.sqnr_db:.2f}", "yes" if w.ok else f"[red]{w.note}[/]")
     return t
+
+
+def eval_tables(rep: dict) -> list[Table]:
+    """eval.json as two tables: the hidden-state error per layer, then the summary."""
+    d = rep["data"]
+    t = Table(title=f"eval: quantized vs source hidden states, {d['num_samples']} x {d['seq_len']} "
+                    f"tokens ({rep['compute_dtype']} on {rep['device']})")
+    for c in ("layer", "INT4 Linears", "relative error", "s"):
+        t.add_column(c, justify="right")
+    for lay in rep["layers"]:
+        t.add_row(str(lay["layer"]), str(lay["int4_linears"]), f"{lay['rel_error']:.4f}",
+                  f"{lay['seconds']:.1f}")
+    s = rep["summary"]
+    u = Table(title=f"eval: {rep['method']} output against its source")
+    u.add_column("metric")
+    u.add_column("value", justify="right")
+    u.add_row("perplexity, source", f"{s['ppl_source']:.4f}")
+    u.add_row("perplexity, quantized", f"{s['ppl_quantized']:.4f}")
+    u.add_row("ratio", f"{s['ppl_ratio']:.4f}")
+    u.add_row("KL(source || quantized) per token", f"{s['kl_mean']:.5f}")
+    u.add_row("top-1 agreement", f"{100 * s['top1_agreement']:.2f}%")
+    u.add_row("scored tokens", f"{s['tokens']:,}")
+    u.add_row("data", s["data"])
+    u.add_row("calibration", d["calibration"])
+    return [t, u]

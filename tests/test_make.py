@@ -80,3 +80,14 @@ def test_make_all_runs_then_skips_finished_steps(tmp_path):
     dry = _make(mk, "-n", *args)
     ran = [x.split("app()'")[1].split()[0] for x in dry.stdout.splitlines() if "app()'" in x]
     assert ran == ["convert", "verify", "push"]
+
+
+def test_make_n_all_with_eval(tmp_path):
+    out = tmp_path / "GLM-5.2-INT4"
+    r = _make(_wrapper(tmp_path), "-n", "all", "MODEL=zai-org/GLM-5.2-FP8", f"OUT={out}",
+              "REPO=my-org/GLM-5.2-INT4", "EVAL=1", "EVAL_FLAGS=--num-samples 64", "DEVICE=cuda")
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stdout.splitlines() if "quantize.cli" in x]
+    assert [x.split("app()'")[1].split()[0] for x in lines] == ["plan", "convert", "verify", "eval", "push"]
+    assert f"eval zai-org/GLM-5.2-FP8 {out} " in lines[3]
+    assert "--device cuda" in lines[3] and "--num-samples 64" in lines[3]

@@ -1,0 +1,263 @@
+"""`quantize eval`: the streamed forward against transformers' full models, the held-out windows,
+the INT4 view of DST, and the refusals (tiny glm_moe_dsa / glm4_moe, CPU, offline)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from quantize.calib_data import load_calibration, read_documents, tokenize_documents
+from quantize.checkpoint import open_checkpoint
+from quantize.errors import QuantizeError
+from quantize.evaluate import (
+    CalibWindows,
+    EvalOptions,
+    Evaluator,
+    TokenScores,
+    evaluate,
+    open_output,
+    score_logits,
+    select_windows,
+)
+from quantize.manifest import MANIFEST
+from quantize.options import ConvertOptions
+from quantize.pipeline import convert, source_weight
+from quantize.plan import make_plan
+from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+ARCHS = {"glm_moe_dsa": "fp8-block", "glm4_moe": "fp8-channel"}
+SMALL = EvalOptions(num_samples=2, seq_len=48)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def converted(request, tmp_path_factory):
+    """(source, RTN output) of one tiny architecture, the source with its tokenizer."""
+    mt = request.param
+    d = tmp_path_factory.mktemp(f"eval-{mt}")
+    cfg = tiny_config(mt)
+    src = write_checkpoint(d / "src", cfg, ARCHS[mt], seed=5)
+    write_tokenizer(src, cfg["vocab_size"])
+    convert(src, d / "out", ConvertOptions(), device="cpu")
+    return src, d / "out"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer(d, 512)
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+def _streams(src_dir, dst_dir, tokens: torch.Tensor) -> Evaluator:
+    """Both streams run through every layer, float32 on the CPU."""
+    src = open_checkpoint(src_dir)
+    units = {u.source: u for u in make_plan(src, ConvertOptions()).units}
+    ev = Evaluator(src, units, open_output(dst_dir), tokens, CPU, torch.float32)
+    ev.embed()
+    for L in range(ev.num_layers):
+        ev.run_layer(L)
+    return ev
+
+
+def _float_folder(path, src_dir):
+    """The source with every FP8 weight dequantized to float32 (the exact values the streamed
+    forward uses), as a plain checkpoint transformers loads without FP8 kernels."""
+    src = open_checkpoint(src_dir)
+    L = src.num_hidden_layers
+    tensors = {u.source: source_weight(src, u, CPU) if u.scale else src.read(u.source)
+               for u in make_plan(src, ConvertOptions()).units if f"layers.{L}." not in u.source}
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(
+        {k: v for k, v in src.config.items() if k != "quantization_config"}))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    return path
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_streamed_logits_equal_transformers(converted, tmp_path):
+    """(1) the source stream is transformers' full model; (2) the quantized stream is
+    transformers' full model loaded from DST (compressed-tensors decompression)."""
+    from transformers import AutoModelForCausalLM
+
+    src, dst = converted
+    V = open_checkpoint(src).config["vocab_size"]
+    ids = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(0))
+    ev = _streams(src, dst, ids)
+    ours_s, ours_q = ev.logits("source", 0), ev.logits("quantized", 0)  # (2, 24, V)
+    with torch.no_grad():
+        ref_s = AutoModelForCausalLM.from_pretrained(_float_folder(tmp_path / "f32", src),
+                                                     dtype=torch.float32).eval()(ids).logits
+        # transformers decompresses the experts to BF16 and keeps them so; .float() runs those
+        # same BF16 values in float32, as we do (left in BF16, the DSA top-k and the routing flip
+        # on rounding: 7% relative on glm_moe_dsa, all of it BF16 arithmetic)
+        m_q = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+        for p in m_q.parameters():  # (transformers refuses .float() on a quantized model)
+            p.data = p.data.float()
+        ref_q = m_q(ids).logits
+    # Same float32 weights, same layer classes, one layer at a time vs the whole model: only
+    # summation order could differ (measured: bit-equal on both architectures).
+    assert _rel(ours_s, ref_s) < 1e-5, (ours_s - ref_s).abs().max()
+    assert _rel(ours_q, ref_q) < 1e-5, (ours_q - ref_q).abs().max()
+    assert _rel(ours_q, ours_s) > 0.05  # and INT4 moved them (measured 0.20 and 0.23)
+
+
+def test_eval_report_card_and_cli(converted):
+    """(2) RTN costs perplexity and KL > 0; eval.json, the card and the CLI agree."""
+    from typer.testing import CliRunner
+
+    from quantize.cli import app
+
+    src, dst = converted
+    rep = evaluate(src, dst, SMALL, device="cpu")
+    s = rep["summary"]
+    # random tiny weights: ppl ~ vocab size; INT4 noise moves it by a few percent (measured
+    # 1.01-1.03) and, being noise, could in principle lower it, so the bounds are loose
+    assert 0.95 < s["ppl_ratio"] < 1.5 and s["ppl_source"] > 1 and s["kl_mean"] > 1e-4
+    assert 0 < s["top1_agreement"] < 1 and s["tokens"] == 2 * 47
+    assert "no calibration" in s["data"] and rep["data"]["disjoint"]
+    layers = rep["layers"]
+    assert [lay["layer"] for lay in layers] == [0, 1, 2]
+    assert layers[0]["int4_linears"] == 0 and layers[1]["int4_linears"] == 24
+    assert layers[2]["rel_error"] > layers[0]["rel_error"] > 0  # error accumulates with depth
+    on_disk = json.loads((dst / "eval.json").read_text())
+    assert on_disk["summary"] == s
+    manifest = json.loads((dst / MANIFEST).read_text())
+    assert "eval.json" not in manifest["files"]
+    card = (dst / "README.md").read_text()
+    assert "## Evaluation" in card and f"| ppl_ratio | {s['ppl_ratio']:.4f}".rstrip("0") in card
+
+    r = CliRunner().invoke(app, ["eval", str(src), str(dst), "--num-samples", "1", "--seq-len", "32",
+                                 "--device", "cpu", "--json", "--max-ppl-ratio", "100"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["summary"]["tokens"] == 31
+    r = CliRunner().invoke(app, ["eval", str(src), str(dst), "--num-samples", "1", "--seq-len", "32",
+                                 "--device", "cpu", "--max-ppl-ratio", "0.5"])
+    assert r.exit_code == 1 and "relative error" in r.stdout and "max-ppl-ratio" in r.output
+
+
+def test_int4_view_equals_compressed_tensors_decompression(tmp_path):
+    """The reader: every INT4 Linear of DST as compressed-tensors decompresses it (asymmetric,
+    zero points included); other tensors as stored."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    cfg = tiny_config("glm4_moe", num_hidden_layers=2)
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    convert(src, tmp_path / "out", ConvertOptions(symmetric=False, group_size=32), device="cpu")
+    view = open_output(tmp_path / "out")
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=False, strategy="group", group_size=32))
+    assert len(view.packed) == 2 * 3 * cfg["n_routed_experts"]  # layer 1 and the MTP layer
+    for name, m in list(view.packed.items())[::7]:
+        with safe_open(str(view.root / view.tensors[name].file), "pt") as f:
+            state = {k: f.get_tensor(f"{m}.{k}") for k in
+                     ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")}
+        want = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+        assert torch.equal(view.read(name), want.float()), name
+    norm = "model.layers.1.post_attention_layernorm.weight"
+    assert torch.equal(view.read(norm), open_checkpoint(src).read(norm))
+
+
+def _random_docs(path, n: int, words: int, seed: int = 0):
+    rng = random.Random(seed)
+    vocab = [f"{a}{b}" for a in "bcdfghklmnprstvz" for b in ("ao", "ei", "ou", "ia", "ue")]
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(vocab) for _ in range(words))})
+                            + "\n" for _ in range(n)))
+    return path
+
+
+def _ngrams(t: torch.Tensor, n: int) -> set[tuple[int, ...]]:
+    return {tuple(r[i: i + n].tolist()) for r in t for i in range(t.shape[1] - n + 1)}
+
+
+def test_eval_windows_are_disjoint_from_calibration(tok, tmp_path):
+    """(3) The calibration windows as calib_data cuts them share no text with the eval windows;
+    a calibration that covers the whole file is reported as an unavoidable overlap."""
+    p = _random_docs(tmp_path / "words.jsonl", 60, 40)  # random words: no n-gram repeats by chance
+    doc_ids, _, _ = tokenize_documents(read_documents(p), tok)
+    eos = tok.eos_token_id
+    for n_c, S_c, seed_c in ((4, 64, 0), (3, 100, 7)):
+        calib = load_calibration(p, tok, n_c, S_c, seed_c).tokens
+        es = select_windows(doc_ids, eos, 8, 32, seed_c, CalibWindows(n_c, S_c, seed_c), str(p))
+        assert es.disjoint and es.overlap_avoidable is None and es.tokens.shape == (8, 32)
+        assert 0 < es.held_out < es.documents
+        # 12 random-word tokens in a row never recur by chance; shared ones would be shared text
+        assert not _ngrams(calib, 12) & _ngrams(es.tokens, 12)
+        same_seed_all_docs = select_windows(doc_ids, eos, 8, 32, seed_c, None, str(p))
+        assert _ngrams(calib, 12) & _ngrams(same_seed_all_docs.tokens, 12)  # the test can see overlap
+    # overlapping (random-start) calibration windows covering every document
+    es = select_windows(doc_ids, eos, 4, 32, 0, CalibWindows(400, 64, 0), str(p))
+    assert not es.disjoint and es.overlap_avoidable is False and "overlap" in es.calibration
+
+
+def test_calibrated_conversion_is_held_out(tmp_path):
+    """evaluate reads the conversion's calibration options from the manifest."""
+    cfg = tiny_config("glm4_moe", num_hidden_layers=2)
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    data = _random_docs(tmp_path / "words.jsonl", 40, 40, seed=1)
+    convert(src, tmp_path / "out", ConvertOptions(method="gptq", calib=str(data), num_samples=2,
+                                                  seq_len=64, seed=3), device="cpu")
+    rep = evaluate(src, tmp_path / "out", EvalOptions(data=str(data), num_samples=2, seq_len=32),
+                   device="cpu", write=False)
+    d = rep["data"]
+    assert d["disjoint"] and d["held_out_documents"] < d["documents"] and "held out" in d["calibration"]
+    assert "disjoint from the calibration" in rep["summary"]["data"]
+    other = evaluate(src, tmp_path / "out", EvalOptions(num_samples=1, seq_len=32), device="cpu",
+                     write=False)  # the default set: another file than the calibration's
+    assert "another file" in other["data"]["calibration"] and other["data"]["disjoint"]
+
+
+def test_refusals(converted, tmp_path):
+    """(4) An unfinished DST, a folder that is no conversion, a missing tokenizer."""
+    src, dst = converted
+    half = tmp_path / "half"
+    shutil.copytree(dst, half, ignore=shutil.ignore_patterns("eval.json"))
+    m = json.loads((half / MANIFEST).read_text())
+    m["status"] = "in-progress"
+    (half / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(QuantizeError, match="not a finished conversion") as e:
+        evaluate(src, half, SMALL, device="cpu")
+    assert "--resume" in str(e.value) and not (half / "eval.json").exists()
+    with pytest.raises(QuantizeError, match="not a finished conversion"):
+        evaluate(src, tmp_path / "nothing-here", SMALL, device="cpu")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (half / f).unlink()
+    m["status"] = "complete"
+    (half / MANIFEST).write_text(json.dumps(m))
+    nosrc_tok = tmp_path / "src"
+    shutil.copytree(src, nosrc_tok, ignore=shutil.ignore_patterns("tokenizer*"))
+    with pytest.raises(QuantizeError, match="tokenizer"):
+        evaluate(nosrc_tok, half, SMALL, device="cpu")
+    other = write_checkpoint(tmp_path / "other", tiny_config("glm4_moe", num_hidden_layers=2),
+                             "fp8-channel")
+    write_tokenizer(other, 512)
+    if open_checkpoint(src).model_type == "glm4_moe":
+        with pytest.raises(QuantizeError, match="not converted from SRC"):
+            evaluate(other, dst, SMALL, device="cpu")
+
+
+def test_scores_of_identical_models():
+    logits = torch.randn(10, 50, generator=torch.Generator().manual_seed(0))
+    t = torch.arange(10) % 50
+    s = score_logits(logits, logits, t)
+    assert s.kl == 0 and s.top1_agree == 10 and s.nll_source == s.nll_quantized
+    both = s + TokenScores(1, 1.0, 2.0, 0.5, 0)
+    assert both.tokens == 11 and both.nll_quantized == s.nll_quantized + 2.0
