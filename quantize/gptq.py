@@ -224,10 +224,11 @@ def _factor_flipped_inplace(A: torch.Tensor) -> torch.Tensor:
     ok = info == 0
     if not ok.all():
         A[~ok] = torch.eye(K, dtype=A.dtype, device=A.device)
-    Linv = torch.eye(K, dtype=A.dtype, device=A.device).expand(b, K, K).contiguous()
-    torch.linalg.solve_triangular(A, Linv, upper=False, out=Linv)  # L⁻¹, lower
-    A.copy_(Linv.flip(-2, -1))  # J L⁻¹ J, upper
-    del Linv
+    eye = torch.eye(K, dtype=A.dtype, device=A.device)
+    for j in range(b):  # one expert at a time: scratch of one (K, K), not of the batch
+        Linv = torch.linalg.solve_triangular(A[j], eye, upper=False)  # L⁻¹, lower
+        A[j].copy_(Linv.flip(-2, -1))  # J L⁻¹ J, upper
+    del Linv, eye
     return ok & torch.isfinite(A.sum((-2, -1)))
 
 
@@ -239,7 +240,7 @@ def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, percdamp: float, flip
     retried with percdamp x 10. Memory: one (Bh, K, K) buffer beyond H, factored in place.
     Returns (Hinv (Bh, K, K), dead (Bh, K) in processing order, fraction used (Bh,), retries).
     """
-    Bh = H.shape[0]
+    Bh, K = H.shape[0], H.shape[-1]
     diag = torch.diagonal(H, dim1=-2, dim2=-1).gather(-1, perm)  # (Bh, K) processing order
     dead = diag == 0
     diag = diag.masked_fill(dead, 1.0)
@@ -252,7 +253,9 @@ def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, percdamp: float, flip
         p = perm[todo]  # (b, K)
         if flipped:
             p = p.flip(-1)
-        A = H[todo[:, None, None], p[:, :, None], p[:, None, :]]  # (b, K, K) new, permuted
+        A = torch.empty(len(todo), K, K, dtype=H.dtype, device=H.device)  # permuted copies
+        for j, (h, pj) in enumerate(zip(todo.tolist(), p)):  # (advanced indexing of the whole
+            A[j] = H[h].index_select(0, pj).index_select(1, pj)  # batch builds batch-sized indices)
         d = diag[todo] + (frac[todo] * mean_diag[todo])[:, None]
         torch.diagonal(A, dim1=-2, dim2=-1).copy_(d.flip(-1) if flipped else d)
         ok = _factor_flipped_inplace(A) if flipped else _factor_inplace(A)
