@@ -39,7 +39,7 @@ from quantize.checkpoint import open_checkpoint
 from quantize.options import ConvertOptions
 from quantize.pipeline import compute_unit
 from quantize.plan import make_plan
-from quantize.synth import GLM52_CONFIG, tiny_config, write_checkpoint
+from quantize.synth import GLM52_CONFIG, tiny_config, write_checkpoint, write_tokenizer
 
 RUNS = {
     "rtn": {"method": "rtn"},
@@ -118,7 +118,7 @@ def run_llmcompressor(src_bf16: Path, tokens: torch.Tensor, dev: torch.device) -
         from datasets import Dataset
         from llmcompressor import oneshot
         from llmcompressor.modifiers.quantization import GPTQModifier
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         reset(dev)
         model = AutoModelForCausalLM.from_pretrained(src_bf16, dtype=torch.bfloat16, device_map=str(dev))
@@ -132,13 +132,14 @@ def run_llmcompressor(src_bf16: Path, tokens: torch.Tensor, dev: torch.device) -
                                 "attention_mask": torch.ones_like(tokens).tolist()})
         t0 = time.perf_counter()
         kwargs = {"moe_calibrate_all_experts": True}
+        tok = AutoTokenizer.from_pretrained(src_bf16)
         try:
             oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=tokens.shape[0],
-                    max_seq_length=tokens.shape[1], **kwargs)
+                    max_seq_length=tokens.shape[1], processor=tok, **kwargs)
         except TypeError:  # a version without that argument
             kwargs = {}
             oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=tokens.shape[0],
-                    max_seq_length=tokens.shape[1])
+                    max_seq_length=tokens.shape[1], processor=tok)
         seconds = round(time.perf_counter() - t0, 2)
         return {"run": "llm-compressor oneshot GPTQ W4A16 g32", "version": llmcompressor.__version__,
                 "args": kwargs, "seconds": seconds, "peak_gpu_gib": peak(dev),
@@ -172,7 +173,8 @@ def main() -> None:
             raise SystemExit("needs a CUDA device (or --smoke)")
         dev, cfg = torch.device("cuda"), glm52_two_layers(args.vocab)
         src = args.workdir / "glm52-2layer-fp8"
-    if not (src / "config.json").exists():
+    ours = [n for n in args.runs.split(",") if n and n != "none"]
+    if ours and not (src / "config.json").exists():
         t0 = time.perf_counter()
         write_checkpoint(src, cfg, "fp8-block", shard_bytes=4 * 10**9)
         print(f"wrote {src} in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -181,7 +183,7 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "model": "glm_moe_dsa, GLM-5.2 shapes, 2 layers (0 dense, 1 MoE 256x2048 top-8), FP8 block",
            "tokens": list(tokens.shape), "group_size": 32, "command": " ".join(sys.argv), "runs": []}
-    for name in [n for n in args.runs.split(",") if n and n != "none"]:
+    for name in ours:
         r = run_rtn_plain(src, dev) if name == "rtn-plain" else run_ours(src, name, RUNS[name], tokens, dev)
         print(json.dumps(r), flush=True)
         res["runs"].append(r)
@@ -191,6 +193,7 @@ def main() -> None:
         src_bf16 = args.workdir / ("smoke-bf16" if args.smoke else "glm52-2layer-bf16")
         if not (src_bf16 / "config.json").exists():
             write_checkpoint(src_bf16, cfg, "bf16", shard_bytes=4 * 10**9)
+            write_tokenizer(src_bf16, cfg["vocab_size"])  # oneshot wants the model's processor
         r = run_llmcompressor(src_bf16, tokens, dev)
         print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
         res["runs"].append(r)
