@@ -13,8 +13,11 @@ finished checkpoint (never in the manifest, so `verify` and `push` never see the
                                             bytes and sha256 (a truncated or altered file is
                                             found and the checkpoint ignored)
 
-A checkpoint is written as `layer-<L>.partial/`, each file fsynced, then renamed into place;
-a `.partial` folder left by a crash is deleted on the next start. Size: the hidden states, so
+The calibrator saves the state after layer L only where a resume can start at L+1 (some
+shard's first layer is L+1; with GLM-5.2's ~5 GB shards, about one layer each, nearly every
+layer), and after its last layer. A checkpoint is written as `layer-<L>.partial/`, each file
+fsynced, then renamed into place; a `.partial` folder left by a crash is deleted on the next
+start. Size: the hidden states, so
 GLM-5.2 at the defaults is 128 x 2048 tokens x 6144 x 2 bytes (bf16) = 3.2 GB per checkpoint,
 a few seconds of writing against ~1 minute per layer. The last one (after the final layer, MTP
 included) holds no hidden states: nothing is left to run, only the report and scales to write.
