@@ -47,11 +47,18 @@ eh_proj / norms are missing, are rounded to nearest and the report says so.
 
 Hidden states stay on the compute device while they take less than half its free memory,
 else they are spilled to disk in chunks (`HiddenStates`).
+
+Resume: given the output folder (`use_state`), the state after each layer a resume can start
+from is checkpointed there (quantize/calib_state.py: the hidden states, 3.2 GB for GLM-5.2), and
+`start_shard` jumps to the newest usable checkpoint before the layers a shard needs, so a
+resumed run recomputes no layer it finished (with none usable: from layer 0, as before).
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 import os
 import tempfile
 import time
@@ -71,13 +78,14 @@ from quantize.awq import (
     scale_linear_inputs,
 )
 from quantize.calib_data import CalibrationSet, load_calibration
+from quantize.calib_state import StateDir
 from quantize.checkpoint import DTYPES, Checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
 from quantize.int4 import Int4Weight, dequantize, quantize_rtn
 from quantize.layout import layer_of
 from quantize.options import ConvertOptions
-from quantize.plan import Plan, Unit
+from quantize.plan import Plan, Shard, Unit
 
 __all__ = ["AWQ_SCALES", "CALIB_REPORT", "Calibrator", "HiddenStates", "MLPStats", "awq_expected",
            "build_skeleton", "dense_forward", "load_layer", "moe_forward", "run_layer"]
@@ -108,9 +116,13 @@ class HiddenStates:
     def __init__(self, chunks: list[torch.Tensor], device: torch.device, spill: bool) -> None:
         self.device = device
         self._dir = tempfile.TemporaryDirectory(prefix="calib-hidden-") if spill else None
-        self._chunks: list[torch.Tensor | None] = [None] * len(chunks)
-        for i, c in enumerate(chunks):
-            self.put(i, c)
+        self._chunks: list[torch.Tensor | None] = []
+        for c in chunks:
+            self.append(c)
+
+    def append(self, t: torch.Tensor) -> None:
+        self._chunks.append(None)
+        self.put(len(self._chunks) - 1, t)
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -518,7 +530,11 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 class Calibrator:
     """Runs the layers in order, lazily; `result(unit)` is the calibrated Int4Weight of a target
-    unit, the rescaled tensor of an AWQ-folded unit, or None (the plain path applies)."""
+    unit, the rescaled tensor of an AWQ-folded unit, or None (the plain path applies).
+
+    Layer index num_layers is the MTP layer; `last_layer` is the last one run (the MTP layer
+    when the plan has one). With `use_state`, the state after layer L is checkpointed when a
+    shard's first layer is L+1 (where a resume can start), and after `last_layer`."""
 
     def __init__(self, ckpt: Checkpoint, plan: Plan, opts: ConvertOptions, device: torch.device,
                  log: Callable[[str], None] | None = None, calib: CalibrationSet | None = None
@@ -538,10 +554,16 @@ class Calibrator:
         self.num_layers = len(self.skeleton.model.layers)
         self.inputs = layer_inputs(self.skeleton, self.calib.tokens.shape[1], device, self.dtype)
         self.next_layer = 0
+        self.last_layer = max((min(L, self.num_layers) for u in plan.units
+                               if (L := layer_of(u.source)) is not None), default=-1)
+        # after these layers a resume can start: a shard's first layer, minus one
+        self._save_after = {L - 1 for s in plan.shards if (L := self._first_layer(s)) is not None}
+        self._save_after.add(self.last_layer)
+        self.state: StateDir | None = None
+        self._keep_after = -1  # the last layer a resume can start after (older: deletable)
         self.results: dict[str, Int4Weight | torch.Tensor] = {}
         self.layers: list[dict] = []
-        self.mtp: dict[int, dict] = {}  # MTP layers rounded to nearest, and why
-        self._mtp_skip: dict[int, str] = {}
+        self._mtp_skip: dict[int, str] = {}  # MTP layers not calibrated, and why
         self.awq_scales: dict[str, torch.Tensor] = {}  # AWQ_SCALES, float32 on the host
         self.hidden: HiddenStates | None = None
         self.topk: list[torch.Tensor | None] = []
@@ -550,11 +572,15 @@ class Calibrator:
         self.awq_cfg = AWQConfig(group_size=opts.group_size, symmetric=opts.symmetric)
 
     def write_outputs(self, out: Path) -> list[str]:
-        """Write CALIB_REPORT (and AWQ_SCALES when AWQ ran) into `out`; their names."""
+        """Write CALIB_REPORT (and AWQ_SCALES when AWQ ran) into `out`; their names. Layers no
+        written shard needed (a resume that kept the last shards) are run, or loaded, first."""
         from safetensors.torch import save_file
 
         from quantize.shards import PARTIAL, write_json_atomic
 
+        self._keep_after = self.last_layer
+        self._jump(self.last_layer)
+        self._run_until(self.last_layer)
         write_json_atomic(out / CALIB_REPORT, self.report())
         if not self.awq_scales:
             return [CALIB_REPORT]
@@ -584,24 +610,10 @@ class Calibrator:
         L = layer_of(unit.source)
         if L is None:
             return None
-        if L >= self.num_layers:  # MTP layers
-            while self.next_layer < self.num_layers:
-                self._run(self.next_layer)
-                self.next_layer += 1
-            if L == self.num_layers and self.next_layer == L:
-                self.next_layer += 1
-                self._run_mtp(L)
-            if unit.source not in self.results and unit.action == "quantize":
-                entry = self.mtp.setdefault(L, {"layer": L, "mtp": True, "method": "rtn",
-                                                "modules": 0, "reason": self._mtp_skip.get(
-                                                    L, "only the first MTP layer is run")})
-                entry["modules"] += 1
-            return self.results.get(unit.source)
+        L = min(L, self.num_layers)  # further MTP layers: rounded to nearest after the first
         if L < self.next_layer - 1:
             raise RuntimeError(f"internal: layer {L} requested after layer {self.next_layer - 1}")
-        while self.next_layer <= L:
-            self._run(self.next_layer)
-            self.next_layer += 1
+        self._run_until(L)
         return self.results.get(unit.source)
 
     def report(self) -> dict:
@@ -610,7 +622,107 @@ class Calibrator:
                 "min_expert_tokens": o.min_expert_tokens, "percdamp": o.percdamp,
                 "group_size": o.group_size, "calibration": self.calib.summary(),
                 "device": str(self.device), "compute_dtype": str(self.dtype).replace("torch.", ""),
-                "layers": self.layers + list(self.mtp.values())}
+                "layers": self.layers + self._rtn_mtp()}
+
+    # -- checkpoints for resume (quantize/calib_state.py) -------------------------------------
+
+    def use_state(self, root: Path, run: dict) -> None:
+        """Checkpoint into `root` (DST/CALIB_STATE), and resume from there. `run`: what the
+        manifest requires to resume (options, source, tool version); the device type, dtype,
+        library versions and calibration tokens are added to the fingerprint."""
+        import transformers
+
+        tokens = hashlib.sha256(self.calib.tokens.numpy().tobytes()).hexdigest()
+        fp = {"run": run, "torch": torch.__version__, "transformers": transformers.__version__,
+              "device": self.device.type, "dtype": str(self.dtype), "tokens_sha256": tokens}
+        self.state = StateDir(root, hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest())
+
+    def start_shard(self, shard: Shard) -> None:
+        """Called before `shard` is written, every shard before it recorded in the manifest:
+        continue from the newest usable checkpoint before the shard's first layer when that is
+        ahead of where the calibration stands, and delete checkpoints no resume can need."""
+        L = self._first_layer(shard)
+        if L is None or self.state is None:
+            return
+        self._keep_after = L - 1
+        self._jump(L - 1)
+        self.state.prune(self._keep_after)
+
+    def discard_state(self) -> None:
+        """Delete the checkpoints: the conversion is complete."""
+        if self.state is not None:
+            self.state.remove()
+
+    def _first_layer(self, shard: Shard) -> int | None:
+        return next((min(L, self.num_layers) for u in shard.units
+                     if (L := layer_of(u.source)) is not None), None)
+
+    def _jump(self, upto: int) -> None:
+        """Load the newest usable checkpoint after a layer in [next_layer, upto], if any."""
+        if self.state is None:
+            return
+        for c in reversed([c for c in self.state.layers() if self.next_layer <= c <= upto]):
+            why = self.state.problem(c)
+            if why is not None:
+                self.log(f"ignoring calibration checkpoint {self.state.path(c)}: {why}")
+                continue
+            self._load(c)
+            self.log(f"resuming calibration at layer {c + 1} from {self.state.path(c)}")
+            return
+        if self.next_layer == 0 and upto >= 0:  # a resumed run with nothing to start from
+            self.log(f"no usable calibration checkpoint before layer {upto + 1}: "
+                     "computing from layer 0")
+
+    def _load(self, c: int) -> None:
+        saved = self.state.read(c)
+        self.layers, self._mtp_skip = saved.entries, saved.mtp_skip
+        self.awq_scales = saved.awq_scales
+        self.results = {}
+        self.next_layer = c + 1
+        self.hidden, self.topk = None, []
+        if saved.chunks:
+            h, _ = saved.chunk(0)
+            spill = HiddenStates.should_spill(2 * h.nbytes * saved.chunks, self.device)  # as _embed
+            self.hidden, self.spilled = HiddenStates([], self.device, spill), spill
+            for i in range(saved.chunks):
+                h, topk = saved.chunk(i)
+                self.hidden.append(h)
+                self.topk.append(None if topk is None else topk.to(self.device))
+
+    def _save(self, L: int) -> None:
+        last = L == self.last_layer  # nothing left to run: no hidden states
+        chunks = [] if last else ((self.hidden.get(i), self.topk[i]) for i in range(len(self.hidden)))
+        self.state.save(L, chunks, self.layers, self._mtp_skip, self.awq_scales)
+        self.state.prune(self._keep_after)
+
+    def _run_until(self, L: int) -> None:
+        """Run layers next_layer .. L (the MTP layer when L == num_layers), checkpointing."""
+        while self.next_layer <= L:
+            M = self.next_layer
+            if M < self.num_layers:
+                self._run(M)
+            else:
+                self._run_mtp(M)
+            self.next_layer += 1
+            if self.state is not None and M in self._save_after:
+                self._save(M)
+
+    def _rtn_mtp(self) -> list[dict]:
+        """Report entries of MTP layers rounded to nearest: their quantized units that got no
+        calibrated result (from the plan, so a resumed run reports the same)."""
+        ran = {e["layer"] for e in self.layers}
+        out: dict[int, dict] = {}
+        for u in self.plan.units:
+            L = layer_of(u.source)
+            if L is None or L < self.num_layers or u.action != "quantize":
+                continue
+            p = f"model.layers.{L}.mlp."
+            if L in ran and u.source.startswith(p) and u.source.endswith("_proj.weight"):
+                continue  # calibrated (`_targets` of the MTP layer)
+            entry = out.setdefault(L, {"layer": L, "mtp": True, "method": "rtn", "modules": 0,
+                                       "reason": self._mtp_skip.get(L, "only the first MTP layer is run")})
+            entry["modules"] += 1
+        return list(out.values())
 
     # -- internals -----------------------------------------------------------------------------
 

@@ -141,6 +141,14 @@ class Manifest:
         m.save()
         return m
 
+    def identity(self) -> dict:
+        """What a resume must match (`resume` checks it): options, plan, tool version, source
+        (its index and files; the path may move)."""
+        d = self.data
+        return {"options": d["options"], "plan_sha256": d["plan_sha256"],
+                "tool_version": d["tool_version"],
+                "source": {k: d["source"].get(k) for k in ("index_sha256", "files")}}
+
     def done(self, name: str) -> dict | None:
         return self.data["files"].get(name)
 

@@ -7,13 +7,15 @@
        any other non-empty one refused unless --overwrite)
     5. stream shard by shard: read a source tensor, dequantize / quantize / copy, append to the
        shard, commit the shard atomically and record its sha256 in the manifest; a shard the
-       manifest already records with a matching sha256 is kept
+       manifest already records with a matching sha256 is kept; a calibrated run checkpoints
+       its state between layers in DST/calibration/state and resumes from there
     6. write config.json (compressed-tensors quantization_config), the index, copy the
        tokenizer and other non-weight files, mark the manifest complete
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from quantize import __version__
+from quantize.calib_state import CALIB_STATE
 from quantize.checkpoint import INDEX_NAME, Checkpoint, SourceFormat, escapes, open_checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.fp8 import dequant_block, dequant_channel
@@ -286,6 +289,8 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
         manifest = Manifest.resume(out, ckpt, plan, previous)
     else:
         manifest = Manifest.start(out, ckpt, plan, extra)
+    if calib is not None:
+        calib.use_state(out / CALIB_STATE, manifest.identity())
 
     written, skipped = [], []
     for shard in plan.shards:
@@ -295,6 +300,8 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
                 for u in shard.units:
                     on_unit(u)
             continue
+        if calib is not None:
+            calib.start_shard(shard)  # resumes from a checkpoint; deletes those no longer needed
         # Three stages overlap: the reader thread fetches unit i+1, this thread computes unit
         # i, the writer thread hashes and writes unit i-1 (torch, hashlib and file I/O release
         # the GIL). At most three units' tensors are in memory; the write order is the plan's.
@@ -331,14 +338,24 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
     for p in aux:
         copy_file_atomic(p, out / p.name)
     names = [p.name for p in aux]
+    report = None
     if calib is not None:
-        names += calib.write_outputs(out)  # calibration-report.json, AWQ scales
+        from quantize.calibrate import AWQ_SCALES, CALIB_REPORT
+
+        kept = [n for n in (CALIB_REPORT, AWQ_SCALES) if n in manifest.data["files"]]
+        if CALIB_REPORT in kept and all(manifest.holds(n) for n in kept):
+            names += kept  # a finished conversion run again: its report needs no layer rerun
+            report = json.loads((out / CALIB_REPORT).read_text())
+        else:
+            names += calib.write_outputs(out)  # calibration-report.json, AWQ scales
+            report = calib.report()
     for name in [INDEX_NAME, "config.json", *names]:
         manifest.data["files"][name] = {"bytes": (out / name).stat().st_size,
                                         "sha256": sha256_file(out / name)}
     manifest.finish(ckpt, tool_version=__version__)
+    if calib is not None:
+        calib.discard_state()  # complete: the layer checkpoints are no longer needed
     from quantize.readme import write_readme  # local: readme -> verify -> pipeline
 
     write_readme(out, plan)  # the model card; a report, so not among the manifest's files
-    return ConvertResult(out, plan, written, skipped, str(dev),
-                         calib.report() if calib is not None else None)
+    return ConvertResult(out, plan, written, skipped, str(dev), report)

@@ -12,8 +12,9 @@ Test hook (off unless the variable is set; never set it in production):
 stderr and sleep forever at the N-th (1-based) EVENT of this process, so a test can SIGKILL it
 at an exact point, always on the main thread. EVENT is `unit` (a unit's tensors written into a
 `.partial` shard and flushed, more units of that shard to come: the shard is half written),
-`shard` (a shard renamed into place, before the manifest records it) or `finish` (every shard
-done, before the index, config and completed manifest are written).
+`shard` (a shard renamed into place, before the manifest records it), `finish` (every shard
+done, before the index, config and completed manifest are written) or `state` (a calibration
+checkpoint's files written into `layer-<L>.partial/`, not yet renamed; quantize/calib_state.py).
 """
 
 from __future__ import annotations

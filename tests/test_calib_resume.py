@@ -1,0 +1,220 @@
+"""Calibrated runs resume from layer-boundary checkpoints (quantize/calib_state.py), byte for byte.
+
+Tiny glm_moe_dsa (3 decoder layers + MTP; layer 2 shares layer 1's DSA top-k, so a resume at
+layer 2 needs the top-k from the checkpoint), awq+gptq, 200 KB shards: ~20 shards, a new layer
+starting in several of them, so checkpoints after layers 0, 1, 2 and the last one (MTP) are
+written. The per-layer wall-clock times in calibration-report.json are the only bytes that
+differ between two runs, so every run here reads a clock that stands still
+(`quantize.calibrate.time`), in process and in the CLI subprocesses alike: then the whole
+folder, report and manifest included, must be identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantize.calib_state import CALIB_STATE, StateDir
+from quantize.checkpoint import open_checkpoint
+from quantize.layout import layer_of
+from quantize.options import ConvertOptions
+from quantize.pipeline import convert
+from quantize.plan import make_plan
+from quantize.shards import STALL_ENV
+from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+CALIB = {"num_samples": 8, "seq_len": 64}
+OPTS = ConvertOptions(method="awq+gptq", max_shard_size=200_000, **CALIB)
+STILL_CLOCK = types.SimpleNamespace(perf_counter=lambda: 0.0)
+
+
+class Stop(Exception):
+    """Raised from `on_unit`: the run dies in the middle of a shard."""
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    cfg = tiny_config("glm_moe_dsa")
+    cfg["index_topk_freq"] = 2  # indexer types full, full, shared
+    d = write_checkpoint(tmp_path_factory.mktemp("src"), cfg, "fp8-block", seed=1)
+    write_tokenizer(d, cfg["vocab_size"])
+    return d
+
+
+@pytest.fixture(autouse=True)
+def still_clock(monkeypatch):
+    monkeypatch.setattr("quantize.calibrate.time", STILL_CLOCK)
+
+
+@pytest.fixture(scope="module")
+def reference(src, tmp_path_factory) -> Path:
+    """An uninterrupted run (in process), with the clock standing still."""
+    out = tmp_path_factory.mktemp("ref") / "out"
+    mp = pytest.MonkeyPatch()
+    mp.setattr("quantize.calibrate.time", STILL_CLOCK)
+    try:
+        convert(src, out, OPTS, device="cpu")
+    finally:
+        mp.undo()
+    assert not (out / CALIB_STATE).exists()
+    return out
+
+
+def folder_bytes(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def assert_identical(out: Path, reference: Path) -> None:
+    got, want = folder_bytes(out), folder_bytes(reference)
+    assert sorted(got) == sorted(want)
+    assert "calibration-report.json" in want and "calibration/awq-scales.safetensors" in want
+    for name in want:
+        assert got[name] == want[name], f"{name} differs from the uninterrupted run"
+    assert not (out / CALIB_STATE).exists() and not list(out.rglob("*.partial"))
+
+
+def stop_at(pred):
+    def on_unit(unit) -> None:
+        if pred(unit):
+            raise Stop(unit.source)
+    return on_unit
+
+
+def computed_layers(log: list[str]) -> list[int]:
+    return [int(m.group(1)) for line in log if (m := re.match(r"layer (\d+)", line))]
+
+
+def test_interrupted_run_resumes_from_a_checkpoint(src, reference, tmp_path):
+    out = tmp_path / "out"
+    plan = make_plan(open_checkpoint(src), OPTS)
+    # the second shard that starts inside layer 2: dies with the first one recorded
+    starts = [s.units[0] for s in plan.shards if layer_of(s.units[0].source) == 2]
+    with pytest.raises(Stop):
+        convert(src, out, OPTS, device="cpu", on_unit=stop_at(lambda u: u == starts[1]))
+    # a resume starts at layer 2 (after layer 1); layer 2 is done too; 0 can go
+    assert StateDir(out / CALIB_STATE, "").layers() == [1, 2]
+    log: list[str] = []
+    res = convert(src, out, OPTS, device="cpu", resume=True, log=log.append)
+    assert f"resuming calibration at layer 2 from {out / CALIB_STATE}/layer-1" in log, log
+    assert computed_layers(log) == [2, 3], log  # layers 0 and 1 were not run again
+    assert res.skipped and res.written
+    assert_identical(out, reference)
+    assert res.calibration == json.loads((reference / "calibration-report.json").read_text())
+
+    # the finished folder run again: every file kept, no layer run, the report unchanged
+    log.clear()
+    res = convert(src, out, OPTS, device="cpu", log=log.append)
+    assert res.written == [] and computed_layers(log) == [], log
+    assert_identical(out, reference)
+
+
+def test_a_damaged_checkpoint_is_ignored_and_the_layers_recomputed(src, reference, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(Stop):
+        convert(src, out, OPTS, device="cpu", on_unit=stop_at(lambda u: layer_of(u.source) == 3))
+    state = StateDir(out / CALIB_STATE, "")
+    assert state.layers() == [2, 3]  # older ones deleted: every shard up to layer 3 recorded
+    victim = out / CALIB_STATE / "layer-2" / "hidden-000000.safetensors"
+    size = victim.stat().st_size
+    with open(victim, "r+b") as f:
+        f.truncate(size // 2)  # a torn write
+    log: list[str] = []
+    convert(src, out, OPTS, device="cpu", resume=True, log=log.append)
+    assert (f"ignoring calibration checkpoint {out / CALIB_STATE}/layer-2: hidden-000000.safetensors "
+            f"has {size // 2} bytes, state.json says {size}") in log, log
+    assert "no usable calibration checkpoint before layer 3: computing from layer 0" in log, log
+    assert computed_layers(log) == [0, 1, 2, 3], log
+    assert_identical(out, reference)
+
+
+def test_a_checkpoint_of_another_run_is_not_used(tmp_path):
+    h = torch.randn(2, 4, 8, dtype=torch.bfloat16)
+    k = torch.randint(0, 4, (2, 4, 3), dtype=torch.int32)
+    StateDir(tmp_path, "run-a").save(5, [(h, k), (h, None)], [{"layer": 5}], {1: "why"},
+                                     {"s": torch.ones(3)})
+    assert StateDir(tmp_path, "run-a").problem(5) is None
+    saved = StateDir(tmp_path, "run-a").read(5)
+    assert (saved.chunks, saved.entries, saved.mtp_skip) == (2, [{"layer": 5}], {1: "why"})
+    assert torch.equal(saved.awq_scales["s"], torch.ones(3))
+    (h0, k0), (_, k1) = saved.chunk(0), saved.chunk(1)
+    assert torch.equal(h0, h) and h0.dtype == torch.bfloat16 and torch.equal(k0, k) and k1 is None
+    assert "other options" in StateDir(tmp_path, "run-b").problem(5)
+    for L in (7, 9):
+        StateDir(tmp_path, "run-a").save(L, [(h, None)], [], {}, {})
+    s = StateDir(tmp_path, "run-a")
+    s.prune(8)  # a resume may still start after layer 7 (or later): 5 can go
+    assert s.layers() == [7, 9]
+    s.prune(6)  # nothing at or before 6 is older than the newest at or before 6: keep all
+    assert s.layers() == [7, 9]
+
+
+# --- killed from outside (see tests/test_resume.py for the stall hook) -----------------------
+
+
+def run_cli(src: Path, out: Path, stall: str | None = None) -> tuple[int, str]:
+    """`quantize convert` in a subprocess with a clock standing still in quantize.calibrate;
+    with `stall`, SIGKILLed when it reaches that point. Returns (exit status, stderr)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "300"}
+    env.pop(STALL_ENV, None)
+    code = ("import types, quantize.calibrate as c; "
+            "c.time = types.SimpleNamespace(perf_counter=lambda: 0.0); "
+            "from quantize.cli import app; app()")
+    cmd = [sys.executable, "-c", code, "convert", str(src), str(out), "--max-shard-size", "200KB",
+           "--device", "cpu", "--tp", "1", "--method", "awq+gptq", "--num-samples", "8",
+           "--seq-len", "64"]
+    if stall is None:
+        r = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=120)
+        return r.returncode, r.stderr
+    env[STALL_ENV] = stall
+    log = out.with_name(out.name + ".stderr")
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=f)
+    deadline = time.monotonic() + 120
+    try:
+        while "QUANTIZE_TEST_STALLED" not in log.read_text():
+            assert p.poll() is None, f"exited {p.returncode} before {stall}: {log.read_text()}"
+            assert time.monotonic() < deadline, f"never reached {stall}"
+            time.sleep(0.05)
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        rc = p.wait(timeout=30)
+    return rc, log.read_text()
+
+
+def test_killed_while_checkpointing_then_resumed_is_byte_identical(src, tmp_path):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    rc, err = run_cli(src, ref)
+    assert rc == 0, err
+    assert re.search(r"^layer 0:", err, re.MULTILINE), err  # the per-layer log, as matched below
+    assert not (ref / CALIB_STATE).exists()
+
+    # 1. killed while writing its 3rd checkpoint (after layer 2): layer-2.partial on disk
+    rc, _ = run_cli(src, out, stall="state:3")
+    assert rc == -signal.SIGKILL
+    assert sorted(p.name for p in (out / CALIB_STATE).iterdir()) == ["layer-0", "layer-1",
+                                                                      "layer-2.partial"]
+    # 2. the same command again, killed after its 3rd shard is renamed into place
+    rc, err = run_cli(src, out, stall="shard:3")
+    assert "resuming calibration at layer 1 from" in err, err
+    assert not (out / CALIB_STATE / "layer-2.partial").exists()
+    # 3. once more, to the end
+    rc, err = run_cli(src, out)
+    assert rc == 0, err
+    assert re.search(r"resuming calibration at layer [1-9]", err), err
+    assert re.search(r"^layer 0:", err, re.MULTILINE) is None, err  # ran only in the first run
+    got, want = folder_bytes(out), folder_bytes(ref)
+    assert sorted(got) == sorted(want)
+    for name in want:  # every file, the report and the manifest included
+        assert got[name] == want[name], f"{name} differs from the uninterrupted run"
+    assert not (out / CALIB_STATE).exists()
