@@ -31,7 +31,7 @@ unless it says otherwise:
   the original order, so nothing new is stored and the serving kernels are unchanged. Tied
   diagonals keep column order (a stable sort, the same on CPU and GPU; llm-compressor's unstable
   sort may order them otherwise, the one source of differing integers measured against it in
-  BENCHMARKS-gptq.md). Static groups also make H = I give RTN exactly: Hinv is then diagonal, no error propagates, and each column is
+  BENCHMARKS.md). Static groups also make H = I give RTN exactly: Hinv is then diagonal, no error propagates, and each column is
   rounded with the very scales and arithmetic of `quantize_with_qparams`.
 - Q inside the loop is the engines' reconstruction bf16((q - zp) * scale), so the error that is
   compensated is the error that is served.

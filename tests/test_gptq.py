@@ -185,7 +185,7 @@ def test_config_and_shape_validation():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llmcompressor") is None,
-                    reason="llm-compressor not installed (optional; see BENCHMARKS-gptq.md)")
+                    reason="llm-compressor not installed (optional; see BENCHMARKS.md)")
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("actorder", [True, False])
 def test_matches_llm_compressor_quantize_weight(symmetric, actorder):
@@ -207,7 +207,7 @@ def test_matches_llm_compressor_quantize_weight(symmetric, actorder):
         Wg = W.bfloat16().reshape(E, N, K // g, g)
         scale, zp = calculate_qparams(Wg.amin(-1), Wg.amax(-1), args)
         assert torch.equal(scale, ours.weight.scale)
-    else:  # asymmetric scales differ by rule (see BENCHMARKS-gptq.md): compare the loop alone
+    else:  # asymmetric scales differ by rule (see BENCHMARKS.md): compare the loop alone
         scale, zp = ours.weight.scale, ours.weight.zero_point
     W_fq, _, rtn_fallback = quantize_weight(W.clone(), H.clone(), scale, zp, None, args)
     assert not rtn_fallback.any()
