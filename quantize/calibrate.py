@@ -568,7 +568,7 @@ class Calibrator:
         self.hidden: HiddenStates | None = None
         self.topk: list[torch.Tensor | None] = []
         self.gptq_cfg = GPTQConfig(group_size=opts.group_size, symmetric=opts.symmetric,
-                                   percdamp=opts.percdamp)
+                                   percdamp=opts.percdamp, mse_clip=opts.mse_clip)
         self.awq_cfg = AWQConfig(group_size=opts.group_size, symmetric=opts.symmetric)
 
     def write_outputs(self, out: Path) -> list[str]:
@@ -620,6 +620,7 @@ class Calibrator:
         o = self.opts
         return {"method": o.method, "expert_calibration": o.expert_calibration,
                 "min_expert_tokens": o.min_expert_tokens, "percdamp": o.percdamp,
+                "mse_clip": o.mse_clip,
                 "group_size": o.group_size, "calibration": self.calib.summary(),
                 "device": str(self.device), "compute_dtype": str(self.dtype).replace("torch.", ""),
                 "layers": self.layers + self._rtn_mtp()}

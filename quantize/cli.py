@@ -161,6 +161,10 @@ def convert(
     percdamp: Annotated[float, typer.Option(
         help="GPTQ dampening, relative to the mean Hessian diagonal.",
         rich_help_panel="Calibration (gptq, awq)")] = 0.01,
+    mse_clip: Annotated[bool, typer.Option(
+        "--mse-clip", help="GPTQ: search each group's clipping range (1.00-0.80 of min/max) for "
+        "the least squared error instead of the full range.",
+        rich_help_panel="Calibration (gptq, awq)")] = False,
     device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
     resume: Annotated[bool, typer.Option(
         help="Continue an interrupted conversion in DST (also automatic when DST has a manifest).")] = False,
@@ -195,7 +199,8 @@ def convert(
         opts = _options(method, group_size, targets, asymmetric, max_shard_size,
                         calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed,
                         expert_calibration=expert_calibration,
-                        min_expert_tokens=min_expert_tokens, percdamp=percdamp)
+                        min_expert_tokens=min_expert_tokens, percdamp=percdamp,
+                        mse_clip=mse_clip)
         local = resolve_source(src, revision, headers_only=False)
         ckpt = open_checkpoint(local)
         plan_ = make_plan(ckpt, opts, tp)

@@ -51,6 +51,9 @@ class ConvertOptions:
     min_expert_tokens: int = 16
     # GPTQ dampening, relative to the mean Hessian diagonal (IST-DASLab `percdamp`).
     percdamp: float = 0.01
+    # GPTQ group scales from the clipped range (1.00 ... 0.80) x [min, max] that minimizes the
+    # group's squared error, instead of the full range (gptq.py `mse_clip`).
+    mse_clip: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -73,6 +76,9 @@ class ConvertOptions:
             raise ValueError("--min-expert-tokens must be >= 0")
         if not 0 < self.percdamp < 1:
             raise ValueError("--percdamp must be in (0, 1)")
+        if self.mse_clip and "gptq" not in self.method:
+            raise ValueError("--mse-clip chooses GPTQ's group scales: use it with --method gptq "
+                             "or awq+gptq")
         if self.num_bits != 4:
             raise ValueError("only 4-bit weights are supported")
 

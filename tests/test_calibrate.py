@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantize.calibrate import (
+    CALIB_REPORT,
     Calibrator,
     HiddenStates,
     MLPStats,
@@ -260,3 +261,32 @@ def test_dense_llama_like_model(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[0, 7, 9, 300]])).logits).all()
+
+
+def test_mse_clip_reaches_gptq_and_verifies(tmp_path):
+    """--mse-clip changes GPTQ's group scales (never widening them), keeps the layer error
+    below RTN's, is recorded, and the output passes verify; it is refused without GPTQ."""
+    from quantize.verify import verify
+
+    with pytest.raises(ValueError, match="--mse-clip"):
+        ConvertOptions(method="awq", mse_clip=True)
+    cfg = tiny_config("glm4_moe")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    outs = {}
+    for clip in (False, True):
+        outs[clip] = out = tmp_path / f"out-{clip}"
+        convert(src, out, ConvertOptions(method="gptq", mse_clip=clip, **CALIB), device="cpu")
+    rep = {c: json.loads((o / CALIB_REPORT).read_text()) for c, o in outs.items()}
+    assert rep[True]["mse_clip"] is True and rep[False]["mse_clip"] is False
+    err_rtn = [lay.get("output_rel_error") for lay in _calibrate(src, method="rtn")["layers"]]
+    for lay, e_rtn in zip(rep[True]["layers"], err_rtn, strict=True):
+        if e_rtn is not None:
+            assert lay["output_rel_error"] < e_rtn, (lay, e_rtn)
+    name = "model.layers.1.mlp.experts.0.down_proj.weight_scale"
+    scales = {}
+    for c, o in outs.items():
+        idx = json.loads((o / "model.safetensors.index.json").read_text())["weight_map"]
+        scales[c] = load_file(o / idx[name])[name].float()
+    assert (scales[True] <= scales[False]).all() and (scales[True] < scales[False]).any()
+    assert verify(src, outs[True]).ok
