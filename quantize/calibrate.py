@@ -550,8 +550,15 @@ class Calibrator:
                 "config.json", None, f"--seq-len {opts.seq_len}",
                 f"at most max_position_embeddings {limit}", f"pass --seq-len {min(limit, 2048)}")])
         self.calib = calib or self._load_calibration()
+        c = self.calib
+        if c.overlapping:
+            n, L = c.tokens.shape
+            self.log(f"warning: {Path(c.source).name} holds {c.stream_tokens:,} tokens, fewer than "
+                     f"--num-samples {n} x --seq-len {L} = {n * L:,}: the windows overlap, so some "
+                     "text is counted more than once; add data or lower --num-samples")
         self.skeleton = build_skeleton(ckpt.config)
         self.num_layers = len(self.skeleton.model.layers)
+        self._check_mlps()
         self.inputs = layer_inputs(self.skeleton, self.calib.tokens.shape[1], device, self.dtype)
         self.next_layer = 0
         self.last_layer = max((min(L, self.num_layers) for u in plan.units
@@ -791,6 +798,18 @@ class Calibrator:
         self._run(L)
         self.layers[-1]["mtp"] = True
 
+    def _check_mlps(self) -> None:
+        """Refuse, before any output exists, a layer whose MLP has INT4 targets but a class
+        the calibration forward does not mirror (e.g. Qwen3-MoE's or Mixtral's MoE blocks)."""
+        problems = [Problem("config.json", f"model.layers.{L}.mlp", type(layer.mlp).__name__,
+                            f"an MoE block of {', '.join(MOE_CLASSES)} or a gate/up/down MLP",
+                            "use --method rtn for this model")
+                    for L, layer in enumerate(self.skeleton.model.layers)
+                    if _mlp_kind(layer.mlp) == "unsupported"
+                    and any(t.quantize for t in self._targets(L, layer).values())]
+        if problems:
+            raise QuantizeError("calibration does not know this MLP", problems[:3])
+
     def _targets(self, L: int, layer: torch.nn.Module) -> dict[str, Target]:
         prefix = f"model.layers.{L}.mlp."
         return {n: Target(n, u.action == "quantize") for n, u in self.units.items()
@@ -808,11 +827,6 @@ class Calibrator:
         kind = _mlp_kind(layer.mlp)
         targets = self._targets(L, layer)
         active = any(t.quantize for t in targets.values())
-        if kind == "unsupported" and active:
-            raise QuantizeError("calibration does not know this MLP", [Problem(
-                "config.json", f"model.layers.{L}.mlp", type(layer.mlp).__name__,
-                f"an MoE block of {', '.join(MOE_CLASSES)} or a gate/up/down MLP",
-                "use --method rtn for this model")])
         entry: dict = {"layer": L, "mlp": kind}
         if not active:
             for i in range(len(self.hidden)):

@@ -263,6 +263,9 @@ def _calibration_summary(rep: dict, dst: Path) -> None:
                   (", ".join(str(f["expert"]) for f in fb[:12]) + (" ..." if len(fb) > 12 else ""))
                   if fb else "-", f"{lay.get('seconds', 0):.1f}")
     out.print(t)
+    if c.get("overlapping"):
+        err.print(f"[yellow]note:[/] the {c['num_samples']} calibration windows overlap: "
+                  f"{c['source']} holds {c['stream_tokens']:,} tokens", highlight=False)
     n_fb = sum(len(lay.get("fallback") or []) for lay in rep["layers"])
     if n_fb:
         err.print(f"[yellow]note:[/] {n_fb} expert(s) had fewer than --min-expert-tokens "

@@ -185,7 +185,8 @@ def _units(ckpt: Checkpoint, opts: ConvertOptions) -> list[Unit]:
             "model.safetensors.index.json", None,
             f"no Linear of role {','.join(sorted(opts.targets))}",
             "routed experts (model.layers.L.mlp.experts.E.*_proj) or the requested --targets",
-            "check --targets; dense models need --targets dense")])
+            "check --targets; dense models need --targets dense (other MoE layouts, e.g. "
+            "Mixtral's block_sparse_moe.experts.E.w1/w2/w3, are not supported)")])
     return units
 
 

@@ -290,3 +290,41 @@ def test_mse_clip_reaches_gptq_and_verifies(tmp_path):
         scales[c] = load_file(o / idx[name])[name].float()
     assert (scales[True] <= scales[False]).all() and (scales[True] < scales[False]).any()
     assert verify(src, outs[True]).ok
+
+
+def test_overlapping_calibration_windows_are_announced(tmp_path):
+    """Too little text for --num-samples x --seq-len: the run says so (log and report)."""
+    cfg = tiny_config("glm4_moe")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    short = tmp_path / "short.txt"
+    short.write_text(" ".join(f"word{i}" for i in range(60)))
+    lines = []
+    ck = open_checkpoint(src)
+    for calib, warned in ((None, False), (str(short), True)):
+        lines.clear()
+        opts = ConvertOptions(method="gptq", calib=calib, **CALIB)
+        c = Calibrator(ck, make_plan(ck, opts), opts, torch.device("cpu"), log=lines.append)
+        assert c.calib.overlapping is warned
+        assert any("windows overlap" in x and "short.txt" in x for x in lines) is warned, lines
+
+
+def test_unknown_moe_block_is_refused_before_any_output(tmp_path):
+    """A MoE family whose block the calibration forward does not mirror (Qwen3-MoE): a clear
+    refusal naming the layer and the fix, and no output folder; RTN still converts it."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=128, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path / "src")
+    write_tokenizer(tmp_path / "src", 512)
+    with pytest.raises(QuantizeError, match="does not know this MLP") as e:
+        convert(tmp_path / "src", tmp_path / "out", ConvertOptions(method="gptq", **CALIB),
+                device="cpu")
+    assert "model.layers.0.mlp" in str(e.value) and "--method rtn" in str(e.value)
+    assert not (tmp_path / "out").exists()
+    res = convert(tmp_path / "src", tmp_path / "out", ConvertOptions(), device="cpu")
+    assert sum(u.action == "quantize" for u in res.plan.units) == 2 * 4 * 3
