@@ -314,6 +314,45 @@ def _validate_scales(ckpt: Checkpoint) -> None:
         raise QuantizeError("the FP8 weights and their scales do not match", problems)
 
 
+_FLOAT = ("BF16", "F16", "F32")
+_SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
+
+
+def _validate_dtypes(ckpt: Checkpoint) -> None:
+    """Dtypes the source format allows, and no scale without its FP8 weight.
+
+    Weights and biases are floats (an I8/U8 `.weight` is raw bytes of some other format, not
+    values); an FP8 release holds F8_E4M3 Linears and BF16/F32 for the rest (its scales are
+    checked by `_validate_scales`), a BF16 checkpoint BF16/F16/F32. A `weight_scale(_inv)`
+    whose weight is not FP8 would be copied into the output beside a BF16 or INT4 weight and
+    silently ignored or misapplied by an engine.
+    """
+    fp8 = ckpt.source_format in (SourceFormat.FP8_BLOCK, SourceFormat.FP8_CHANNEL)
+    allowed = ("F8_E4M3", "BF16", "F32") if fp8 else _FLOAT
+    problems: list[Problem] = []
+    for t in ckpt.tensors.values():
+        suffix = next((x for x in _SCALE_SUFFIXES if t.name.endswith("." + x)), None)
+        if suffix is not None:
+            w = ckpt.tensors.get(t.name[: -len(suffix)] + "weight")
+            if w is None or not w.dtype.startswith("F8"):
+                found = "no weight" if w is None else f"weight {w.name} is {w.dtype}"
+                problems.append(Problem(t.file, t.name, f"a scale, but {found}",
+                                        "scales only beside F8_E4M3 weights",
+                                        "re-download the checkpoint; a scale without its FP8 "
+                                        "weight belongs to another format"))
+            continue
+        if t.dtype.startswith("F8"):
+            continue  # `_validate_scales`
+        if t.dtype not in allowed and (t.name.endswith((".weight", ".bias")) or t.dtype in _FLOAT
+                                       or t.dtype.startswith("F")):
+            problems.append(Problem(t.file, t.name, t.dtype,
+                                    f"one of {', '.join(allowed)} in a {ckpt.source_format} "
+                                    "checkpoint", "re-download the checkpoint, or convert from "
+                                    "the model's FP8 or BF16 release"))
+    if problems:
+        raise QuantizeError("tensors of a dtype this format does not allow", problems)
+
+
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -446,6 +485,7 @@ def open_checkpoint(src: str | Path) -> Checkpoint:
     tensors, files, sizes = read_tensor_table(root)
     fmt, block = _detect_format(config, tensors)
     ckpt = Checkpoint(root, str(src), config, tensors, files, sizes, fmt, block)
+    _validate_dtypes(ckpt)
     _validate_scales(ckpt)
     _validate_experts(ckpt)
     return ckpt
@@ -465,6 +505,7 @@ def checkpoint_from_headers(name: str, config: dict, headers: dict[str, dict]) -
     sizes = {f: sum(e["data_offsets"][1] - e["data_offsets"][0] for t, e in h.items()
                     if t != "__metadata__") for f, h in headers.items()}
     ckpt = Checkpoint(None, name, config, tensors, sorted(headers), sizes, fmt, block)
+    _validate_dtypes(ckpt)
     _validate_scales(ckpt)
     _validate_experts(ckpt)
     return ckpt

@@ -48,6 +48,9 @@ _BASE_IGNORE = (
     r"re:.*shared_head.*",
 )
 _IGNORE_SHARED = r"re:.*shared_experts.*"
+# Routed experts left in BF16: one regex that also matches the engines' fused `...mlp.experts`
+# module (per-expert exact names would be ~58k entries for GLM-5.2 and miss the fused name).
+_IGNORE_ROUTED = r"re:.*mlp\.experts.*"
 _IGNORE_DENSE = r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"
 
 
@@ -85,6 +88,8 @@ def ignore_patterns(targets: frozenset[str], other_linears: list[str]) -> list[s
     """The `ignore` list: fixed regexes for the roles left in BF16, plus the exact name of any
     non-target Linear the regexes miss (so every Linear is a target or ignored)."""
     pats = list(_BASE_IGNORE)
+    if "routed" not in targets:
+        pats.append(_IGNORE_ROUTED)
     if "shared" not in targets:
         pats.append(_IGNORE_SHARED)
     if "dense" not in targets:

@@ -18,10 +18,14 @@ def parse_size(text: str) -> int:
     t = text.strip().upper().replace(" ", "")
     units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9,
              "K": 10**3, "M": 10**6, "G": 10**9, "B": 1}
-    for u, mult in units.items():
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * mult)
-    return int(t)
+    try:
+        for u, mult in units.items():
+            if t.endswith(u):
+                return int(float(t[: -len(u)]) * mult)
+        return int(t)
+    except ValueError:
+        raise ValueError(f"--max-shard-size {text!r}: expected a number of bytes with an optional "
+                         "unit (B, KB, MB, GB, KiB, MiB, GiB), e.g. 5GB or 512MiB") from None
 
 
 @dataclass(frozen=True)

@@ -234,11 +234,31 @@ def tp_checks(ckpt: Checkpoint, opts: ConvertOptions, tp: int, expert_width: int
                 good_g = [x for x in (32, 64, 128) if part % max(64, x) == 0]
                 good_tp = [t for t in (1, 2, 4, 8, 16) if expert_width % t == 0
                            and (expert_width // t) % need == 0]
-                fix = (f"; fix: --group-size {good_g[-1]}" if good_g else "") + (
-                    f" or serve at TP {', '.join(map(str, good_tp))}" if good_tp else "")
-                fix = fix or "; no group size or TP size in 1..16 satisfies the MoE kernels"
+                fixes = ([f"--group-size {good_g[-1]}"] if good_g else []) + (
+                    [f"serve at TP {', '.join(map(str, good_tp))}"] if good_tp else [])
+                fix = ("; fix: " + " or ".join(fixes) if fixes
+                       else "; no group size or TP size in 1..16 satisfies the MoE kernels")
             checks.append(Check("ok" if ok else "fail", f"expert width / TP{tp} % max(64, group)",
                                 f"{expert_width}/{tp} = {part}, {part} % {need} = {part % need}{fix}"))
+    # Row-parallel INT4 Linears outside the routed experts (shared experts, dense MLPs): each
+    # rank holds K / TP input columns, and its groups must tile them.
+    widths: dict[str, set[int]] = {}
+    for t in ckpt.tensors.values():
+        m = module_of(t.name) if t.name.endswith(".weight") else None
+        role = linear_role(m) if m else None
+        if role in ("shared", "dense") and role in opts.targets and m.endswith("down_proj") \
+                and len(t.shape) == 2:
+            widths.setdefault(role, set()).add(t.shape[1])
+    for role, ks in sorted(widths.items()):
+        for k in sorted(ks):
+            ok = k % tp == 0 and (k // tp) % g == 0
+            good_tp = [t for t in (1, 2, 4, 8, 16) if k % t == 0 and (k // t) % g == 0]
+            detail = f"{k}/{tp} = {k / tp:g}, % {g} = {(k // tp) % g if k % tp == 0 else 'n/a'}"
+            if not ok:
+                detail += (f"; fix: serve at TP {', '.join(map(str, good_tp))}, a smaller "
+                           f"--group-size, or leave {role} out of --targets")
+            checks.append(Check("ok" if ok else "fail", f"{role} down_proj K / TP{tp} % group",
+                                detail))
     if not opts.symmetric:
         checks.append(Check("warn", "asymmetric zero points",
                             "SGLang's MoE WNA16 kernels assert symmetric weights and transformers "

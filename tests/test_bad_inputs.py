@@ -239,6 +239,28 @@ def test_scale_of_the_wrong_shape(src, tmp_path):
     assert_nothing_written(tmp_path / "out")
 
 
+ATTN = "model.layers.0.self_attn.o_proj.weight"  # block FP8, dequantized to BF16
+
+
+@pytest.mark.parametrize("case", ["int8_expert", "f16_weight_in_fp8_release", "bf16_weight_with_scale"])
+def test_dtype_the_format_does_not_allow(src, tmp_path, case):
+    """Raw bytes under an integer dtype, an F16 tensor in an FP8 release, a scale left beside
+    a weight that is not FP8: each refused before writing, naming tensor and dtype."""
+    if case == "int8_expert":  # the FP8 bytes relabelled as I8
+        rewrite_shard(src, EXPERT, lambda t: t.update({EXPERT: t[EXPERT].view(torch.int8)}))
+        must = (EXPERT, "I8", "one of F8_E4M3, BF16, F32")
+    elif case == "f16_weight_in_fp8_release":
+        rewrite_shard(src, NORM, lambda t: t.update({NORM: t[NORM].half()}))
+        must = (NORM, "F16", "one of F8_E4M3, BF16, F32")
+    else:
+        rewrite_shard(src, ATTN, lambda t: t.update({ATTN: t[ATTN].float().bfloat16()}))
+        must = (ATTN + "_scale_inv", f"weight {ATTN} is BF16", "scales only beside F8_E4M3")
+    for cmd in (["inspect", str(src)], ["plan", str(src)]):
+        assert_clear_error(runner.invoke(app, cmd), *must)
+    assert_clear_error(convert(src, tmp_path / "out"), *must)
+    assert_nothing_written(tmp_path / "out")
+
+
 # --- non-finite numbers ------------------------------------------------------------------------
 
 

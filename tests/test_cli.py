@@ -59,3 +59,6 @@ def test_bad_options_are_one_line_errors(dsa_fp8, tmp_path):
     assert r.exit_code == 2 and "no such folder" in r.output
     r = runner.invoke(app, ["verify", str(dsa_fp8), str(tmp_path)])
     assert r.exit_code == 2 and "not a finished conversion" in r.output
+    r = runner.invoke(app, ["convert", str(dsa_fp8), str(tmp_path / "o"), "--max-shard-size", "5XB"])
+    assert r.exit_code == 2 and "--max-shard-size '5XB'" in r.output and "512MiB" in r.output
+    assert not (tmp_path / "o").exists()

@@ -67,3 +67,30 @@ def test_prediction_equals_written_bytes(fixture, request, tmp_path):
         assert (tmp_path / "out" / shard.file).stat().st_size == shard.file_bytes
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == plan.output_bytes == res.plan.output_bytes
+
+
+def test_shared_and_dense_targets_get_the_per_rank_group_check(tmp_path):
+    """Shared-expert width 1536 / TP8 = 192 is not tiled by group 128: refused with the TP
+    sizes that work; dense width 2048 / 8 = 256 is fine. Routed experts not targeted: one
+    regex in `ignore`, not a name per expert."""
+    cfg = tiny_config("glm4_moe", moe_intermediate_size=1536, n_routed_experts=4,
+                      num_hidden_layers=2, hidden_size=128, intermediate_size=2048)
+    ckpt = open_checkpoint(write_checkpoint(tmp_path / "g4", cfg, "fp8-channel", sparse=True))
+    plan = make_plan(ckpt, ConvertOptions(group_size=128, targets=frozenset({"shared", "dense"})),
+                     tp=8)
+    by = {c.what: c for c in plan.checks}
+    shared, dense = by["shared down_proj K / TP8 % group"], by["dense down_proj K / TP8 % group"]
+    assert shared.level == "fail" and "1536/8 = 192" in shared.detail
+    assert "fix: serve at TP 1, 2, 4" in shared.detail
+    assert dense.level == "ok" and "2048/8 = 256" in dense.detail
+    assert r"re:.*mlp\.experts.*" in plan.ignore
+    assert not any(".experts.0." in p for p in plan.ignore), plan.ignore
+
+
+def test_untileable_expert_width_fix_message_reads_well(tmp_path):
+    cfg = tiny_config("glm4_moe", moe_intermediate_size=256, n_routed_experts=2,
+                      num_hidden_layers=2, hidden_size=128, intermediate_size=256)
+    ckpt = open_checkpoint(write_checkpoint(tmp_path / "g4", cfg, "fp8-channel", sparse=True))
+    fail = [c for c in make_plan(ckpt, ConvertOptions(group_size=64), tp=8).checks
+            if c.level == "fail"]
+    assert len(fail) == 1 and fail[0].detail.endswith("; fix: serve at TP 1, 2, 4"), fail[0].detail
