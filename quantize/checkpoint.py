@@ -398,6 +398,63 @@ def _validate_experts(ckpt: Checkpoint) -> None:
         raise QuantizeError("the routed experts do not match config.json", problems)
 
 
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+# Architectures whose decoder layers of one kind (dense MLP or MoE) hold the same tensors.
+_UNIFORM_LAYERS = ("glm_moe_dsa", "glm4_moe", "deepseek_v3")
+
+
+def _validate_layers(ckpt: Checkpoint) -> None:
+    """Layers 0 .. num_hidden_layers-1 (+ the MTP layers) and no others; for the GLM family,
+    every decoder layer holds the tensors the other layers of its kind hold (an incomplete
+    download or an edited index otherwise converts into a model that fails at load)."""
+    cfg = ckpt.config
+    n = cfg.get("num_hidden_layers")
+    if not isinstance(n, int) or n < 1:
+        return
+    extra = cfg.get("num_nextn_predict_layers") or 0
+    layers: dict[int, dict[str, TensorInfo]] = {}
+    for t in ckpt.tensors.values():
+        m = _LAYER_NAME.match(t.name)
+        if m:
+            layers.setdefault(int(m.group(1)), {})[_EXPERT_INDEX.sub(".experts.*.", m.group(2))] = t
+    # GLM-5.x keeps a DSA indexer only in some layers (`index_topk_freq`): not compared
+    uniform = {L: {k for k in names if ".indexer." not in k} for L, names in layers.items()}
+    problems: list[Problem] = []
+    for L in sorted(layers):
+        if L >= n + extra:
+            t = next(iter(layers[L].values()))
+            problems.append(Problem(t.file, t.name, f"layer {L}",
+                                    f"layers 0..{n + extra - 1} (num_hidden_layers {n}"
+                                    + (f" + num_nextn_predict_layers {extra})" if extra else ")"),
+                                    "use the config.json that shipped with these weights"))
+    missing = [L for L in range(n) if L not in layers]
+    if missing:
+        problems.append(Problem(INDEX_NAME, f"model.layers.{missing[0]}.*",
+                                f"no tensors for layer(s) {', '.join(map(str, missing[:10]))}"
+                                + (" ..." if len(missing) > 10 else ""),
+                                f"layers 0..{n - 1} (num_hidden_layers {n})",
+                                "the download is incomplete; re-download the checkpoint"))
+    if cfg.get("model_type") in _UNIFORM_LAYERS:
+        kinds: dict[bool, set[str]] = {}
+        for L in range(n):
+            names = uniform.get(L, set())
+            kinds.setdefault(any(".experts.*." in k for k in names), set()).update(names)
+        for L in range(n):
+            names = uniform.get(L)
+            if not names:
+                continue
+            lost = sorted(kinds[any(".experts.*." in k for k in names)] - names)
+            if lost:
+                problems.append(Problem(INDEX_NAME, f"model.layers.{L}.{lost[0]}",
+                                        f"layer {L} lacks {len(lost)} tensor(s) its sibling layers "
+                                        f"have (first: {lost[0]})",
+                                        "every layer of a kind with the same tensors",
+                                        "the download is incomplete; re-download the checkpoint"))
+    if problems:
+        raise QuantizeError("the decoder layers do not match config.json", problems[:20])
+
+
 def read_tensor_table(root: Path) -> tuple[dict[str, TensorInfo], list[str], dict[str, int]]:
     """Index (or single file) + every shard header of a local folder -> tensors, files, sizes.
 
@@ -488,6 +545,7 @@ def open_checkpoint(src: str | Path) -> Checkpoint:
     _validate_dtypes(ckpt)
     _validate_scales(ckpt)
     _validate_experts(ckpt)
+    _validate_layers(ckpt)
     return ckpt
 
 
@@ -508,4 +566,5 @@ def checkpoint_from_headers(name: str, config: dict, headers: dict[str, dict]) -
     _validate_dtypes(ckpt)
     _validate_scales(ckpt)
     _validate_experts(ckpt)
+    _validate_layers(ckpt)
     return ckpt

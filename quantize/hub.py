@@ -9,16 +9,17 @@ headers_only (plan, inspect): config.json through `hf_hub_download`, and every s
 safetensors header through `get_safetensors_metadata` (range requests for the first ~100 kB of
 each shard): GLM-5.2's 700 GB are planned from a few MB of downloads.
 
-otherwise (convert, verify): `snapshot_download` at `revision` (branch, tag or commit, resolved
-to its commit first), skipping weight formats the tool never reads (*.bin, *.pth, ...), into
+otherwise (convert, verify): `snapshot_download` at `revision` into the standard Hub cache
+($HF_HUB_CACHE, by default $HF_HOME/hub), skipping weight formats the tool never reads (*.bin,
+*.pth, ...):
 
-    $HF_HOME/quantize/sources/models--ORG--NAME/snapshots/SHA
+    $HF_HUB_CACHE/models--ORG--NAME/snapshots/SHA     (files: links into ../../blobs)
 
-as plain files (`local_dir`), not into the hub cache: the cache's snapshot folders are symlinks
-into `../../blobs`, and the reader refuses links that leave the model folder (its guard against
-hostile checkpoints). An interrupted download resumes on the next run; a finished one is reused
-(also offline, HF_HUB_OFFLINE=1, when the revision is a commit or a single snapshot is there).
-That path is what the manifest records, so the card names the base model and its exact commit.
+so a model already fetched with `hf download` (or by vLLM) is not downloaded again. The reader
+accepts exactly those links (into the repo's own `blobs/`) and refuses any other link that
+leaves the model folder. An interrupted download resumes on the next run; a finished one is
+reused, also offline (HF_HUB_OFFLINE=1). The snapshot path is what the manifest records, so the
+card names the base model and its exact commit.
 
 huggingface_hub reads the token itself (HF_TOKEN or the stored login); it is never passed,
 printed or logged here.
@@ -66,9 +67,7 @@ def resolve_source(src: str, revision: str | None, headers_only: bool) -> Checkp
     shown = f"{src}@{revision}" if revision else src
     try:
         if not headers_only:
-            folder = _snapshot_folder(src, revision)
-            snapshot_download(src, revision=folder.name, local_dir=folder, ignore_patterns=_SKIP_DOWNLOAD)
-            return folder
+            return Path(snapshot_download(src, revision=revision, ignore_patterns=_SKIP_DOWNLOAD))
         config = json.loads(Path(hf_hub_download(src, "config.json", revision=revision)).read_text())
         meta = HfApi().get_safetensors_metadata(src, revision=revision)
     except NotASafetensorsRepoError:
@@ -97,20 +96,3 @@ def resolve_source(src: str, revision: str | None, headers_only: bool) -> Checkp
     }
     return checkpoint_from_headers(shown, config, headers)
 
-
-def _snapshot_folder(repo_id: str, revision: str | None) -> Path:
-    """$HF_HOME/quantize/sources/models--ORG--NAME/snapshots/SHA for `revision` (default main)."""
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import OfflineModeIsEnabled
-
-    repo_dir = f"models--{repo_id.replace('/', '--')}"
-    base = Path(constants.HF_HOME) / "quantize" / "sources" / repo_dir / "snapshots"
-    if revision is not None and re.fullmatch(r"[0-9a-f]{40}", revision):
-        return base / revision
-    try:
-        return base / HfApi().repo_info(repo_id, revision=revision).sha
-    except OfflineModeIsEnabled:
-        have = sorted(base.iterdir()) if base.is_dir() else []
-        if len(have) == 1 and revision is None:
-            return have[0]
-        raise

@@ -261,6 +261,31 @@ def test_dtype_the_format_does_not_allow(src, tmp_path, case):
     assert_nothing_written(tmp_path / "out")
 
 
+@pytest.mark.parametrize("case", ["layer_missing", "tensor_missing", "layer_beyond_config"])
+def test_layers_that_do_not_match_the_config(src, tmp_path, case):
+    """A layer dropped from the index, one tensor of a layer dropped, or more layers on disk
+    than config.json declares: refused before writing (each would load wrong or not at all)."""
+    idx = index(src)
+    if case == "layer_missing":
+        idx["weight_map"] = {k: v for k, v in idx["weight_map"].items()
+                             if not k.startswith("model.layers.2.")}
+        set_index(src, idx)
+        must = ("no tensors for layer(s) 2", "layers 0..2 (num_hidden_layers 3)")
+    elif case == "tensor_missing":
+        gone = "model.layers.2.self_attn.o_proj.weight"
+        for k in (gone, gone + "_scale_inv"):
+            del idx["weight_map"][k]
+        set_index(src, idx)
+        must = ("model.layers.2.self_attn.o_proj.weight", "layer 2 lacks 2 tensor(s)")
+    else:
+        set_config(src, num_hidden_layers=2)
+        must = ("layer 3", "layers 0..2 (num_hidden_layers 2 + num_nextn_predict_layers 1)")
+    for cmd in (["inspect", str(src)], ["plan", str(src)]):
+        assert_clear_error(runner.invoke(app, cmd), *must)
+    assert_clear_error(convert(src, tmp_path / "out"), *must)
+    assert_nothing_written(tmp_path / "out")
+
+
 # --- non-finite numbers ------------------------------------------------------------------------
 
 

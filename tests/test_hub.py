@@ -60,8 +60,9 @@ def test_convert_downloads_and_card_names_base_model(hub, tmp_path):
     home, out = tmp_path / "home", tmp_path / "out"
     r = _run(hub, home, "convert", "zai-org/GLM-tiny-FP8", str(out), "--revision", hub.sha)
     assert r.returncode == 0, r.stderr
-    snap = home / "quantize" / "sources" / "models--zai-org--GLM-tiny-FP8" / "snapshots" / hub.sha
+    snap = home / "hub" / "models--zai-org--GLM-tiny-FP8" / "snapshots" / hub.sha
     assert (snap / "config.json").is_file()
+    assert (snap / "config.json").is_symlink()  # the standard cache: `hf download` reuses it
     manifest = json.loads((out / "quantize-manifest.json").read_text())
     assert manifest["source"]["path"] == str(snap.resolve())
     card = (out / "README.md").read_text()
