@@ -48,6 +48,18 @@ def test_make_n_all_prints_the_chain(tmp_path):
     assert not out.exists()  # -n ran nothing
 
 
+def test_bare_make_prints_help():
+    """`make` with no target is `make help`, not the pipeline's first target (which needs MODEL)."""
+    # PIPELINE_PREREQ= : were the default goal a pipeline target again, fail at once on the
+    # missing MODEL rather than first building a .venv in the checkout
+    r = _make(ROOT / "Makefile", "PIPELINE_PREREQ=")
+    assert r.returncode == 0, r.stderr
+    assert "MODEL is required" not in r.stderr
+    targets = [line.split()[0] for line in r.stdout.splitlines() if line and not line[0].isspace()]
+    assert {"help", "install", "plan", "convert", "verify", "push", "all"} <= set(targets), r.stdout
+    assert "variables: MODEL OUT METHOD GROUP_SIZE" in r.stdout
+
+
 def test_make_requires_model_and_out(tmp_path):
     r = _make(_wrapper(tmp_path), "-n", "all", "REPO=a/b")
     assert r.returncode != 0 and "MODEL is required" in r.stderr
