@@ -1,7 +1,7 @@
 """Write README.md, the model card, into an output folder: gather the facts, render with card.py.
 
 The facts come from the folder itself: quantize-manifest.json (options, command, tool version,
-calibration, where the source was), config.json (`quantization_config`), the index,
+the TP it was planned for, where the source was), config.json (`quantization_config`), the index,
 verify.json and eval.json when they exist. The size figures are the plan's, recomputed from
 the source's headers when the source is still where the manifest says (no tensor data is
 read); otherwise the output-side figures alone (index `total_size`, shard bytes).
@@ -102,7 +102,10 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
     probe = Checkpoint(None, str(dst), config, {}, [], {}, "compressed-tensors")
     valid = tuple(t for t in TP_SIZES
                   if all(c.level != "fail" for c in tp_checks(probe, opts, t, width)))
-    if tp is None:  # the serving commands' TP: 8 (one H200/H100 node) unless the kernels refuse it
+    recorded = manifest.get("tp")  # convert --tp (`make TP=`); absent in older manifests
+    if tp is None and isinstance(recorded, int) and (recorded in valid or not valid):
+        tp = recorded
+    if tp is None:  # 8 (one H200/H100 node) unless the kernels refuse it
         tp = 8 if (8 in valid or not valid) else max((t for t in valid if t <= 8), default=min(valid))
 
     qc = config.get("quantization_config") or {}

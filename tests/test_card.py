@@ -107,6 +107,23 @@ def test_hub_snapshot_names_base_model_and_revision(done):
     assert card.splitlines()[card.splitlines().index("---", 1) + 1] == "# GLM-tiny-INT4"
 
 
+def test_card_serves_at_the_recorded_tp(tmp_path):
+    """The serving commands use convert's --tp, not the default 8 (which is valid here too)."""
+    src, dst = tmp_path / "src", tmp_path / "out"
+    # expert width 512: 512 / TP is a multiple of 64 for TP 1, 2, 4 and 8
+    write_checkpoint(src, tiny_config(moe_intermediate_size=512))
+    convert(src, dst, ConvertOptions(group_size=32), device="cpu", tp=2)
+    assert json.loads((dst / MANIFEST).read_text())["tp"] == 2
+    f = card_facts(dst)
+    assert f.tp == 2 and 8 in f.valid_tp
+    card = (dst / "README.md").read_text()
+    assert "vllm serve PATH_OR_REPO_ID --tensor-parallel-size 2" in card
+    assert "--model-path PATH_OR_REPO_ID --tp 2" in card
+    assert f"| weights per GPU at TP2 (even split) | {f.sizes.output_bytes // 2:,} bytes" in card
+    convert(src, dst, ConvertOptions(group_size=32), device="cpu", tp=4)  # resumed: TP is no option
+    assert "--tensor-parallel-size 4" in (dst / "README.md").read_text()
+
+
 def test_card_records_calibration_eval_and_command(done, tmp_path):
     _, dst = done
     copy = tmp_path / "out"

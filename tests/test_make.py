@@ -68,8 +68,9 @@ def test_make_requires_model_and_out(tmp_path):
 def test_make_all_runs_then_skips_finished_steps(tmp_path):
     mk = _wrapper(tmp_path)
     src, out = tmp_path / "GLM-tiny-FP8", tmp_path / "GLM-tiny-INT4"
-    # expert width 128: at TP 2, 64 per GPU satisfies the MoE kernels (plan runs with --strict)
-    write_checkpoint(src, tiny_config(moe_intermediate_size=128))
+    # expert width 512: TP 2 (and the card's default, 8) satisfies the MoE kernels (plan runs
+    # with --strict); the card must serve at the TP make was given
+    write_checkpoint(src, tiny_config(moe_intermediate_size=512))
     args = ("all", f"MODEL={src}", f"OUT={out}", "REPO=my-org/GLM-tiny-INT4", "TP=2", "DRY_RUN=1",
             "MAX_SHARD_SIZE=1MB")
     r = _make(mk, *args)
