@@ -8,6 +8,8 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
 .PHONY: help install demo test lint bench clean
+# A bare `make` lists the targets (the included pipeline's first target would demand MODEL).
+.DEFAULT_GOAL := help
 
 # plan / convert / verify / eval / push / all: the pipeline on MODEL -> OUT (mk/pipeline.mk)
 PIPELINE_PREREQ := install

@@ -2,6 +2,11 @@
 # Included by the main Makefile, which defines PY and QUANTIZE. Every recipe is one CLI call;
 # each step produces a file, so a re-run skips finished steps:
 #
+#   $(OUT).convert-flags                 the convert command's arguments, rewritten only when
+#                                        they change (METHOD, GROUP_SIZE, ...): then plan and
+#                                        convert run again, and convert either redoes nothing
+#                                        (same options) or refuses the finished OUT with the
+#                                        difference; a changed option never reuses OUT silently
 #   $(OUT).plan.json                     plan (next to OUT: convert wants OUT empty or its own)
 #   $(OUT)/model.safetensors.index.json  convert; only "made" once the manifest is complete, so
 #                                        an interrupted convert is resumed by the next `make`
@@ -41,6 +46,7 @@ PIPELINE_GOALS := convert verify eval push all
 
 INDEX := $(OUT)/model.safetensors.index.json
 PLAN_JSON := $(OUT).plan.json
+CONVERT_STAMP := $(OUT).convert-flags
 VERIFY_JSON := $(OUT)/verify.json
 EVAL_JSON := $(OUT)/eval.json
 PUSH_STAMP := $(OUT)/.pushed-$(subst /,--,$(REPO))@$(REPO_REVISION)
@@ -66,7 +72,19 @@ plan: ## print the size plan and the serving checks (MODEL, GROUP_SIZE, TARGETS,
 	$(call need,MODEL,plan,zai-org/GLM-5.2-FP8)
 	$(QUANTIZE) plan $(MODEL) $(SRC_FLAGS) $(PLAN_FLAGS)
 
-$(PLAN_JSON): | $(PIPELINE_PREREQ)
+# The stamp holds convert's arguments, --device aside (convert does not count where it runs as
+# part of the output, so a resume may move to another machine). Compared when make reads this
+# file, like the manifest status below, so `make -n` shows exactly what a run would redo.
+CONVERT_ARGS := $(strip $(MODEL) $(OUT) $(SRC_FLAGS) $(QUANT_FLAGS) --tp $(TP) \
+                  --max-shard-size $(MAX_SHARD_SIZE))
+ifneq ($(strip $(shell cat $(CONVERT_STAMP) 2>/dev/null)),$(CONVERT_ARGS))
+$(CONVERT_STAMP): FORCE
+endif
+
+$(CONVERT_STAMP):
+	printf '%s\n' '$(CONVERT_ARGS)' > $@
+
+$(PLAN_JSON): $(CONVERT_STAMP) | $(PIPELINE_PREREQ)
 	$(QUANTIZE) plan $(MODEL) $(SRC_FLAGS) $(PLAN_FLAGS) --strict --json > $@.tmp
 	mv $@.tmp $@
 
@@ -80,7 +98,7 @@ endif
 FORCE:
 .PHONY: FORCE
 
-$(INDEX): | $(PLAN_JSON)
+$(INDEX): $(CONVERT_STAMP) | $(PLAN_JSON)
 	$(QUANTIZE) convert $(MODEL) $(OUT) $(SRC_FLAGS) $(QUANT_FLAGS) $(CONVERT_FLAGS)
 
 convert: $(INDEX) ## convert MODEL into OUT (resumes an interrupted run)

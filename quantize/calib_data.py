@@ -14,10 +14,14 @@ stream, and cut into consecutive windows of `seq_len` tokens. When the stream ho
 than `num_samples * seq_len` tokens, the windows start at seeded random offsets instead and
 overlap (recorded in `CalibrationSet.overlapping`); a stream shorter than one window is an error.
 e.g. 1,000,000 tokens, 512 x 2048 requested: 488 full windows exist, so the 512 overlap.
+
+The data is named in reports (calibration-report.json, which `push` uploads) by its file name and
+sha256, never by its local path: the name says what it was, the hash pins the exact bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +29,10 @@ from pathlib import Path
 import torch
 
 from quantize.errors import Problem, QuantizeError
+from quantize.shards import sha256_file
 
-__all__ = ["DEFAULT_CALIB", "CalibrationSet", "join_documents", "load_calibration", "read_documents",
-           "tokenize_documents", "window_starts"]
+__all__ = ["DEFAULT_CALIB", "CalibrationSet", "data_sha256", "join_documents", "load_calibration",
+           "read_documents", "tokenize_documents", "window_starts"]
 
 DEFAULT_CALIB = Path(__file__).resolve().parent.parent / "calib_data" / "default.jsonl"
 
@@ -35,17 +40,29 @@ DEFAULT_CALIB = Path(__file__).resolve().parent.parent / "calib_data" / "default
 @dataclass(frozen=True)
 class CalibrationSet:
     tokens: torch.Tensor  # int64 (num_samples, seq_len)
-    source: str
+    source: str  # the file (or saved-dataset folder) name, no local path
     documents: int
     stream_tokens: int  # tokens in the joined stream the windows were cut from
     overlapping: bool  # fewer tokens than num_samples * seq_len: windows overlap
     chat_template: str  # "checkpoint" | "plain (the tokenizer has none)" | "unused"
+    sha256: str | None = None  # of the data's bytes (`data_sha256`); None: tokens given directly
 
     def summary(self) -> dict:
-        return {"source": self.source, "documents": self.documents,
+        return {"source": self.source, "sha256": self.sha256, "documents": self.documents,
                 "stream_tokens": self.stream_tokens, "num_samples": self.tokens.shape[0],
                 "seq_len": self.tokens.shape[1], "overlapping": self.overlapping,
                 "chat_template": self.chat_template}
+
+
+def data_sha256(path: Path) -> str:
+    """sha256 of a calibration file; of a saved-dataset folder, over its files' relative paths
+    and sha256s in sorted order."""
+    if not path.is_dir():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f"{f.relative_to(path).as_posix()}\0{sha256_file(f)}\n".encode())
+    return h.hexdigest()
 
 
 def _error(file: str, found: str, expected: str, fix: str) -> QuantizeError:
@@ -177,4 +194,4 @@ def load_calibration(path: str | Path | None, tokenizer, num_samples: int, seq_l
     tokens = torch.stack([ids[s: s + seq_len] for s in starts])  # (num_samples, seq_len)
     template = "unused" if not chats else (
         "checkpoint" if templated == chats else "plain role: content (the tokenizer has none)")
-    return CalibrationSet(tokens, str(p), len(docs), len(ids), overlapping, template)
+    return CalibrationSet(tokens, p.name, len(docs), len(ids), overlapping, template, data_sha256(p))

@@ -12,7 +12,8 @@ The card opens with the Hub's YAML front matter:
     tags: [compressed-tensors, int4, w4a16, ...]
     ---
 
-then: what was quantized and how, the size figures, the verify (and eval) results, serving
+then: what was quantized and how (with the calibration figures of calibration-report.json for
+a calibrated method), the size figures, the verify (and eval) results, serving
 commands for vLLM and SGLang with the tensor-parallel sizes the group size allows, and the
 exact command and tool version that produced the folder.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["CardFacts", "Sizes", "render_card"]
+__all__ = ["CalibrationFacts", "CardFacts", "Sizes", "render_card"]
 
 GiB = 2**30
 
@@ -36,6 +37,29 @@ class Sizes:
     output_file_bytes: int  # shard files on disk, headers included
     shards: int
     by_role: tuple[tuple[str, int, int], ...] = ()  # (role, source bytes, output bytes)
+
+
+@dataclass(frozen=True)
+class CalibrationFacts:
+    """What calibration-report.json says about the calibration data and the experts' statistics."""
+
+    data: str  # the calibration file's name (never a local path)
+    shipped: bool  # the tool's own calib_data/default.jsonl (no --calib given)
+    sha256: str | None  # of the data's bytes (None: a report from before it was recorded)
+    documents: int
+    num_samples: int
+    seq_len: int
+    overlapping: bool  # the text held fewer than num_samples x seq_len tokens
+    expert_calibration: str  # "routed" | "all"
+    min_expert_tokens: int
+    moe_layers: int  # calibrated MoE layers (the MTP layer included)
+    expert_tokens: tuple[int, ...]  # routed tokens of every expert in every MoE layer
+    fallbacks: tuple[tuple[int, int, int], ...]  # (layer, expert, routed tokens): all-token statistics
+    rounded: tuple[tuple[int, str], ...] = ()  # (layer, why): rounded to nearest instead
+
+    @property
+    def tokens(self) -> int:
+        return self.num_samples * self.seq_len
 
 
 @dataclass(frozen=True)
@@ -57,7 +81,7 @@ class CardFacts:
     tp: int  # tensor-parallel size used in the serving commands
     valid_tp: tuple[int, ...]  # TP sizes the MoE kernels accept at this group size
     expert_width: int | None
-    calibration: dict | None  # as recorded in the manifest
+    calibration: CalibrationFacts | None  # None: rtn, or no calibration-report.json
     verify: dict | None  # verify.json (summary + worst)
     eval: dict | None  # eval.json, when an eval ran
     tool_version: str
@@ -113,7 +137,7 @@ def _what(f: CardFacts) -> list[str]:
         f"| INT{f.num_bits} modules | {f.int4_linears:,} Linear layers of role(s): {', '.join(f.targets)} |",
         (f"| kept in original precision | {f.kept_tensors:,} tensors: everything matched by the "
          "`ignore` list below (BF16; FP8 sources are dequantized exactly) |"),
-        f"| calibration data | {_calibration(f)} |",
+        *_calibration(f),
         "",
         "Kept out of INT4 (`quantization_config.ignore`, as the engines match it):",
         "",
@@ -121,12 +145,46 @@ def _what(f: CardFacts) -> list[str]:
     ]
 
 
-def _calibration(f: CardFacts) -> str:
-    if f.calibration:
-        return ", ".join(f"{k}: {v}" for k, v in f.calibration.items() if not isinstance(v, (dict, list)))
-    if f.method == "rtn":
-        return "none (round-to-nearest needs no calibration data)"
-    return "not recorded in the manifest"
+def _calibration(f: CardFacts) -> list[str]:
+    c = f.calibration
+    if c is None:
+        why = ("none (round-to-nearest needs no calibration data)" if f.method == "rtn"
+               else "not recorded (no calibration-report.json)")
+        return [f"| calibration data | {why} |"]
+    data = f"`{c.data}`" + (" (shipped with the tool as calib_data/default.jsonl)" if c.shipped else "")
+    if c.sha256:
+        data += f", sha256 `{c.sha256}`"
+    lines = [
+        f"| calibration data | {data}; {c.documents:,} document{'' if c.documents == 1 else 's'} |",
+        (f"| calibration tokens | {c.num_samples:,} samples x {c.seq_len:,} tokens = {c.tokens:,} tokens"
+         f"{' (overlapping windows: the text holds fewer)' if c.overlapping else ''} |"),
+    ]
+    if c.moe_layers:
+        how = ("routed: each expert's statistics from the tokens the router sends it"
+               if c.expert_calibration == "routed" else "all: every expert's statistics from every token")
+        et = sorted(c.expert_tokens)
+        lines += [
+            f"| expert calibration | {how} |",
+            (f"| routed tokens per expert | min {et[0]:,} / median {et[len(et) // 2]:,} / max {et[-1]:,} "
+             f"({len(et):,} experts in {c.moe_layers} MoE layers) |"),
+            f"| expert fallbacks | {_fallbacks(c)} |",
+        ]
+    if c.rounded:
+        lines.append("| rounded to nearest instead | "
+                     + "; ".join(f"layer {L}: {why}" for L, why in c.rounded) + " |")
+    return lines
+
+
+def _fallbacks(c: CalibrationFacts) -> str:
+    if c.expert_calibration == "all":
+        return "none (every expert sees every token)"
+    if not c.fallbacks:
+        return f"none: every expert had at least {c.min_expert_tokens} routed tokens"
+    shown = ", ".join(f"layer {L} expert {e} ({n})" for L, e, n in c.fallbacks[:8])
+    more = f" and {len(c.fallbacks) - 8} more" if len(c.fallbacks) > 8 else ""
+    return (f"{len(c.fallbacks)} of {len(c.expert_tokens)} experts had fewer than "
+            f"{c.min_expert_tokens} routed tokens and used all-token statistics instead "
+            f"(calibration-report.json lists each): {shown}{more}")
 
 
 def _sizes(f: CardFacts) -> list[str]:

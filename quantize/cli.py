@@ -117,7 +117,7 @@ def plan(
     try:
         ckpt = resolve_source(src, revision, headers_only=True)
         d = plan_data(make_plan(ckpt, _options("rtn", group_size, targets, asymmetric,
-                                               max_shard_size), tp), tp)
+                                               max_shard_size), tp))
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
     if json_:
@@ -227,7 +227,7 @@ def convert(
                 bar.console.print(text, highlight=False)
 
             res = run_convert(local, dst, opts, device=device, resume=resume, overwrite=overwrite,
-                              on_unit=step, command=command, log=line)
+                              on_unit=step, command=command, log=line, tp=tp)
     except (QuantizeError, ValueError) as e:
         from quantize.manifest import output_state
 

@@ -5,6 +5,8 @@
      "options": {...ConvertOptions...},
      "plan_sha256": "...",                  # shard names and every planned tensor
      "source": {"path": ..., "index_sha256": ..., "files": {name: [bytes, mtime_ns]}},
+     "tp": 8,                               # convert --tp: the serving TP (not part of the
+                                            # output's identity: a resume may change it)
      "files": {name: {"bytes": n, "sha256": "..."}}}   # every finished output file
 
 A folder whose manifest is not `complete` is not a finished checkpoint: `verify` and `push`

@@ -262,10 +262,13 @@ def convert(
     on_unit: Callable[[Unit], None] | None = None,
     command: str | None = None,
     log: Callable[[str], None] | None = None,
+    tp: int = 8,
 ) -> ConvertResult:
+    """`tp`: the tensor-parallel size the output is meant to be served at: the plan's checks
+    use it and the manifest records it for the model card's serving commands."""
     src, out = Path(src), Path(out)
     ckpt = open_checkpoint(src)
-    plan = make_plan(ckpt, opts)
+    plan = make_plan(ckpt, opts, tp)
     dev = resolve_device(device)
     aux = _aux_files(src)
     _check_scales(ckpt, plan)  # everything checkable without reading the weights, before writing
@@ -278,7 +281,7 @@ def convert(
     with folder_lock(out):  # one conversion per output folder at a time
         return _write(ckpt, plan, out, _prepare_out(out, overwrite), aux, opts, dev, on_unit,
                       {"command": command, "source_format": ckpt.source_format,
-                       "model_type": ckpt.model_type}, calib)
+                       "model_type": ckpt.model_type, "tp": tp}, calib)
 
 
 def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: list[Path],
@@ -352,7 +355,7 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
     for name in [INDEX_NAME, "config.json", *names]:
         manifest.data["files"][name] = {"bytes": (out / name).stat().st_size,
                                         "sha256": sha256_file(out / name)}
-    manifest.finish(ckpt, tool_version=__version__)
+    manifest.finish(ckpt, tool_version=__version__, tp=plan.tp)  # a resume may serve at another TP
     if calib is not None:
         calib.discard_state()  # complete: the layer checkpoints are no longer needed
     from quantize.readme import write_readme  # local: readme -> verify -> pipeline

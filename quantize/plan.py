@@ -97,8 +97,9 @@ class Plan:
     units: tuple[Unit, ...]
     shards: tuple[Shard, ...]
     ignore: tuple[str, ...]
-    checks: tuple[Check, ...]
+    checks: tuple[Check, ...]  # the serving kernels' rules at tensor-parallel size `tp`
     expert_width: int | None
+    tp: int  # the tensor-parallel size it was planned for (the card's serving commands)
 
     @property
     def output_bytes(self) -> int:
@@ -289,4 +290,5 @@ def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
         ignore=tuple(ignore),
         checks=tuple(tp_checks(ckpt, opts, tp, width)),
         expert_width=width,
+        tp=tp,
     )

@@ -1,8 +1,9 @@
 """Write README.md, the model card, into an output folder: gather the facts, render with card.py.
 
 The facts come from the folder itself: quantize-manifest.json (options, command, tool version,
-calibration, where the source was), config.json (`quantization_config`), the index,
-verify.json and eval.json when they exist. The size figures are the plan's, recomputed from
+the TP it was planned for, where the source was), config.json (`quantization_config`), the index,
+calibration-report.json (a calibrated method: data, tokens, per-expert token counts,
+fallbacks), verify.json and eval.json when they exist. The size figures are the plan's, recomputed from
 the source's headers when the source is still where the manifest says (no tensor data is
 read); otherwise the output-side figures alone (index `total_size`, shard bytes).
 
@@ -20,7 +21,8 @@ import re
 from pathlib import Path
 
 from quantize import __version__
-from quantize.card import CardFacts, Sizes, render_card
+from quantize.calibrate import CALIB_REPORT
+from quantize.card import CalibrationFacts, CardFacts, Sizes, render_card
 from quantize.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from quantize.errors import QuantizeError
 from quantize.manifest import read_manifest
@@ -66,6 +68,31 @@ def _read_json(p: Path) -> dict | None:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
+def _calibration(report: dict | None, opts: ConvertOptions) -> CalibrationFacts | None:
+    """The card's calibration figures from calibration-report.json (None: rtn, or no report)."""
+    if report is None or opts.method == "rtn":
+        return None
+    c = report["calibration"]
+    moe = [lay for lay in report["layers"] if lay.get("expert_tokens")]
+    return CalibrationFacts(
+        data=Path(c["source"]).name,  # reports from before sha256 was recorded held a local path
+        shipped=opts.calib is None,
+        sha256=c.get("sha256"),
+        documents=c["documents"],
+        num_samples=c["num_samples"],
+        seq_len=c["seq_len"],
+        overlapping=c["overlapping"],
+        expert_calibration=report["expert_calibration"],
+        min_expert_tokens=report["min_expert_tokens"],
+        moe_layers=len(moe),
+        expert_tokens=tuple(n for lay in moe for n in lay["expert_tokens"]),
+        fallbacks=tuple((lay["layer"], f["expert"], f["tokens"]) for lay in moe
+                        for f in lay.get("fallback") or ()),
+        rounded=tuple((lay["layer"], lay.get("reason", "")) for lay in report["layers"]
+                      if lay.get("method") == "rtn"),
+    )
+
+
 def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = None,
                base_model: str | None = None, tp: int | None = None) -> CardFacts:
     """Everything the card says about `dst`, read from the folder (and the source's headers)."""
@@ -102,7 +129,10 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
     probe = Checkpoint(None, str(dst), config, {}, [], {}, "compressed-tensors")
     valid = tuple(t for t in TP_SIZES
                   if all(c.level != "fail" for c in tp_checks(probe, opts, t, width)))
-    if tp is None:  # the serving commands' TP: 8 (one H200/H100 node) unless the kernels refuse it
+    recorded = manifest.get("tp")  # convert --tp (`make TP=`); absent in older manifests
+    if tp is None and isinstance(recorded, int) and (recorded in valid or not valid):
+        tp = recorded
+    if tp is None:  # 8 (one H200/H100 node) unless the kernels refuse it
         tp = 8 if (8 in valid or not valid) else max((t for t in valid if t <= 8), default=min(valid))
 
     qc = config.get("quantization_config") or {}
@@ -125,7 +155,7 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
         tp=tp,
         valid_tp=valid,
         expert_width=int(width) if width else None,
-        calibration=manifest.get("calibration"),
+        calibration=_calibration(_read_json(dst / CALIB_REPORT), opts),
         verify=_read_json(dst / VERIFY_JSON),
         eval=(eval_.get("summary", eval_) if isinstance(eval_, dict) else None),
         tool_version=manifest.get("tool_version") or __version__,

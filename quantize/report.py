@@ -78,7 +78,8 @@ def inspect_table(d: dict) -> Table:
     return t
 
 
-def plan_data(plan: Plan, tp: int) -> dict:
+def plan_data(plan: Plan) -> dict:
+    tp = plan.tp
     return {
         "format_in": plan.source_format,
         "options": plan.options.to_json(),

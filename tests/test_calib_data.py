@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from quantize.calib_data import DEFAULT_CALIB, load_calibration, read_documents
+from quantize.calib_data import DEFAULT_CALIB, data_sha256, load_calibration, read_documents
 from quantize.errors import QuantizeError
 from quantize.synth import write_tokenizer
 
@@ -57,6 +57,21 @@ def test_plain_text_and_overlap(tok, tmp_path):
     p.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     cs = load_calibration(p, tok, 50, 32, seed=3)
     assert cs.tokens.shape == (50, 32) and cs.overlapping  # fewer tokens than 50 x 32
+    # reports (uploaded by push) name the data by file name and content hash, not local path
+    assert cs.source == "a.txt" and cs.sha256 == hashlib.sha256(p.read_bytes()).hexdigest()
+    assert str(tmp_path) not in json.dumps(cs.summary())
+
+
+def test_folder_hash_is_its_contents_not_its_place(tmp_path):
+    """A saved-dataset folder: one sha256 over its files' relative paths and hashes."""
+    a, b = tmp_path / "x" / "ds", tmp_path / "y" / "ds"
+    for d in (a, b):
+        (d / "train").mkdir(parents=True)
+        (d / "dataset_dict.json").write_text('{"splits": ["train"]}')
+        (d / "train" / "data-00000-of-00001.arrow").write_bytes(b"rows")
+    assert data_sha256(a) == data_sha256(b)
+    (b / "train" / "data-00000-of-00001.arrow").write_bytes(b"other rows")
+    assert data_sha256(a) != data_sha256(b)
 
 
 @pytest.mark.parametrize("content, needle", [

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from quantize.card import render_card
 from quantize.checkpoint import open_checkpoint
@@ -13,8 +16,9 @@ from quantize.manifest import MANIFEST
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.plan import make_plan
+from quantize.push import prepare_push
 from quantize.readme import card_facts, hub_source, write_readme
-from quantize.synth import tiny_config, write_checkpoint
+from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
 from quantize.verify import VERIFY_JSON, verify
 
 
@@ -25,6 +29,28 @@ def done(tmp_path_factory) -> tuple[Path, Path]:
     write_checkpoint(src, tiny_config())
     convert(src, dst, ConvertOptions(group_size=32), device="cpu")
     return src, dst
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(source, output, calibration file) of a real GPTQ conversion of a tiny glm_moe_dsa with
+    its own calibration text; layer 1's router never picks expert 7, so it must fall back."""
+    d = tmp_path_factory.mktemp("calibrated")
+    src, dst, calib = d / "src", d / "out", d / "data" / "my-calib.txt"
+    cfg = tiny_config("glm_moe_dsa")
+    write_checkpoint(src, cfg, "fp8-block")
+    write_tokenizer(src, cfg["vocab_size"])
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    shard = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = tensors[name].clone().index_fill_(0, torch.tensor([7]), -100.0)  # scores in (0, 1)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    calib.parent.mkdir()
+    calib.write_text("\n".join(f"Note {i}: the router sends token {i * 7 % 97} to two of eight "
+                               "experts, and each expert sees the tokens it is sent." for i in range(200)))
+    opts = ConvertOptions(method="gptq", calib=str(calib), num_samples=8, seq_len=64)
+    convert(src, dst, opts, device="cpu")
+    return src, dst, calib
 
 
 def _front_matter(text: str) -> dict:
@@ -51,6 +77,7 @@ def test_convert_writes_card_with_plan_figures(done):
     n_int4 = sum(u.action == "quantize" for u in plan.units)
     assert f"{n_int4:,} Linear layers of role(s): routed" in card
     assert "| group size | 32 |" in card and "| method | `rtn` |" in card
+    assert "| calibration data | none (round-to-nearest needs no calibration data) |" in card
     assert "Not verified yet" in card
     fm = _front_matter(card)
     assert fm["library_name"] == "transformers"
@@ -107,7 +134,58 @@ def test_hub_snapshot_names_base_model_and_revision(done):
     assert card.splitlines()[card.splitlines().index("---", 1) + 1] == "# GLM-tiny-INT4"
 
 
-def test_card_records_calibration_eval_and_command(done, tmp_path):
+def test_card_serves_at_the_recorded_tp(tmp_path):
+    """The serving commands use convert's --tp, not the default 8 (which is valid here too)."""
+    src, dst = tmp_path / "src", tmp_path / "out"
+    # expert width 512: 512 / TP is a multiple of 64 for TP 1, 2, 4 and 8
+    write_checkpoint(src, tiny_config(moe_intermediate_size=512))
+    convert(src, dst, ConvertOptions(group_size=32), device="cpu", tp=2)
+    assert json.loads((dst / MANIFEST).read_text())["tp"] == 2
+    f = card_facts(dst)
+    assert f.tp == 2 and 8 in f.valid_tp
+    card = (dst / "README.md").read_text()
+    assert "vllm serve PATH_OR_REPO_ID --tensor-parallel-size 2" in card
+    assert "--model-path PATH_OR_REPO_ID --tp 2" in card
+    assert f"| weights per GPU at TP2 (even split) | {f.sizes.output_bytes // 2:,} bytes" in card
+    convert(src, dst, ConvertOptions(group_size=32), device="cpu", tp=4)  # resumed: TP is no option
+    assert "--tensor-parallel-size 4" in (dst / "README.md").read_text()
+
+
+def test_card_calibration_is_the_reports(calibrated):
+    """A real gptq run: the card's calibration rows are calibration-report.json's figures, and
+    neither the report (uploaded by push) nor the card holds a local path."""
+    src, dst, calib = calibrated
+    text = (dst / "calibration-report.json").read_text()
+    report = json.loads(text)
+    c = report["calibration"]
+    assert c["source"] == "my-calib.txt"
+    assert c["sha256"] == hashlib.sha256(calib.read_bytes()).hexdigest()
+    assert str(calib.parent) not in text and str(src.parent) not in text  # no local path at all
+
+    assert verify(src, dst).ok
+    push = prepare_push(dst, "me/GLM-tiny-gptq", write_card=False)  # what push --dry-run prints
+    assert "calibration-report.json" in {f.name for f in push.files}
+    for card in (push.card, (dst / "README.md").read_text()):  # and the card verify rewrote
+        assert str(calib.parent) not in card
+        assert "| method | `gptq` |" in card
+        assert (f"| calibration data | `my-calib.txt`, sha256 `{c['sha256']}`; "
+                "1 document |") in card  # a .txt file is one document
+        assert (f"| calibration tokens | {c['num_samples']} samples x {c['seq_len']} tokens = "
+                f"{c['num_samples'] * c['seq_len']:,} tokens") in card
+        assert (c["num_samples"], c["seq_len"]) == (8, 64)
+        assert "| expert calibration | routed: each expert's statistics from the tokens" in card
+        moe = [lay for lay in report["layers"] if lay.get("expert_tokens")]
+        counts = sorted(n for lay in moe for n in lay["expert_tokens"])
+        assert (f"| routed tokens per expert | min {counts[0]:,} / median {counts[len(counts) // 2]:,}"
+                f" / max {counts[-1]:,} ({len(counts)} experts in {len(moe)} MoE layers) |") in card
+        fallback = [(lay["layer"], f["expert"], f["tokens"]) for lay in moe for f in lay["fallback"]]
+        assert (1, 7, 0) in fallback and counts[0] == 0
+        assert (f"| expert fallbacks | {len(fallback)} of {len(counts)} experts had fewer than "
+                f"{report['min_expert_tokens']} routed tokens and used all-token statistics") in card
+        assert "layer 1 expert 7 (0)" in card
+
+
+def test_card_records_eval_and_command(done, tmp_path):
     _, dst = done
     copy = tmp_path / "out"
     copy.mkdir()
@@ -115,10 +193,8 @@ def test_card_records_calibration_eval_and_command(done, tmp_path):
         (copy / p.name).write_bytes(p.read_bytes())
     m = json.loads((copy / MANIFEST).read_text())
     m["command"] = "quantize convert zai-org/GLM-5.2-FP8 ./out --group-size 32"
-    m["calibration"] = {"dataset": "ultrachat-200k", "samples": 512, "seq_len": 2048}
     (copy / MANIFEST).write_text(json.dumps(m))
     (copy / "eval.json").write_text(json.dumps({"summary": {"gsm8k": 0.91, "ppl": 5.4}}))
     card = write_readme(copy).read_text()
     assert "quantize convert zai-org/GLM-5.2-FP8 ./out --group-size 32" in card
-    assert "dataset: ultrachat-200k, samples: 512, seq_len: 2048" in card
     assert "| gsm8k | 0.91 |" in card and "| ppl | 5.40 |" in card

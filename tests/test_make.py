@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from quantize.synth import tiny_config, write_checkpoint
+from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
@@ -48,6 +48,18 @@ def test_make_n_all_prints_the_chain(tmp_path):
     assert not out.exists()  # -n ran nothing
 
 
+def test_bare_make_prints_help():
+    """`make` with no target is `make help`, not the pipeline's first target (which needs MODEL)."""
+    # PIPELINE_PREREQ= : were the default goal a pipeline target again, fail at once on the
+    # missing MODEL rather than first building a .venv in the checkout
+    r = _make(ROOT / "Makefile", "PIPELINE_PREREQ=")
+    assert r.returncode == 0, r.stderr
+    assert "MODEL is required" not in r.stderr
+    targets = [line.split()[0] for line in r.stdout.splitlines() if line and not line[0].isspace()]
+    assert {"help", "install", "plan", "convert", "verify", "push", "all"} <= set(targets), r.stdout
+    assert "variables: MODEL OUT METHOD GROUP_SIZE" in r.stdout
+
+
 def test_make_requires_model_and_out(tmp_path):
     r = _make(_wrapper(tmp_path), "-n", "all", "REPO=a/b")
     assert r.returncode != 0 and "MODEL is required" in r.stderr
@@ -56,8 +68,9 @@ def test_make_requires_model_and_out(tmp_path):
 def test_make_all_runs_then_skips_finished_steps(tmp_path):
     mk = _wrapper(tmp_path)
     src, out = tmp_path / "GLM-tiny-FP8", tmp_path / "GLM-tiny-INT4"
-    # expert width 128: at TP 2, 64 per GPU satisfies the MoE kernels (plan runs with --strict)
-    write_checkpoint(src, tiny_config(moe_intermediate_size=128))
+    # expert width 512: TP 2 (and the card's default, 8) satisfies the MoE kernels (plan runs
+    # with --strict); the card must serve at the TP make was given
+    write_checkpoint(src, tiny_config(moe_intermediate_size=512))
     args = ("all", f"MODEL={src}", f"OUT={out}", "REPO=my-org/GLM-tiny-INT4", "TP=2", "DRY_RUN=1",
             "MAX_SHARD_SIZE=1MB")
     r = _make(mk, *args)
@@ -80,6 +93,44 @@ def test_make_all_runs_then_skips_finished_steps(tmp_path):
     dry = _make(mk, "-n", *args)
     ran = [x.split("app()'")[1].split()[0] for x in dry.stdout.splitlines() if "app()'" in x]
     assert ran == ["convert", "verify", "push"]
+
+
+def _ran(r: subprocess.CompletedProcess) -> list[str]:
+    return [x.split("app()'")[1].split()[0] for x in r.stdout.splitlines() if "app()'" in x]
+
+
+def test_make_all_refuses_changed_convert_options(tmp_path):
+    """A finished OUT is never reused under other options: with METHOD=gptq after an RTN run,
+    make reruns convert, which refuses the RTN folder (and nothing is pushed); unchanged
+    options still skip convert."""
+    mk = _wrapper(tmp_path)
+    src, out = tmp_path / "GLM-tiny-FP8", tmp_path / "GLM-tiny-INT4"
+    cfg = tiny_config(moe_intermediate_size=128)
+    write_checkpoint(src, cfg)
+    write_tokenizer(src, cfg["vocab_size"])  # gptq checks its calibration inputs before the folder
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    args = ("all", f"MODEL={src}", f"OUT={out}", "REPO=my-org/GLM-tiny-INT4", "TP=2", "DRY_RUN=1",
+            "MAX_SHARD_SIZE=1MB")
+    r = _make(mk, *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _ran(_make(mk, "-n", *args)) == ["push"]  # unchanged options: convert is up to date
+
+    gptq = (*args, "METHOD=gptq", f"CALIB={calib}", "NUM_SAMPLES=2", "SEQ_LEN=16")
+    assert _ran(_make(mk, "-n", *gptq)) == ["plan", "convert", "verify", "push"]
+    r = _make(mk, *gptq)
+    assert r.returncode != 0
+    assert _ran(r) == ["plan", "convert"]  # refused: verify and push never ran
+    assert "cannot resume" in r.stderr and "option method: was 'rtn', now 'gptq'" in r.stderr
+    assert "--overwrite" in r.stderr
+    assert json.loads((out / "quantize-manifest.json").read_text())["options"]["method"] == "rtn"
+    again = _make(mk, *gptq)  # still refused on the next run, never skipped
+    assert again.returncode != 0 and "option method: was 'rtn', now 'gptq'" in again.stderr
+
+    back = _make(mk, *args)  # the original options: the finished RTN folder is accepted again
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert _ran(back) == ["plan", "convert", "verify", "push"]  # convert rewrote the manifest
+    assert _ran(_make(mk, *args)) == ["push"]
 
 
 def test_make_n_all_with_eval(tmp_path):
