@@ -168,7 +168,10 @@ def build_skeleton(config: dict):
             "a decoder-only architecture of the installed transformers",
             "use --method rtn, which needs no forward pass")]) from None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+        # trust_remote_code=False: a config.json auto_map naming the checkpoint's own Python
+        # is never imported (only the installed transformers' classes are built)
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa",
+                                                 trust_remote_code=False)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not hasattr(model.model, "rotary_emb"):
         raise QuantizeError("calibration supports decoder-only models with model.model.layers", [
@@ -595,12 +598,15 @@ class Calibrator:
         from transformers import AutoTokenizer
 
         o, root = self.opts, str(self.ckpt.root)
+        # trust_remote_code=False: a tokenizer_config.json `auto_map` naming the checkpoint's own
+        # code is refused (ValueError), never imported; unset, transformers would ask on stdin
         try:
-            tok = AutoTokenizer.from_pretrained(root)
+            tok = AutoTokenizer.from_pretrained(root, trust_remote_code=False)
         except (OSError, ValueError) as e:
             raise QuantizeError("calibration needs the checkpoint's tokenizer", [Problem(
                 root, None, f"no loadable tokenizer ({e.__class__.__name__})",
-                "tokenizer.json / tokenizer_config.json next to config.json",
+                "tokenizer.json / tokenizer_config.json next to config.json, with a tokenizer "
+                "class of transformers (a tokenizer's own code is never run)",
                 "copy the tokenizer files from the model release, or use --method rtn")]) from None
         return load_calibration(o.calib, tok, o.num_samples, o.seq_len, o.seed)
 

@@ -24,6 +24,7 @@ from quantize.checkpoint import INDEX_NAME, open_checkpoint
 from quantize.cli import app
 from quantize.manifest import MANIFEST
 from quantize.shards import sha256_file
+from quantize.synth import write_tokenizer
 
 runner = CliRunner()
 
@@ -37,9 +38,9 @@ def src(dsa_fp8, tmp_path) -> Path:
     return Path(shutil.copytree(dsa_fp8, tmp_path / "src"))
 
 
-def convert(src: Path, out: Path, *extra: str):
+def convert(src: Path, out: Path, *extra: str, input: str | None = None):
     return runner.invoke(app, ["convert", str(src), str(out), "--device", "cpu", "--tp", "1",
-                               *extra])
+                               *extra], input=input)
 
 
 def assert_clear_error(r, *must: str) -> str:
@@ -335,24 +336,62 @@ def test_unknown_model_type_without_routed_experts(tmp_path):
 
 
 def test_trust_remote_code_is_copied_never_executed(src, tmp_path):
+    """Remote code of the model and of the tokenizer: copied, never imported, even where
+    transformers would ask "run the custom code? [y/N]" on stdin (stdin answers y here)."""
     marker = tmp_path / "EXECUTED"
     code = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('pwned')\n"
-    for f in ("modeling_evil.py", "configuration_evil.py", "__init__.py"):
+    evil = ("modeling_evil.py", "configuration_evil.py", "tokenization_evil.py", "__init__.py")
+    for f in evil:
         (src / f).write_text(code)
     set_config(src, auto_map={"AutoConfig": "configuration_evil.EvilConfig",
                               "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    write_tokenizer(src, json.loads((src / "config.json").read_text())["vocab_size"])
+    tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
+    tok_cfg["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer",
+                                             "tokenization_evil.EvilTokenizerFast"]}
+    (src / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    calib = tmp_path / "calib.txt"
+    calib.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    yes = "y\n" * 4
     out = tmp_path / "out"
+
+    def gptq(dst: Path):
+        return convert(src, dst, "--method", "gptq", "--calib", str(calib), "--num-samples", "2",
+                       "--seq-len", "32", input=yes)
+
+    def evaluate():
+        return runner.invoke(app, ["eval", str(src), str(out), "--num-samples", "1", "--seq-len",
+                                   "32", "--device", "cpu"], input=yes)
+
     for cmd in (["inspect", str(src)], ["plan", str(src), "--tp", "1"]):
-        assert runner.invoke(app, cmd).exit_code == 0
-    r = convert(src, out)
+        assert runner.invoke(app, cmd, input=yes).exit_code == 0
+    r = convert(src, out, input=yes)
     assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["verify", str(src), str(out)])
+    r = runner.invoke(app, ["verify", str(src), str(out)], input=yes)
+    assert r.exit_code == 0, r.output
+    # tokenizer_config.json names a transformers class too: that one is used, with no question
+    r = evaluate()
+    assert r.exit_code == 0, r.output
+    r = gptq(tmp_path / "gptq")
     assert r.exit_code == 0, r.output
     assert not marker.exists(), "remote code was executed"
-    for f in ("modeling_evil.py", "configuration_evil.py", "__init__.py"):
+    for f in evil:
         assert (out / f).read_bytes() == (src / f).read_bytes()
     assert json.loads((out / "config.json").read_text())["auto_map"]["AutoConfig"] == \
         "configuration_evil.EvilConfig"
+    assert json.loads((tmp_path / "gptq" / "tokenizer_config.json").read_text()) == tok_cfg
+
+    # only its own code: transformers would ask on stdin (and run it on y); refused instead
+    del tok_cfg["tokenizer_class"]
+    for d in (src, out):
+        (d / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    assert_clear_error(evaluate(), "eval needs the checkpoint's tokenizer",
+                       "a tokenizer's own code is never run")
+    assert not marker.exists(), "remote code was executed by eval"
+    assert_clear_error(gptq(tmp_path / "gptq2"), "calibration needs the checkpoint's tokenizer",
+                       "a tokenizer's own code is never run")
+    assert not marker.exists(), "remote code was executed by a calibrated convert"
+    assert_nothing_written(tmp_path / "gptq2")
 
 
 # --- the disk fills up -------------------------------------------------------------------------
