@@ -632,15 +632,22 @@ class Calibrator:
 
     # -- checkpoints for resume (quantize/calib_state.py) -------------------------------------
 
+    def identity(self) -> dict:
+        """What a resumed run must share with the one it continues, beyond the options (the
+        manifest records it, `Manifest.resume` compares it): the calibration tokens (the --calib
+        file, seed, sizes and tokenizer all end up in them) and the compute device type and
+        dtype (bf16 on CUDA, float32 on the CPU: other Hessians, other rounding)."""
+        return {"tokens_sha256": hashlib.sha256(self.calib.tokens.numpy().tobytes()).hexdigest(),
+                "device": self.device.type, "compute_dtype": str(self.dtype).replace("torch.", "")}
+
     def use_state(self, root: Path, run: dict) -> None:
         """Checkpoint into `root` (DST/CALIB_STATE), and resume from there. `run`: what the
-        manifest requires to resume (options, source, tool version); the device type, dtype,
-        library versions and calibration tokens are added to the fingerprint."""
+        manifest requires to resume (options, source, tool version, calibration); the library
+        versions and `identity()` are added to the fingerprint."""
         import transformers
 
-        tokens = hashlib.sha256(self.calib.tokens.numpy().tobytes()).hexdigest()
         fp = {"run": run, "torch": torch.__version__, "transformers": transformers.__version__,
-              "device": self.device.type, "dtype": str(self.dtype), "tokens_sha256": tokens}
+              **self.identity()}
         self.state = StateDir(root, hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest())
 
     def start_shard(self, shard: Shard) -> None:

@@ -285,10 +285,14 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
            opts: ConvertOptions, dev: torch.device, on_unit: Callable[[Unit], None] | None,
            extra: dict, calib: Calibrator | None = None) -> ConvertResult:
     """Steps 5 and 6 of the recipe, in the prepared and locked output folder."""
+    # what a resume must match besides the options: kept shards from other calibration tokens
+    # or another device's arithmetic would mix two calibrations in one checkpoint
+    calibration = None if calib is None else {**calib.calib.summary(), **calib.identity()}
     if previous is not None:
-        manifest = Manifest.resume(out, ckpt, plan, previous)
+        manifest = Manifest.resume(out, ckpt, plan, previous, calibration)
     else:
-        manifest = Manifest.start(out, ckpt, plan, extra)
+        manifest = Manifest.start(out, ckpt, plan,
+                                  extra if calibration is None else {**extra, "calibration": calibration})
     if calib is not None:
         calib.use_state(out / CALIB_STATE, manifest.identity())
 
