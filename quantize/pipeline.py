@@ -27,7 +27,7 @@ import torch
 
 from quantize import __version__
 from quantize.calib_state import CALIB_STATE
-from quantize.checkpoint import INDEX_NAME, Checkpoint, SourceFormat, escapes, open_checkpoint
+from quantize.checkpoint import INDEX_NAME, Checkpoint, SourceFormat, link_problem, open_checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.fp8 import dequant_block, dequant_channel
 from quantize.int4 import Int4Weight, pack_int4, quantize_rtn
@@ -241,10 +241,8 @@ def _aux_files(src: Path) -> list[Path]:
     for p in sorted(src.iterdir()):
         if p.name in _SKIP_NAMES or p.name.startswith(".") or p.name.endswith(_SKIP_SUFFIXES):
             continue
-        real = escapes(src, p) if p.is_symlink() else None
-        if real is not None:
-            problems.append(Problem(str(p), None, f"a link to {real}", "files inside the model folder",
-                                    "copy the file into the folder, or remove the link"))
+        if (link := link_problem(src, p)) is not None:
+            problems.append(link)
         elif p.is_file():
             files.append(p)
     if problems:

@@ -134,6 +134,21 @@ def test_non_weight_file_linking_outside_is_refused(src, tmp_path):
     assert_nothing_written(tmp_path / "out")
 
 
+@pytest.mark.parametrize("name", ["config.json", INDEX_NAME])
+def test_config_or_index_linking_outside_is_refused(src, tmp_path, name):
+    """config.json and the index are read first, before any shard: a link of theirs that leads
+    out of the folder is refused like a shard's, by every command, before anything is written."""
+    elsewhere = tmp_path / "elsewhere" / name
+    elsewhere.parent.mkdir()
+    shutil.move(src / name, elsewhere)  # the same bytes, only reached through a link
+    (src / name).symlink_to(elsewhere)
+    for cmd in (["inspect", str(src)], ["plan", str(src)]):
+        assert_clear_error(runner.invoke(app, cmd), "the source links to files outside the model folder",
+                           f"{src / name}: a link to {elsewhere}")
+    assert_clear_error(convert(src, tmp_path / "out"), f"{src / name}: a link to {elsewhere}")
+    assert_nothing_written(tmp_path / "out")
+
+
 def test_hugging_face_cache_links_are_accepted(dsa_fp8, tmp_path):
     """`hf download` without --local-dir: every snapshot file links to ../../blobs/<hash>."""
     repo = tmp_path / "models--org--tiny"
