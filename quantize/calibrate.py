@@ -577,9 +577,9 @@ class Calibrator:
     def write_outputs(self, out: Path) -> list[str]:
         """Write CALIB_REPORT (and AWQ_SCALES when AWQ ran) into `out`; their names. Layers no
         written shard needed (a resume that kept the last shards) are run, or loaded, first."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
-        from quantize.shards import PARTIAL, write_json_atomic
+        from quantize.shards import write_bytes_atomic, write_failed, write_json_atomic
 
         self._keep_after = self.last_layer
         self._jump(self.last_layer)
@@ -588,10 +588,13 @@ class Calibrator:
         if not self.awq_scales:
             return [CALIB_REPORT]
         path = out / AWQ_SCALES
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(path.name + PARTIAL)
-        save_file(self.awq_scales, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(exist_ok=True)
+        except OSError as e:
+            raise write_failed(path.parent, e) from None
+        # serialized in memory (a few floats per channel), written like every other output:
+        # atomically, and a full disk is the same clean error
+        write_bytes_atomic(path, save(self.awq_scales, metadata={"format": "pt"}))
         return [CALIB_REPORT, AWQ_SCALES]
 
     def _load_calibration(self) -> CalibrationSet:
