@@ -48,13 +48,15 @@ if TYPE_CHECKING:
     from quantize.calibrate import Calibrator
 
 __all__ = [
-    "ConvertResult", "compute_unit", "convert", "quantization_config", "read_unit", "resolve_device",
-    "source_weight",
+    "WEIGHT_SUFFIXES", "ConvertResult", "compute_unit", "convert", "quantization_config", "read_unit",
+    "resolve_device", "source_weight",
 ]
 
+# Weight files of any format an engine or a loader might pick up from a model folder.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 # Files never copied from the source: the weights we rewrite, the source's card (we write our
 # own), and VCS / cache folders.
-_SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", PARTIAL)
+_SKIP_SUFFIXES = (*WEIGHT_SUFFIXES, PARTIAL)
 _SKIP_NAMES = {INDEX_NAME, "README.md", MANIFEST, "config.json", ".gitattributes",
                "calibration-report.json"}
 
