@@ -5,8 +5,8 @@
      "options": {...ConvertOptions...},
      "plan_sha256": "...",                  # shard names and every planned tensor
      "source": {"path": ..., "index_sha256": ..., "files": {name: [bytes, mtime_ns]}},
-     "calibration": {...calibration set summary..., "tokens_sha256": "...",   # not for rtn
-                     "device": "cuda" | "cpu", "compute_dtype": "bfloat16" | "float32"},
+     "calibration": {"tokens_sha256": "...", "device": "cuda" | "cpu",      # not for rtn
+                     "compute_dtype": "bfloat16" | "float32"},
      "files": {name: {"bytes": n, "sha256": "..."}}}   # every finished output file
 
 A folder whose manifest is not `complete` is not a finished checkpoint: `verify` and `push`
@@ -31,8 +31,7 @@ __all__ = ["CALIB_IDENTITY", "MANIFEST", "Manifest", "output_state", "read_manif
            "source_fingerprint"]
 
 MANIFEST = "quantize-manifest.json"
-# The keys of "calibration" a resumed run must match (`Calibrator.identity`); the others
-# (where the text came from, document counts) only describe it.
+# The keys of "calibration" a resumed run must match (`Calibrator.identity`).
 CALIB_IDENTITY = ("tokens_sha256", "device", "compute_dtype")
 
 

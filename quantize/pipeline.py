@@ -287,7 +287,7 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
     """Steps 5 and 6 of the recipe, in the prepared and locked output folder."""
     # what a resume must match besides the options: kept shards from other calibration tokens
     # or another device's arithmetic would mix two calibrations in one checkpoint
-    calibration = None if calib is None else {**calib.calib.summary(), **calib.identity()}
+    calibration = None if calib is None else calib.identity()
     if previous is not None:
         manifest = Manifest.resume(out, ckpt, plan, previous, calibration)
     else:
