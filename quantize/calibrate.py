@@ -168,7 +168,10 @@ def build_skeleton(config: dict):
             "a decoder-only architecture of the installed transformers",
             "use --method rtn, which needs no forward pass")]) from None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+        # trust_remote_code=False: a config.json auto_map naming the checkpoint's own Python
+        # is never imported (only the installed transformers' classes are built)
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa",
+                                                 trust_remote_code=False)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not hasattr(model.model, "rotary_emb"):
         raise QuantizeError("calibration supports decoder-only models with model.model.layers", [
@@ -581,9 +584,9 @@ class Calibrator:
     def write_outputs(self, out: Path) -> list[str]:
         """Write CALIB_REPORT (and AWQ_SCALES when AWQ ran) into `out`; their names. Layers no
         written shard needed (a resume that kept the last shards) are run, or loaded, first."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
-        from quantize.shards import PARTIAL, write_json_atomic
+        from quantize.shards import write_bytes_atomic, write_failed, write_json_atomic
 
         self._keep_after = self.last_layer
         self._jump(self.last_layer)
@@ -592,22 +595,28 @@ class Calibrator:
         if not self.awq_scales:
             return [CALIB_REPORT]
         path = out / AWQ_SCALES
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(path.name + PARTIAL)
-        save_file(self.awq_scales, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(exist_ok=True)
+        except OSError as e:
+            raise write_failed(path.parent, e) from None
+        # serialized in memory (a few floats per channel), written like every other output:
+        # atomically, and a full disk is the same clean error
+        write_bytes_atomic(path, save(self.awq_scales, metadata={"format": "pt"}))
         return [CALIB_REPORT, AWQ_SCALES]
 
     def _load_calibration(self) -> CalibrationSet:
         from transformers import AutoTokenizer
 
         o, root = self.opts, str(self.ckpt.root)
+        # trust_remote_code=False: a tokenizer_config.json `auto_map` naming the checkpoint's own
+        # code is refused (ValueError), never imported; unset, transformers would ask on stdin
         try:
-            tok = AutoTokenizer.from_pretrained(root)
+            tok = AutoTokenizer.from_pretrained(root, trust_remote_code=False)
         except (OSError, ValueError) as e:
             raise QuantizeError("calibration needs the checkpoint's tokenizer", [Problem(
                 root, None, f"no loadable tokenizer ({e.__class__.__name__})",
-                "tokenizer.json / tokenizer_config.json next to config.json",
+                "tokenizer.json / tokenizer_config.json next to config.json, with a tokenizer "
+                "class of transformers (a tokenizer's own code is never run)",
                 "copy the tokenizer files from the model release, or use --method rtn")]) from None
         return load_calibration(o.calib, tok, o.num_samples, o.seq_len, o.seed)
 
@@ -634,15 +643,22 @@ class Calibrator:
 
     # -- checkpoints for resume (quantize/calib_state.py) -------------------------------------
 
+    def identity(self) -> dict:
+        """What a resumed run must share with the one it continues, beyond the options (the
+        manifest records it, `Manifest.resume` compares it): the calibration tokens (the --calib
+        file, seed, sizes and tokenizer all end up in them) and the compute device type and
+        dtype (bf16 on CUDA, float32 on the CPU: other Hessians, other rounding)."""
+        return {"tokens_sha256": hashlib.sha256(self.calib.tokens.numpy().tobytes()).hexdigest(),
+                "device": self.device.type, "compute_dtype": str(self.dtype).replace("torch.", "")}
+
     def use_state(self, root: Path, run: dict) -> None:
         """Checkpoint into `root` (DST/CALIB_STATE), and resume from there. `run`: what the
-        manifest requires to resume (options, source, tool version); the device type, dtype,
-        library versions and calibration tokens are added to the fingerprint."""
+        manifest requires to resume (options, source, tool version, calibration); the library
+        versions and `identity()` are added to the fingerprint."""
         import transformers
 
-        tokens = hashlib.sha256(self.calib.tokens.numpy().tobytes()).hexdigest()
         fp = {"run": run, "torch": torch.__version__, "transformers": transformers.__version__,
-              "device": self.device.type, "dtype": str(self.dtype), "tokens_sha256": tokens}
+              **self.identity()}
         self.state = StateDir(root, hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest())
 
     def start_shard(self, shard: Shard) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "Checkpoint",
     "SourceFormat",
     "TensorInfo",
+    "link_problem",
     "open_checkpoint",
     "read_safetensors_header",
 ]
@@ -205,6 +206,16 @@ def escapes(root: Path, path: Path) -> Path | None:
     if any(r in real.parents for r in link_roots(root)):
         return None
     return real
+
+
+def link_problem(root: Path, path: Path) -> Problem | None:
+    """A Problem when `path` (a file of the model folder `root`) is a link leading outside it:
+    it would be read or copied from wherever it points (another model, a secret)."""
+    real = escapes(root, path) if path.is_symlink() else None
+    if real is None:
+        return None
+    return Problem(str(path), None, f"a link to {real}", "files inside the model folder",
+                   "copy the file into the folder, or remove the link")
 
 
 def _safe_member(root: Path, name: str, index_file: str, tensor: str | None = None) -> Path:
@@ -523,6 +534,10 @@ def open_checkpoint(src: str | Path) -> Checkpoint:
         raise QuantizeError("source not found", [Problem(
             str(src), None, "no such folder", "a folder with config.json and *.safetensors",
             "pass a local checkpoint folder or a Hub repo id (org/name)")])
+    # the files read before the index names the shards (whose links `_safe_member` checks)
+    links = [p for n in ("config.json", INDEX_NAME, SINGLE_NAME) if (p := link_problem(root, root / n))]
+    if links:
+        raise QuantizeError("the source links to files outside the model folder", links)
     config_path = root / "config.json"
     if not config_path.is_file():
         raise QuantizeError("no config.json", [Problem(

@@ -416,12 +416,16 @@ def _tokenizer(src: Checkpoint, dst: Path):
 
     for root in (str(src.root), str(dst)):  # convert copies the source's tokenizer into DST
         try:
-            return AutoTokenizer.from_pretrained(root)
+            # trust_remote_code=False: a tokenizer_config.json `auto_map` naming the checkpoint's
+            # own tokenization_*.py is refused (ValueError), never imported. Left unset,
+            # transformers asks "run the custom code? [y/N]" on stdin and runs it on y.
+            return AutoTokenizer.from_pretrained(root, trust_remote_code=False)
         except (OSError, ValueError):
             continue
     raise QuantizeError("eval needs the checkpoint's tokenizer", [Problem(
         str(src.root), None, f"no loadable tokenizer here nor in {dst}",
-        "tokenizer.json / tokenizer_config.json next to config.json",
+        "tokenizer.json / tokenizer_config.json next to config.json, with a tokenizer class of "
+        "transformers (a tokenizer's own code is never run)",
         "copy the tokenizer files from the model release into SRC")])
 
 

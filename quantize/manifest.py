@@ -7,10 +7,14 @@
      "source": {"path": ..., "index_sha256": ..., "files": {name: [bytes, mtime_ns]}},
      "tp": 8,                               # convert --tp: the serving TP (not part of the
                                             # output's identity: a resume may change it)
+     "calibration": {"tokens_sha256": "...", "device": "cuda" | "cpu",      # not for rtn
+                     "compute_dtype": "bfloat16" | "float32"},
      "files": {name: {"bytes": n, "sha256": "..."}}}   # every finished output file
 
 A folder whose manifest is not `complete` is not a finished checkpoint: `verify` and `push`
-refuse it. Resuming with other options or a changed source is refused with the difference.
+refuse it. Resuming with other options, a changed source, other calibration tokens (another
+--calib file or tokenizer) or another compute device is refused with the difference: the kept
+shards would otherwise mix two calibrations.
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ from quantize.errors import Problem, QuantizeError
 from quantize.plan import Plan
 from quantize.shards import sha256_file, write_json_atomic
 
-__all__ = ["MANIFEST", "Manifest", "output_state", "read_manifest", "source_fingerprint"]
+__all__ = ["CALIB_IDENTITY", "MANIFEST", "Manifest", "output_state", "read_manifest",
+           "source_fingerprint"]
 
 MANIFEST = "quantize-manifest.json"
+# The keys of "calibration" a resumed run must match (`Calibrator.identity`).
+CALIB_IDENTITY = ("tokens_sha256", "device", "compute_dtype")
 
 
 def source_fingerprint(ckpt: Checkpoint) -> dict:
@@ -50,6 +57,23 @@ def source_changes(recorded: dict, ckpt: Checkpoint) -> list[str]:
     for f, stat in fp["files"].items():
         if recorded.get("files", {}).get(f) != stat:
             diffs.append(f"source file {f} changed (size/mtime)")
+    return diffs
+
+
+def calibration_changes(recorded: dict | None, now: dict | None) -> list[str]:
+    """What differs between the recorded calibration and this run's (None: not calibrated)."""
+    if now is None:  # rtn now: the method option differs if the earlier run calibrated
+        return []
+    if not isinstance(recorded, dict):
+        return [("calibration: the earlier run recorded none (rtn, or an older version of this "
+                 "tool), so nothing says its finished shards used these calibration tokens")]
+    diffs = []
+    if recorded.get("tokens_sha256") != now["tokens_sha256"]:
+        diffs.append("calibration tokens differ (the --calib file, --seed, --num-samples/--seq-len "
+                     "or the tokenizer changed)")
+    for k, what in (("device", "calibration device"), ("compute_dtype", "calibration compute dtype")):
+        if recorded.get(k) != now[k]:
+            diffs.append(f"{what}: was {recorded.get(k)}, now {now[k]}")
     return diffs
 
 
@@ -121,8 +145,10 @@ class Manifest:
         return m
 
     @classmethod
-    def resume(cls, out_dir: Path, ckpt: Checkpoint, plan: Plan, previous: dict) -> Manifest:
-        """Continue `previous` if it was made by the same options from the same source."""
+    def resume(cls, out_dir: Path, ckpt: Checkpoint, plan: Plan, previous: dict,
+               calibration: dict | None = None) -> Manifest:
+        """Continue `previous` if it was made by the same options from the same source, and
+        (calibrated methods) from the same calibration tokens on the same kind of device."""
         diffs = []
         opts = plan.options.to_json()
         for k, v in opts.items():
@@ -132,12 +158,14 @@ class Manifest:
         if previous.get("tool_version") != __version__:  # same layout, maybe other arithmetic
             diffs.append(f"tool version: was {previous.get('tool_version')!r}, now {__version__!r}")
         diffs += source_changes(previous.get("source", {}), ckpt)
+        diffs += calibration_changes(previous.get("calibration"), calibration)
         if not diffs and previous.get("plan_sha256") != plan_digest(plan):
             diffs.append("the planned output differs (tool version or layout changed)")
         if diffs:
             raise QuantizeError("cannot resume: this output was made differently", [Problem(
-                str(out_dir / MANIFEST), None, d, "the same options and source",
-                "rerun with the original options, or pass --overwrite to start over") for d in diffs])
+                str(out_dir / MANIFEST), None, d, "the same options, source and calibration",
+                "rerun with the original options, calibration data and --device, or pass "
+                "--overwrite to start over") for d in diffs])
         m = cls(out_dir, previous)
         m.data["status"] = "in-progress"
         m.save()
@@ -145,11 +173,13 @@ class Manifest:
 
     def identity(self) -> dict:
         """What a resume must match (`resume` checks it): options, plan, tool version, source
-        (its index and files; the path may move)."""
+        (its index and files; the path may move), calibration tokens and device."""
         d = self.data
+        calib = d.get("calibration")
         return {"options": d["options"], "plan_sha256": d["plan_sha256"],
                 "tool_version": d["tool_version"],
-                "source": {k: d["source"].get(k) for k in ("index_sha256", "files")}}
+                "source": {k: d["source"].get(k) for k in ("index_sha256", "files")},
+                "calibration": None if calib is None else {k: calib.get(k) for k in CALIB_IDENTITY}}
 
     def done(self, name: str) -> dict | None:
         return self.data["files"].get(name)

@@ -27,7 +27,7 @@ import torch
 
 from quantize import __version__
 from quantize.calib_state import CALIB_STATE
-from quantize.checkpoint import INDEX_NAME, Checkpoint, SourceFormat, escapes, open_checkpoint
+from quantize.checkpoint import INDEX_NAME, Checkpoint, SourceFormat, link_problem, open_checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.fp8 import dequant_block, dequant_channel
 from quantize.int4 import Int4Weight, pack_int4, quantize_rtn
@@ -48,13 +48,15 @@ if TYPE_CHECKING:
     from quantize.calibrate import Calibrator
 
 __all__ = [
-    "ConvertResult", "compute_unit", "convert", "quantization_config", "read_unit", "resolve_device",
-    "source_weight",
+    "WEIGHT_SUFFIXES", "ConvertResult", "compute_unit", "convert", "quantization_config", "read_unit",
+    "resolve_device", "source_weight",
 ]
 
+# Weight files of any format an engine or a loader might pick up from a model folder.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 # Files never copied from the source: the weights we rewrite, the source's card (we write our
 # own), and VCS / cache folders.
-_SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", PARTIAL)
+_SKIP_SUFFIXES = (*WEIGHT_SUFFIXES, PARTIAL)
 _SKIP_NAMES = {INDEX_NAME, "README.md", MANIFEST, "config.json", ".gitattributes",
                "calibration-report.json"}
 
@@ -241,10 +243,8 @@ def _aux_files(src: Path) -> list[Path]:
     for p in sorted(src.iterdir()):
         if p.name in _SKIP_NAMES or p.name.startswith(".") or p.name.endswith(_SKIP_SUFFIXES):
             continue
-        real = escapes(src, p) if p.is_symlink() else None
-        if real is not None:
-            problems.append(Problem(str(p), None, f"a link to {real}", "files inside the model folder",
-                                    "copy the file into the folder, or remove the link"))
+        if (link := link_problem(src, p)) is not None:
+            problems.append(link)
         elif p.is_file():
             files.append(p)
     if problems:
@@ -288,10 +288,14 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
            opts: ConvertOptions, dev: torch.device, on_unit: Callable[[Unit], None] | None,
            extra: dict, calib: Calibrator | None = None) -> ConvertResult:
     """Steps 5 and 6 of the recipe, in the prepared and locked output folder."""
+    # what a resume must match besides the options: kept shards from other calibration tokens
+    # or another device's arithmetic would mix two calibrations in one checkpoint
+    calibration = None if calib is None else calib.identity()
     if previous is not None:
-        manifest = Manifest.resume(out, ckpt, plan, previous)
+        manifest = Manifest.resume(out, ckpt, plan, previous, calibration)
     else:
-        manifest = Manifest.start(out, ckpt, plan, extra)
+        manifest = Manifest.start(out, ckpt, plan,
+                                  extra if calibration is None else {**extra, "calibration": calibration})
     if calib is not None:
         calib.use_state(out / CALIB_STATE, manifest.identity())
 

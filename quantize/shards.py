@@ -40,7 +40,7 @@ from quantize.plan import OutTensor, shard_header
 
 __all__ = [
     "ShardWriter", "copy_file_atomic", "folder_lock", "fsync_dir", "sha256_file", "stall_point",
-    "write_failed", "write_json_atomic",
+    "write_bytes_atomic", "write_failed", "write_json_atomic",
 ]
 
 PARTIAL = ".partial"
@@ -115,8 +115,7 @@ def _discard(tmp: Path) -> None:
         pass
 
 
-def write_json_atomic(path: Path, obj: object) -> None:
-    data = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
+def write_bytes_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + PARTIAL)
     try:
         with open(tmp, "wb") as f:
@@ -124,10 +123,14 @@ def write_json_atomic(path: Path, obj: object) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)  # the new name survives a crash only once its folder is synced
     except OSError as e:
         _discard(tmp)
         raise write_failed(path, e) from None
-    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, obj: object) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
 def copy_file_atomic(src: Path, dst: Path) -> None:
@@ -137,10 +140,10 @@ def copy_file_atomic(src: Path, dst: Path) -> None:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, dst)
+        fsync_dir(dst.parent)
     except OSError as e:
         _discard(tmp)
         raise write_failed(dst, e) from None
-    fsync_dir(dst.parent)
 
 
 def sha256_file(path: Path, chunk: int = 2**24) -> str:
@@ -222,7 +225,11 @@ class ShardWriter:
             if isinstance(e, OSError):
                 raise write_failed(self.path, e) from None
             raise
-        os.replace(self.tmp, self.path)
-        fsync_dir(self.path.parent)
+        try:
+            os.replace(self.tmp, self.path)
+            fsync_dir(self.path.parent)
+        except OSError as e:
+            _discard(self.tmp)
+            raise write_failed(self.path, e) from None
         self.sha256 = self.hash.hexdigest()
         stall_point("shard")

@@ -15,15 +15,18 @@ in the manifest):
                rescaled norms, routers and up_proj rows must equal it exactly in their dtype,
                INT4 targets are compared with it as above
 
-plus: the manifest is `complete` and every file's sha256 matches it, the index lists exactly
-the planned tensors in the planned shards, `total_size` is right, and config.json carries the
-expected `quantization_config`.
+plus: the manifest is `complete` and every file's sha256 matches it, no weight file lies in
+the folder that the manifest does not list (an engine globbing `*.safetensors` would load a
+stray shard with the checkpoint; the reports written after conversion, README.md, verify.json,
+eval.json, are not weights), the index lists exactly the planned tensors in the planned shards,
+`total_size` is right, and config.json carries the expected `quantization_config`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,7 +38,7 @@ from quantize.errors import Problem, QuantizeError
 from quantize.int4 import Int4Weight, dequantize, unpack_int4
 from quantize.manifest import MANIFEST, read_manifest
 from quantize.options import ConvertOptions
-from quantize.pipeline import quantization_config, source_weight
+from quantize.pipeline import WEIGHT_SUFFIXES, quantization_config, source_weight
 from quantize.plan import Unit, make_plan
 from quantize.shards import sha256_file
 
@@ -44,6 +47,8 @@ __all__ = ["TensorCheck", "VerifyReport", "verify"]
 VERIFY_JSON = "verify.json"
 AWQ_SCALES = "calibration/awq-scales.safetensors"  # = quantize.calibrate.AWQ_SCALES (no torch
 # model imports here: verify must not pull in transformers for RTN checkpoints)
+CALIB_STATE = "calibration/state"  # = quantize.calib_state.CALIB_STATE: layer checkpoints of an
+# unfinished calibrated run (deleted once it completes), never loaded as the model's weights
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,9 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = 12.0, device: 
         elif p.stat().st_size != rec["bytes"] or sha256_file(p) != rec["sha256"]:
             report.problems.append(f"{name}: sha256 differs from the manifest (the file was changed "
                                    f"after conversion; re-run convert with --overwrite)")
+    for name in _unlisted_weights(dst, manifest["files"]):
+        report.problems.append(f"{name}: a weight file the manifest does not list (an engine may "
+                               f"load it with the checkpoint); delete it, or reconvert with --overwrite")
     if report.problems:
         return _finish(report, dst, write)
 
@@ -240,6 +248,16 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = 12.0, device: 
         if on_unit:
             on_unit(unit)
     return _finish(report, dst, write)
+
+
+def _unlisted_weights(dst: Path, listed: dict) -> list[str]:
+    """Weight files under `dst` (by suffix, links included) that are not among `listed`."""
+    found = []
+    for folder, dirs, files in os.walk(dst):  # links to folders are not followed
+        rel = Path(folder).relative_to(dst)
+        dirs[:] = sorted(d for d in dirs if (rel / d).as_posix() != CALIB_STATE)
+        found += [(rel / f).as_posix() for f in sorted(files) if f.endswith(WEIGHT_SUFFIXES)]
+    return [n for n in found if n not in listed]
 
 
 def _finish(report: VerifyReport, dst: Path, write: bool) -> VerifyReport:

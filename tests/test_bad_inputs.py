@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from quantize.calibrate import AWQ_SCALES, CALIB_REPORT, Calibrator
 from quantize.checkpoint import INDEX_NAME, open_checkpoint
 from quantize.cli import app
+from quantize.errors import QuantizeError
 from quantize.manifest import MANIFEST
+from quantize.options import ConvertOptions
+from quantize.plan import make_plan
 from quantize.shards import sha256_file
+from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
 
 runner = CliRunner()
 
@@ -37,9 +43,9 @@ def src(dsa_fp8, tmp_path) -> Path:
     return Path(shutil.copytree(dsa_fp8, tmp_path / "src"))
 
 
-def convert(src: Path, out: Path, *extra: str):
+def convert(src: Path, out: Path, *extra: str, input: str | None = None):
     return runner.invoke(app, ["convert", str(src), str(out), "--device", "cpu", "--tp", "1",
-                               *extra])
+                               *extra], input=input)
 
 
 def assert_clear_error(r, *must: str) -> str:
@@ -130,6 +136,21 @@ def test_non_weight_file_linking_outside_is_refused(src, tmp_path):
     (src / "tokenizer.json").symlink_to(secret)
     text = assert_clear_error(convert(src, tmp_path / "out"), "tokenizer.json", f"a link to {secret}")
     assert "the source links to files outside the model folder" in text
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ["config.json", INDEX_NAME])
+def test_config_or_index_linking_outside_is_refused(src, tmp_path, name):
+    """config.json and the index are read first, before any shard: a link of theirs that leads
+    out of the folder is refused like a shard's, by every command, before anything is written."""
+    elsewhere = tmp_path / "elsewhere" / name
+    elsewhere.parent.mkdir()
+    shutil.move(src / name, elsewhere)  # the same bytes, only reached through a link
+    (src / name).symlink_to(elsewhere)
+    for cmd in (["inspect", str(src)], ["plan", str(src)]):
+        assert_clear_error(runner.invoke(app, cmd), "the source links to files outside the model folder",
+                           f"{src / name}: a link to {elsewhere}")
+    assert_clear_error(convert(src, tmp_path / "out"), f"{src / name}: a link to {elsewhere}")
     assert_nothing_written(tmp_path / "out")
 
 
@@ -382,24 +403,62 @@ def test_unknown_model_type_without_routed_experts(tmp_path):
 
 
 def test_trust_remote_code_is_copied_never_executed(src, tmp_path):
+    """Remote code of the model and of the tokenizer: copied, never imported, even where
+    transformers would ask "run the custom code? [y/N]" on stdin (stdin answers y here)."""
     marker = tmp_path / "EXECUTED"
     code = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('pwned')\n"
-    for f in ("modeling_evil.py", "configuration_evil.py", "__init__.py"):
+    evil = ("modeling_evil.py", "configuration_evil.py", "tokenization_evil.py", "__init__.py")
+    for f in evil:
         (src / f).write_text(code)
     set_config(src, auto_map={"AutoConfig": "configuration_evil.EvilConfig",
                               "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    write_tokenizer(src, json.loads((src / "config.json").read_text())["vocab_size"])
+    tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
+    tok_cfg["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer",
+                                             "tokenization_evil.EvilTokenizerFast"]}
+    (src / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    calib = tmp_path / "calib.txt"
+    calib.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    yes = "y\n" * 4
     out = tmp_path / "out"
+
+    def gptq(dst: Path):
+        return convert(src, dst, "--method", "gptq", "--calib", str(calib), "--num-samples", "2",
+                       "--seq-len", "32", input=yes)
+
+    def evaluate():
+        return runner.invoke(app, ["eval", str(src), str(out), "--num-samples", "1", "--seq-len",
+                                   "32", "--device", "cpu"], input=yes)
+
     for cmd in (["inspect", str(src)], ["plan", str(src), "--tp", "1"]):
-        assert runner.invoke(app, cmd).exit_code == 0
-    r = convert(src, out)
+        assert runner.invoke(app, cmd, input=yes).exit_code == 0
+    r = convert(src, out, input=yes)
     assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["verify", str(src), str(out)])
+    r = runner.invoke(app, ["verify", str(src), str(out)], input=yes)
+    assert r.exit_code == 0, r.output
+    # tokenizer_config.json names a transformers class too: that one is used, with no question
+    r = evaluate()
+    assert r.exit_code == 0, r.output
+    r = gptq(tmp_path / "gptq")
     assert r.exit_code == 0, r.output
     assert not marker.exists(), "remote code was executed"
-    for f in ("modeling_evil.py", "configuration_evil.py", "__init__.py"):
+    for f in evil:
         assert (out / f).read_bytes() == (src / f).read_bytes()
     assert json.loads((out / "config.json").read_text())["auto_map"]["AutoConfig"] == \
         "configuration_evil.EvilConfig"
+    assert json.loads((tmp_path / "gptq" / "tokenizer_config.json").read_text()) == tok_cfg
+
+    # only its own code: transformers would ask on stdin (and run it on y); refused instead
+    del tok_cfg["tokenizer_class"]
+    for d in (src, out):
+        (d / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    assert_clear_error(evaluate(), "eval needs the checkpoint's tokenizer",
+                       "a tokenizer's own code is never run")
+    assert not marker.exists(), "remote code was executed by eval"
+    assert_clear_error(gptq(tmp_path / "gptq2"), "calibration needs the checkpoint's tokenizer",
+                       "a tokenizer's own code is never run")
+    assert not marker.exists(), "remote code was executed by a calibrated convert"
+    assert_nothing_written(tmp_path / "gptq2")
 
 
 # --- the disk fills up -------------------------------------------------------------------------
@@ -452,6 +511,72 @@ def test_read_only_output_is_a_clear_error(dsa_fp8, small_disk):
     assert not any(out.iterdir())
     r = convert(dsa_fp8, small_disk / "new")
     assert_clear_error(r, "could not write the output", f"{small_disk / 'new'}: Read-only file system")
+
+
+def test_awq_scales_on_a_full_disk_are_a_clean_error(small_disk, tmp_path):
+    """The AWQ scales (calibration/awq-scales.safetensors, written after the report) filling
+    the disk: the same clean error as a shard, no half-written file left behind."""
+    cfg = tiny_config("glm4_moe", num_hidden_layers=2)
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel", seed=4)
+    write_tokenizer(src, cfg["vocab_size"])
+    ckpt = open_checkpoint(src)
+    opts = ConvertOptions(method="awq", num_samples=2, seq_len=32)
+    calib = Calibrator(ckpt, make_plan(ckpt, opts), opts, torch.device("cpu"))
+    roomy = tmp_path / "roomy"
+    roomy.mkdir()
+    assert calib.write_outputs(roomy) == [CALIB_REPORT, AWQ_SCALES]  # runs the layers
+    st = os.statvfs(small_disk)
+    page = st.f_frsize
+    report_pages = -(-(roomy / CALIB_REPORT).stat().st_size // page)
+    assert (roomy / AWQ_SCALES).stat().st_size > 0
+    # fill the disk to the page: room for the report, none for the scales
+    (small_disk / "filler").write_bytes(bytes(st.f_bavail * page - report_pages * page))
+    assert os.statvfs(small_disk).f_bavail == report_pages
+    with pytest.raises(QuantizeError, match="the disk filled up while writing") as e:
+        calib.write_outputs(small_disk)
+    assert f"{small_disk / AWQ_SCALES}: No space left on device (errno 28)" in str(e.value)
+    assert (small_disk / CALIB_REPORT).read_bytes() == (roomy / CALIB_REPORT).read_bytes()
+    assert not (small_disk / AWQ_SCALES).exists() and not list(small_disk.rglob("*.partial"))
+
+
+def test_a_failed_folder_sync_is_a_clean_write_error(tmp_path):
+    """After the rename, the folder is opened and fsynced (the new name is durable only then);
+    that failing is a write error like any other, not a traceback. A folder that can be written
+    but not read (mode 0300) makes the open fail for real, in a process without root's
+    permission override (setpriv drops it)."""
+    d = tmp_path / "out"
+    d.mkdir()
+    (tmp_path / "tokenizer.json").write_text("{}")
+    d.chmod(0o300)
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "import torch\n"
+        "from quantize.errors import QuantizeError\n"
+        "from quantize.plan import OutTensor\n"
+        "from quantize.shards import ShardWriter, copy_file_atomic, write_json_atomic\n"
+        "d = Path(sys.argv[1])\n"
+        "def shard():\n"
+        "    with ShardWriter(d / 'model-00001-of-00001.safetensors', [OutTensor('t', 'F32', (2,))]) as w:\n"
+        "        w.write(torch.ones(2))\n"
+        "for write in (lambda: write_json_atomic(d / 'config.json', {}), shard,\n"
+        "              lambda: copy_file_atomic(d.parent / 'tokenizer.json', d / 'tokenizer.json')):\n"
+        "    try:\n"
+        "        write()\n"
+        "    except QuantizeError as e:\n"
+        "        print(e)\n")
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    if drop and subprocess.run([*drop, "true"], capture_output=True, check=False).returncode != 0:
+        pytest.skip("cannot drop root's permission override here (setpriv)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([*drop, sys.executable, "-c", code, str(d)], env=env, capture_output=True,
+                       text=True, check=False, timeout=120)
+    d.chmod(0o700)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("could not write the output") == 3, r.stdout
+    for name in ("config.json", "model-00001-of-00001.safetensors", "tokenizer.json"):
+        assert f"{d / name}: Permission denied (errno 13)" in r.stdout, r.stdout
+    assert not list(d.glob("*.partial"))
 
 
 @pytest.mark.parametrize("text", ["{not json", "[]", '{"status": "complete"}'])

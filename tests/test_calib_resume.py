@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -26,7 +27,9 @@ import torch
 
 from quantize.calib_state import CALIB_STATE, StateDir
 from quantize.checkpoint import open_checkpoint
+from quantize.errors import QuantizeError
 from quantize.layout import layer_of
+from quantize.manifest import MANIFEST
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.plan import make_plan
@@ -157,6 +160,52 @@ def test_a_checkpoint_of_another_run_is_not_used(tmp_path):
     assert s.layers() == [7, 9]
     s.prune(6)  # nothing at or before 6 is older than the newest at or before 6: keep all
     assert s.layers() == [7, 9]
+
+
+def write_docs(path: Path, seed: int) -> None:
+    """40 JSONL documents of 40 random words: calibration text that differs with the seed."""
+    rng = random.Random(seed)
+    words = [f"{a}{b}" for a in "bcdfghklmnprstvz" for b in ("ao", "ei", "ou", "ia", "ue")]
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(40))})
+                            + "\n" for _ in range(40)))
+
+
+def test_other_calibration_tokens_or_device_are_not_resumed(src, tmp_path):
+    """Killed after some shards, then the same command with the --calib file edited: refused,
+    naming the difference (the kept shards would mix two calibrations); so is a manifest that
+    says the earlier run calibrated on a GPU. The original file resumes."""
+    calib, out = tmp_path / "calib.jsonl", tmp_path / "out"
+    write_docs(calib, seed=0)
+    opts = ConvertOptions(method="gptq", calib=str(calib), max_shard_size=200_000, **CALIB)
+    with pytest.raises(Stop):
+        convert(src, out, opts, device="cpu", on_unit=stop_at(lambda u: layer_of(u.source) == 2))
+    text = (out / MANIFEST).read_text()
+    recorded = json.loads(text)
+    assert recorded["files"] and recorded["status"] == "in-progress"
+
+    original = calib.read_bytes()
+    write_docs(calib, seed=1)  # same path, same options, other text
+    with pytest.raises(QuantizeError, match="cannot resume") as e:
+        convert(src, out, opts, device="cpu", resume=True)
+    assert "calibration tokens differ (the --calib file, --seed, --num-samples/--seq-len or the " \
+           "tokenizer changed)" in str(e.value)
+    assert (out / MANIFEST).read_text() == text  # refused before anything was written
+    assert recorded["calibration"]["device"] == "cpu"
+    assert recorded["calibration"]["compute_dtype"] == "float32"
+
+    calib.write_bytes(original)
+    on_gpu = {**recorded, "calibration": {**recorded["calibration"], "device": "cuda",
+                                          "compute_dtype": "bfloat16"}}
+    (out / MANIFEST).write_text(json.dumps(on_gpu))
+    with pytest.raises(QuantizeError, match="cannot resume") as e:
+        convert(src, out, opts, device="cpu", resume=True)
+    assert "calibration device: was cuda, now cpu" in str(e.value)
+    assert "calibration compute dtype: was bfloat16, now float32" in str(e.value)
+
+    (out / MANIFEST).write_text(text)
+    res = convert(src, out, opts, device="cpu", resume=True)
+    assert res.skipped and res.written
+    assert json.loads((out / MANIFEST).read_text())["calibration"] == recorded["calibration"]
 
 
 # --- killed from outside (see tests/test_resume.py for the stall hook) -----------------------

@@ -282,6 +282,35 @@ def test_verify_names_a_missing_file_and_refuses_a_folder_without_manifest(dsa_f
     assert r.exit_code == 2 and "no manifest" in r.output
 
 
+def test_verify_names_weight_files_the_manifest_does_not_list(dsa_fp8, reference, tmp_path):
+    """A stray shard (an engine globbing *.safetensors would load it) or any other weight file
+    fails verify by name; files written after conversion (card, reports) and other
+    unlisted non-weight files do not."""
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    shards = sorted(out.glob("*.safetensors"))
+    n = len(shards)
+    stray = [f"model-{n + 1:05d}-of-{n:05d}.safetensors", "pytorch_model.bin", "consolidated.pt",
+             "model-q4.gguf", "calibration/extra.safetensors"]
+    for name in stray:
+        (out / name).parent.mkdir(exist_ok=True)
+        shutil.copyfile(shards[0], out / name)
+    (out / "linked.safetensors").symlink_to(shards[1])
+    (out / "NOTES.md").write_text("unlisted, not a weight file: fine\n")
+    (out / "eval.json").write_text("{}\n")
+    r = runner.invoke(app, ["verify", str(dsa_fp8), str(out)])
+    assert r.exit_code == 1, r.output
+    for name in [*stray, "linked.safetensors"]:
+        assert f"{name}: a weight file the manifest does not list" in r.output, (name, r.output)
+    assert "delete it, or reconvert with --overwrite" in r.output
+    assert "NOTES.md" not in r.output and "eval.json" not in r.output and "README.md" not in r.output
+    for name in [*stray, "linked.safetensors"]:
+        (out / name).unlink()
+    r = runner.invoke(app, ["verify", str(dsa_fp8), str(out)])
+    assert r.exit_code == 0, r.output
+    assert (out / "README.md").is_file() and (out / "verify.json").is_file()
+
+
 def test_output_inside_or_equal_to_source_is_refused(dsa_fp8, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(dsa_fp8, src)
