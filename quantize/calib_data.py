@@ -6,7 +6,7 @@ Accepted `--calib` sources (the default is the shipped `calib_data/default.jsonl
                        messages are rendered with the checkpoint's own chat template
     *.txt / *.md       plain UTF-8 text, the whole file one document
     *.parquet          a `text` or `messages` column (needs pyarrow)
-    a folder           a dataset saved with `datasets.Dataset.save_to_disk` (needs datasets)
+    a folder           a dataset saved with `datasets` `save_to_disk` (read with pyarrow)
 
 Sampling is deterministic for a given `seed`: the documents are shuffled with
 `torch.Generator().manual_seed(seed)`, tokenized, joined with the EOS token into one
@@ -87,6 +87,47 @@ def _record(rec: object, where: str) -> str | list[dict]:
                  "rename the field holding the text to `text`")
 
 
+def _pyarrow(p: Path, what: str):
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise _error(str(p), f"{what}, and `pyarrow` is not installed", "pyarrow to read it",
+                     "pip install pyarrow, or export the text to JSONL") from None
+    return pyarrow
+
+
+def _saved_dataset_rows(p: Path) -> list[dict]:
+    """Rows of a folder written by `datasets` `save_to_disk` (a Dataset, or the first split of
+    a DatasetDict), read with pyarrow: `state.json` lists the Arrow stream files in order."""
+    if (p / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((p / "dataset_dict.json").read_text())["splits"]
+        except (ValueError, KeyError, TypeError):
+            splits = []
+        if not splits or not (p / str(splits[0])).is_dir():
+            raise _error(str(p / "dataset_dict.json"), "no readable split", "a DatasetDict "
+                         "saved with save_to_disk", "save one split, or export to JSONL")
+        p = p / str(splits[0])
+    try:
+        files = [f["filename"] for f in json.loads((p / "state.json").read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise _error(str(p), "a folder without a datasets state.json", "a dataset saved with "
+                     "`save_to_disk` (state.json + data-*.arrow)", "point --calib at a file, "
+                     "or at the folder save_to_disk wrote") from None
+    pa = _pyarrow(p, "a saved dataset")
+    rows: list[dict] = []
+    for name in files:
+        f = p / name
+        if Path(name).name != name or not f.is_file():
+            raise _error(str(p / "state.json"), f"data file {name!r} missing or outside the folder",
+                         "data files next to state.json", "save the dataset again")
+        with pa.memory_map(str(f)) as src:
+            rows += pa.ipc.open_stream(src).read_all().to_pylist()
+    return rows
+
+
 def read_documents(path: str | Path) -> list[str | list[dict]]:
     """The documents of a calibration source: strings, or chat message lists."""
     p = Path(path)
@@ -97,22 +138,9 @@ def read_documents(path: str | Path) -> list[str | list[dict]]:
         raise _error(str(p), "no such file or folder", "a .jsonl, .txt, .parquet file or a "
                      "saved datasets folder", fix)
     if p.is_dir():
-        try:
-            import datasets
-        except ImportError:
-            raise _error(str(p), "a folder, and the `datasets` package is not installed",
-                         "a dataset saved with save_to_disk", "pip install datasets, or export "
-                         "the text to JSONL") from None
-        ds = datasets.load_from_disk(str(p))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[next(iter(ds))]
-        docs = [_record(r, str(p)) for r in ds]
+        docs = [_record(r, str(p)) for r in _saved_dataset_rows(p)]
     elif p.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise _error(str(p), "a parquet file, and `pyarrow` is not installed",
-                         "pyarrow to read it", "pip install pyarrow, or export to JSONL") from None
+        pq = _pyarrow(p, "a parquet file").parquet
         docs = [_record(r, str(p)) for r in pq.read_table(p).to_pylist()]
     elif p.suffix in (".jsonl", ".json"):
         docs = []

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import sys
 
 import pytest
 import torch
@@ -98,17 +97,42 @@ def test_bad_jsonl_line_is_named(tok, tmp_path):
         read_documents(p)
 
 
-def test_optional_formats_say_what_is_missing(tmp_path):
-    (tmp_path / "ds").mkdir()
-    if "datasets" not in sys.modules:
-        try:
-            import datasets  # noqa: F401
-        except ImportError:
-            with pytest.raises(QuantizeError, match="pip install datasets"):
-                read_documents(tmp_path / "ds")
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        (tmp_path / "a.parquet").write_bytes(b"PAR1")
-        with pytest.raises(QuantizeError, match="pip install pyarrow"):
-            read_documents(tmp_path / "a.parquet")
+def test_parquet_and_saved_dataset_folders(tmp_path):
+    """Parquet (`text` or chat `messages`) and a save_to_disk folder (state.json + Arrow stream
+    files, a Dataset or a DatasetDict's first split) give the same documents as the JSONL."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"document {i}: " + "word " * (i + 3) for i in range(5)]
+    chats = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+             for i in range(3)]
+    pq.write_table(pa.table({"text": texts, "n": list(range(5))}), tmp_path / "t.parquet")
+    pq.write_table(pa.table({"messages": chats}), tmp_path / "m.parquet")
+    assert read_documents(tmp_path / "t.parquet") == texts
+    assert read_documents(tmp_path / "m.parquet") == chats
+
+    def save(folder, table, parts):  # the layout `datasets` save_to_disk writes
+        folder.mkdir(parents=True)
+        names = [f"data-{i:05d}-of-{parts:05d}.arrow" for i in range(parts)]
+        step = -(-table.num_rows // parts)
+        for i, n in enumerate(names):
+            with pa.OSFile(str(folder / n), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+                w.write_table(table.slice(i * step, step))
+        (folder / "state.json").write_text(json.dumps(
+            {"_data_files": [{"filename": n} for n in names], "_split": None}))
+        (folder / "dataset_info.json").write_text("{}")
+
+    save(tmp_path / "ds", pa.table({"text": texts}), 2)
+    assert read_documents(tmp_path / "ds") == texts
+    save(tmp_path / "dd" / "train", pa.table({"messages": chats}), 1)
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    assert read_documents(tmp_path / "dd") == chats
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(QuantizeError, match="state.json"):
+        read_documents(tmp_path / "plain")
+    (tmp_path / "ds" / "state.json").write_text(json.dumps(
+        {"_data_files": [{"filename": "../t.parquet"}]}))
+    with pytest.raises(QuantizeError, match="outside the folder"):
+        read_documents(tmp_path / "ds")
+
+
