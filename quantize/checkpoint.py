@@ -272,6 +272,12 @@ def _detect_format(config: dict, tensors: dict[str, TensorInfo]) -> tuple[str, t
             w.get("strategy") in ("channel", "tensor") for w in weights
         ):
             return SourceFormat.FP8_CHANNEL, None
+        if fmt == "pack-quantized":
+            raise QuantizeError("an INT4 checkpoint, not a source", [Problem(
+                "config.json", None, f"format={fmt!r} (INT4, e.g. written by `quantize convert`)",
+                "an FP8 or BF16 source checkpoint",
+                "check an output with `quantize verify SRC DST` and measure it with "
+                "`quantize eval SRC DST`; INT4 weights cannot be re-quantized")])
         raise QuantizeError("unsupported compressed-tensors source", [Problem(
             "config.json", None, f"format={fmt!r}, weights={weights}",
             "float-quantized FP8 weights with per-channel or per-tensor scales (GLM-4.x FP8)",

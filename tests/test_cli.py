@@ -49,6 +49,10 @@ def test_convert_then_verify(dsa_fp8, tmp_path):
     # (issue 5: re-running the same command resumes); other options are refused in test_resume.py
     r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--device", "cpu"])
     assert r.exit_code == 0 and "resuming" in r.output and " 0 shard(s) written" in r.output
+    # the output is not a source: inspect/plan say what it is and what to run instead
+    r = runner.invoke(app, ["inspect", str(out)])
+    assert r.exit_code == 2 and "an INT4 checkpoint, not a source" in r.output
+    assert "quantize verify SRC DST" in r.output
 
 
 def test_bad_options_are_one_line_errors(dsa_fp8, tmp_path):
