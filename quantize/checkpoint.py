@@ -360,8 +360,9 @@ def _validate_dtypes(ckpt: Checkpoint) -> None:
             continue
         if t.dtype.startswith("F8"):
             continue  # `_validate_scales`
-        if t.dtype not in allowed and (t.name.endswith((".weight", ".bias")) or t.dtype in _FLOAT
-                                       or t.dtype.startswith("F")):
+        # any float the format lacks; other dtypes only where values are expected (an I64
+        # buffer elsewhere is copied as is)
+        if t.dtype not in allowed and (t.dtype.startswith("F") or t.name.endswith((".weight", ".bias"))):
             problems.append(Problem(t.file, t.name, t.dtype,
                                     f"one of {', '.join(allowed)} in a {ckpt.source_format} "
                                     "checkpoint", "re-download the checkpoint, or convert from "
