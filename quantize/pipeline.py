@@ -132,6 +132,11 @@ def _nonfinite(ckpt: Checkpoint, name: str, t: torch.Tensor) -> QuantizeError:
     passing them on would only move the failure into the serving engine.
     """
     nan, inf = torch.isnan(t), torch.isinf(t)
+    if not (nan.any() or inf.any()):  # finite, but a group's range overflows float32
+        return QuantizeError("weights too large for INT4 group scales", [Problem(
+            ckpt.tensors[name].file, name, f"|w| up to {t.abs().max().item():.3g}",
+            "group ranges that fit float32 (real weights are below ~1e4)",
+            "the checkpoint is corrupt or not a model's weights: re-download this shard")])
     counts = [f"{int(m.sum())} {k}" for k, m in (("NaN", nan), ("Inf", inf)) if m.any()]
     first = [int(i) for i in (nan | inf).nonzero()[0]]
     return QuantizeError("non-finite values in the source", [Problem(
@@ -166,11 +171,16 @@ def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: tor
             raise _nonfinite(ckpt, unit.source, t)
         return [t]
     W = source_weight(ckpt, unit, device, raw)  # (N, K) float32
-    if not torch.isfinite(W).all():
-        raise _nonfinite(ckpt, unit.source, W)
     if unit.action == "dequant":
+        if not torch.isfinite(W).all():
+            raise _nonfinite(ckpt, unit.source, W)
         return [W.to(torch.bfloat16)]
-    return _int4_outputs(quantize_rtn(W, opts.group_size, opts.symmetric))
+    q = quantize_rtn(W, opts.group_size, opts.symmetric)
+    # A NaN or Inf anywhere in W makes its group's range, hence its scale, non-finite (amax
+    # propagates NaN), so the scales (1/group_size of W) are the cheaper place to look.
+    if not torch.isfinite(q.scale).all():
+        raise _nonfinite(ckpt, unit.source, W)
+    return _int4_outputs(q)
 
 
 def _write_all(w: ShardWriter, tensors: list[torch.Tensor]) -> None:

@@ -335,6 +335,22 @@ def test_inf_in_a_bf16_tensor(src, tmp_path):
     assert_unfinished(src, out)
 
 
+def test_finite_weights_whose_group_range_overflows(dsa_bf16, tmp_path):
+    """BF16 +-3e38 in one group: finite, but max - min overflows float32, so an asymmetric
+    scale would be Inf; refused naming the tensor (before: an Inf scale was written)."""
+    src = Path(shutil.copytree(dsa_bf16, tmp_path / "src"))
+
+    def huge(t):
+        w = t[EXPERT].clone()
+        w[0, 0], w[0, 1] = 3e38, -3e38
+        t[EXPERT] = w
+    fname = rewrite_shard(src, EXPERT, huge)
+    out = tmp_path / "out"
+    assert_clear_error(convert(src, out, "--asymmetric"), f"{fname} :: {EXPERT}",
+                       "weights too large for INT4 group scales", "|w| up to 3e+38")
+    assert_unfinished(src, out)
+
+
 # --- shapes and layouts ------------------------------------------------------------------------
 
 

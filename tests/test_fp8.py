@@ -8,7 +8,8 @@ import torch
 from quantize.fp8 import dequant_block, dequant_channel
 
 
-@pytest.mark.parametrize("shape", [(576, 640), (160, 256), (80, 96), (300, 129), (128, 128)])
+@pytest.mark.parametrize("shape", [(576, 640), (160, 256), (80, 96), (300, 129), (128, 128),
+                                   (256, 384)])
 def test_block_dequant_matches_float64_reference(shape):
     g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
     N, K = shape
@@ -24,6 +25,9 @@ def test_block_dequant_matches_float64_reference(shape):
     # one correctly rounded float32 multiplication: within half an ulp (2^-24 relative)
     rel = ((out.double() - ref).abs() / ref.abs().clamp(min=1e-30)).max().item()
     assert rel <= 2**-24, f"max relative error {rel}"
+    # fp8 x fp32 is exact in float64 (4 + 24 significant bits), so the float32 result is that
+    # product rounded once: whole-block (broadcast) and ragged (expanded) paths alike
+    assert torch.equal(out, ref.float())
 
 
 def test_block_dequant_ragged_last_block_is_not_stretched():
