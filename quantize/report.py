@@ -130,7 +130,9 @@ def verify_table(rep: VerifyReport) -> Table:
                     f"{s['quantized']} INT4 tensors, min SQNR {s['min_sqnr_db']:.2f} dB, "
                     f"mean {s['mean_sqnr_db']:.2f} dB; exact {s['exact_ok']}/{s['exact_total']}")
     for c in ("worst tensors", "rel err", "SQNR dB", "ok"):
-        t.add_column(c, justify="left" if c == "worst tensors" else "right")
+        # names fold onto a second line in a narrow terminal instead of losing their end
+        t.add_column(c, justify="left" if c == "worst tensors" else "right",
+                     overflow="fold" if c == "worst tensors" else "ellipsis")
     for w in rep.worst(10):
         t.add_row(w.name, f"{w.rel_err:.4f}", f"{w.sqnr_db:.2f}", "yes" if w.ok else f"[red]{w.note}[/]")
     return t
