@@ -63,7 +63,7 @@ from quantize.calibrate import (
 from quantize.checkpoint import Checkpoint, TensorInfo, open_checkpoint, read_tensor_table
 from quantize.errors import Problem, QuantizeError
 from quantize.int4 import Int4Weight, dequantize, unpack_int4
-from quantize.manifest import MANIFEST, read_manifest
+from quantize.manifest import finished_manifest
 from quantize.options import ConvertOptions
 from quantize.plan import Unit, make_plan
 from quantize.readme import EVAL_JSON
@@ -389,16 +389,6 @@ class Evaluator:
 # The command
 
 
-def _finished_manifest(dst: Path) -> dict:
-    manifest = read_manifest(dst) if dst.is_dir() else None
-    if manifest is None or manifest.get("status") != "complete":
-        state = "no manifest" if manifest is None else f"manifest status {manifest.get('status')!r}"
-        raise QuantizeError("not a finished conversion", [Problem(
-            str(dst / MANIFEST), None, state, "a complete conversion made by `quantize convert`",
-            "finish it with `quantize convert SRC DST --resume`")])
-    return manifest
-
-
 def _same_model(src: Checkpoint, dst: Int4View) -> None:
     skip = {"quantization_config", "torch_dtype"}
     a = {k: v for k, v in src.config.items() if k not in skip}
@@ -449,7 +439,7 @@ def evaluate(src: str | Path, dst: str | Path, opts: EvalOptions = EvalOptions()
 
     dst = Path(dst)
     log = log or (lambda msg: None)
-    manifest = _finished_manifest(dst)
+    manifest = finished_manifest(dst)
     o = manifest["options"]
     conv = ConvertOptions(**{**o, "targets": frozenset(o["targets"])})
     src_ckpt = open_checkpoint(src)

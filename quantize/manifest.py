@@ -29,8 +29,8 @@ from quantize.errors import Problem, QuantizeError
 from quantize.plan import Plan
 from quantize.shards import sha256_file, write_json_atomic
 
-__all__ = ["CALIB_IDENTITY", "MANIFEST", "Manifest", "output_state", "read_manifest",
-           "source_fingerprint"]
+__all__ = ["CALIB_IDENTITY", "MANIFEST", "Manifest", "finished_manifest", "output_state",
+           "read_manifest", "source_fingerprint"]
 
 MANIFEST = "quantize-manifest.json"
 # The keys of "calibration" a resumed run must match (`Calibrator.identity`).
@@ -85,6 +85,19 @@ def plan_digest(plan: Plan) -> str:
             h.update(f"{t.name}|{t.dtype}|{t.shape}".encode())
     h.update(json.dumps(list(plan.ignore)).encode())
     return h.hexdigest()
+
+
+def finished_manifest(out_dir: Path, refusing: str = "",
+                      fix: str = "finish it with `quantize convert SRC DST --resume`") -> dict:
+    """The manifest of a complete conversion in `out_dir`; anything else (no manifest, one
+    still in progress) raises "not a finished conversion" + `refusing`, with `fix`."""
+    manifest = read_manifest(out_dir) if out_dir.is_dir() else None
+    if manifest is None or manifest.get("status") != "complete":
+        state = "no manifest" if manifest is None else f"manifest status {manifest.get('status')!r}"
+        raise QuantizeError("not a finished conversion" + refusing, [Problem(
+            str(out_dir / MANIFEST), None, state, "a complete conversion made by `quantize convert`",
+            fix)])
+    return manifest
 
 
 def read_manifest(out_dir: Path) -> dict | None:

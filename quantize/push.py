@@ -30,7 +30,7 @@ from pathlib import Path
 
 from quantize import __version__
 from quantize.errors import Problem, QuantizeError
-from quantize.manifest import MANIFEST, read_manifest
+from quantize.manifest import MANIFEST, finished_manifest
 from quantize.readme import CARD, EVAL_JSON, card_text, write_readme
 from quantize.verify import VERIFY_JSON
 
@@ -66,12 +66,8 @@ def _check_publishable(dst: Path, repo_id: str, skip_verify_check: bool) -> dict
         raise QuantizeError("not a Hub repo id", [Problem(
             repo_id, None, "not of the form org/name", "e.g. my-org/GLM-5.2-INT4",
             "pass the namespace and the repo name separated by one '/'")])
-    manifest = read_manifest(dst) if dst.is_dir() else None
-    if manifest is None or manifest.get("status") != "complete":
-        state = "no manifest" if manifest is None else f"status {manifest.get('status')!r}"
-        raise QuantizeError("not a finished conversion: refusing to publish it", [Problem(
-            str(dst / MANIFEST), None, state, "a complete conversion made by `quantize convert`",
-            "finish it with `quantize convert SRC DST --resume`, then `quantize verify SRC DST`")])
+    manifest = finished_manifest(dst, ": refusing to publish it", "finish it with `quantize "
+                                 "convert SRC DST --resume`, then `quantize verify SRC DST`")
     problems = []
     for name, rec in sorted(manifest["files"].items()):
         p = dst / name

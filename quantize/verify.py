@@ -34,9 +34,8 @@ from pathlib import Path
 import torch
 
 from quantize.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor_table
-from quantize.errors import Problem, QuantizeError
 from quantize.int4 import Int4Weight, dequantize, unpack_int4
-from quantize.manifest import MANIFEST, read_manifest
+from quantize.manifest import finished_manifest
 from quantize.options import ConvertOptions
 from quantize.pipeline import WEIGHT_SUFFIXES, quantization_config, source_weight
 from quantize.plan import Unit, make_plan
@@ -179,12 +178,7 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = 12.0, device: 
     """Check `dst` against `src`; write `dst/verify.json`; return the report.
     `on_start(source_bytes)` once the tensors are about to be read, `on_unit(unit)` after each."""
     dst = Path(dst)
-    manifest = read_manifest(dst)
-    if manifest is None or manifest.get("status") != "complete":
-        state = "no manifest" if manifest is None else f"manifest status {manifest.get('status')!r}"
-        raise QuantizeError("not a finished conversion", [Problem(
-            str(dst / MANIFEST), None, state, "a complete conversion made by `quantize convert`",
-            "finish it with `quantize convert SRC DST --resume`")])
+    manifest = finished_manifest(dst)
     report = VerifyReport(str(src), str(dst), min_sqnr_db)
     for name, rec in sorted(manifest["files"].items()):
         p = dst / name
