@@ -214,8 +214,10 @@ def _expert_width(ckpt: Checkpoint) -> int | None:
     return None
 
 
-def tp_checks(ckpt: Checkpoint, opts: ConvertOptions, tp: int, expert_width: int | None) -> list[Check]:
-    """What vLLM's Marlin MoE / SGLang WNA16 kernels require of the quantized layout at `tp`."""
+def tp_checks(ckpt: Checkpoint, opts: ConvertOptions, tp: int, expert_width: int | None,
+              row_widths: dict[str, set[int]] | None = None) -> list[Check]:
+    """What vLLM's Marlin MoE / SGLang WNA16 kernels require of the quantized layout at `tp`.
+    `row_widths`: {role: in-dimensions of its INT4 down_proj} for shared/dense targets."""
     checks: list[Check] = []
     g = opts.group_size
     hidden = ckpt.config.get("hidden_size")
@@ -243,14 +245,7 @@ def tp_checks(ckpt: Checkpoint, opts: ConvertOptions, tp: int, expert_width: int
                                 f"{expert_width}/{tp} = {part}, {part} % {need} = {part % need}{fix}"))
     # Row-parallel INT4 Linears outside the routed experts (shared experts, dense MLPs): each
     # rank holds K / TP input columns, and its groups must tile them.
-    widths: dict[str, set[int]] = {}
-    for t in ckpt.tensors.values():
-        m = module_of(t.name) if t.name.endswith(".weight") else None
-        role = linear_role(m) if m else None
-        if role in ("shared", "dense") and role in opts.targets and m.endswith("down_proj") \
-                and len(t.shape) == 2:
-            widths.setdefault(role, set()).add(t.shape[1])
-    for role, ks in sorted(widths.items()):
+    for role, ks in sorted((row_widths or {}).items()):
         for k in sorted(ks):
             ok = k % tp == 0 and (k // tp) % g == 0
             good_tp = [t for t in (1, 2, 4, 8, 16) if k % t == 0 and (k // t) % g == 0]
@@ -265,6 +260,16 @@ def tp_checks(ckpt: Checkpoint, opts: ConvertOptions, tp: int, expert_width: int
                             "SGLang's MoE WNA16 kernels assert symmetric weights and transformers "
                             "ignores MoE zero points when decompressing; vLLM Marlin reads them"))
     return checks
+
+
+def _row_widths(ckpt: Checkpoint, units: list[Unit]) -> dict[str, set[int]]:
+    """{role: in-dimensions} of the INT4 down_proj units outside the routed experts."""
+    widths: dict[str, set[int]] = {}
+    for u in units:
+        if u.action == "quantize" and u.role in ("shared", "dense") \
+                and u.source.endswith("down_proj.weight"):
+            widths.setdefault(u.role, set()).add(ckpt.tensors[u.source].shape[1])
+    return widths
 
 
 def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
@@ -288,7 +293,7 @@ def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
         units=tuple(units),
         shards=tuple(_shards(units, opts.max_shard_size)),
         ignore=tuple(ignore),
-        checks=tuple(tp_checks(ckpt, opts, tp, width)),
+        checks=tuple(tp_checks(ckpt, opts, tp, width, _row_widths(ckpt, units))),
         expert_width=width,
         tp=tp,
     )
