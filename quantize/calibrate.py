@@ -653,12 +653,11 @@ class Calibrator:
 
     def use_state(self, root: Path, run: dict) -> None:
         """Checkpoint into `root` (DST/CALIB_STATE), and resume from there. `run`: what the
-        manifest requires to resume (options, source, tool version, calibration); the library
-        versions and `identity()` are added to the fingerprint."""
+        manifest requires to resume (options, source, tool version, and `identity()` as its
+        "calibration"); the library versions are added to the fingerprint."""
         import transformers
 
-        fp = {"run": run, "torch": torch.__version__, "transformers": transformers.__version__,
-              **self.identity()}
+        fp = {"run": run, "torch": torch.__version__, "transformers": transformers.__version__}
         self.state = StateDir(root, hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest())
 
     def start_shard(self, shard: Shard) -> None:
