@@ -454,15 +454,12 @@ def _validate_layers(ckpt: Checkpoint) -> None:
                                 f"layers 0..{n - 1} (num_hidden_layers {n})",
                                 "the download is incomplete; re-download the checkpoint"))
     if cfg.get("model_type") in _UNIFORM_LAYERS:
+        moe = {L: any(".experts.*." in k for k in uniform[L]) for L in range(n) if uniform.get(L)}
         kinds: dict[bool, set[str]] = {}
-        for L in range(n):
-            names = uniform.get(L, set())
-            kinds.setdefault(any(".experts.*." in k for k in names), set()).update(names)
-        for L in range(n):
-            names = uniform.get(L)
-            if not names:
-                continue
-            lost = sorted(kinds[any(".experts.*." in k for k in names)] - names)
+        for L, is_moe in moe.items():
+            kinds.setdefault(is_moe, set()).update(uniform[L])
+        for L, is_moe in moe.items():
+            lost = sorted(kinds[is_moe] - uniform[L])
             if lost:
                 problems.append(Problem(INDEX_NAME, f"model.layers.{L}.{lost[0]}",
                                         f"layer {L} lacks {len(lost)} tensor(s) its sibling layers "
