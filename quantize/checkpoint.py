@@ -109,7 +109,9 @@ class Checkpoint:
         return sum(t.nbytes for t in self.tensors.values())
 
     def read(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
-        """Read one tensor's bytes with a single positioned read (no mmap kept around)."""
+        """Read one tensor's bytes with positioned reads (no mmap kept around). To a CUDA
+        device the bytes go through reusable pinned buffers (`_staged_read`); to the host, into
+        a new buffer the returned tensor owns."""
         if self.root is None:
             raise QuantizeError(
                 f"{self.name} was opened header-only (Hub repo id); tensor data is not available",
@@ -118,19 +120,51 @@ class Checkpoint:
             )
         info = self.tensors[name]
         torch_dtype, _ = DTYPES[info.dtype]
-        buf = bytearray(info.nbytes)
-        with open(self.root / info.file, "rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [buf], info.begin) if info.nbytes else 0
-        if got != info.nbytes:
-            raise QuantizeError(
-                "a shard is shorter than its header says",
-                [Problem(info.file, name, f"read {got} of {info.nbytes} bytes",
-                         "the full tensor", "re-download the shard (it is truncated)")],
-            )
+        dev = torch.device(device)
         if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=torch_dtype, device=device)
-        t = torch.frombuffer(buf, dtype=torch.uint8).view(torch_dtype).reshape(info.shape)
-        return t.to(device) if str(device) != "cpu" else t
+            return torch.empty(info.shape, dtype=torch_dtype, device=dev)
+        with open(self.root / info.file, "rb", buffering=0) as f:
+            if dev.type == "cuda":
+                t = _staged_read(f.fileno(), info, dev)
+            else:
+                t = torch.empty(info.nbytes, dtype=torch.uint8)
+                _read_exact(f.fileno(), memoryview(t.numpy()), info, 0)
+        return t.view(torch_dtype).reshape(info.shape)
+
+
+def _read_exact(fd: int, buf: memoryview, info: TensorInfo, offset: int) -> None:
+    """Fill `buf` from the tensor's bytes at `offset`, or name the truncated shard."""
+    got = os.preadv(fd, [buf], info.begin + offset)
+    if got != len(buf):
+        raise QuantizeError(
+            "a shard is shorter than its header says",
+            [Problem(info.file, info.name, f"read {offset + got} of {info.nbytes} bytes",
+                     "the full tensor", "re-download the shard (it is truncated)")],
+        )
+
+
+def _staged_read(fd: int, info: TensorInfo, device: torch.device) -> torch.Tensor:
+    """The tensor's bytes in a new uint8 tensor on `device`, read through pinned chunks
+    (`quantize.staging`): chunk i+1 is read from the file while chunk i is copied. The copy
+    stream is synchronized before returning, so the tensor is complete for any stream."""
+    from quantize.staging import CHUNK, staging
+
+    user = torch.cuda.current_stream(device)  # where the caller will use the tensor
+    with staging(device) as st:
+        with torch.cuda.stream(st.stream):  # allocated on the copy stream: written only there
+            out = torch.empty(info.nbytes, dtype=torch.uint8, device=device)
+            for i, off in enumerate(range(0, info.nbytes, CHUNK)):
+                b = i % 2
+                n = min(CHUNK, info.nbytes - off)
+                st.done[b].synchronize()  # the copy that last used this buffer has finished
+                _read_exact(fd, st.views[b][:n], info, off)
+                out[off:off + n].copy_(st.bufs[b][:n], non_blocking=True)
+                st.done[b].record(st.stream)
+        st.stream.synchronize()
+    # freed later on the caller's stream: the allocator waits for that stream's work before
+    # handing the memory to the copy stream again
+    out.record_stream(user)
+    return out
 
 
 def read_safetensors_header(path: Path, shown_name: str) -> tuple[dict[str, dict], int]:

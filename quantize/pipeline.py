@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -80,6 +81,13 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _init_cuda(dev: torch.device) -> None:
+    try:
+        torch.empty(1, device=dev)
+    except RuntimeError:  # a broken device: the first real use raises it with its context
+        pass
+
+
 def quantization_config(plan: Plan) -> dict:
     """config.json `quantization_config`, built with compressed-tensors' own classes."""
     import compressed_tensors
@@ -105,10 +113,13 @@ def quantization_config(plan: Plan) -> dict:
     return qc
 
 
-def read_unit(ckpt: Checkpoint, unit: Unit) -> dict[str, torch.Tensor]:
-    """The source tensors a unit needs (weight, and its FP8 scale), read from disk to host."""
+def read_unit(ckpt: Checkpoint, unit: Unit, device: torch.device | str = "cpu"
+              ) -> dict[str, torch.Tensor]:
+    """The source tensors a unit needs (weight, and its FP8 scale), read from disk onto
+    `device` (a copied tensor always stays on the host: it goes straight back to disk)."""
     names = [unit.source] + ([unit.scale] if unit.scale else [])
-    return {n: ckpt.read(n) for n in names}
+    dev = "cpu" if unit.action == "copy" else device
+    return {n: ckpt.read(n, dev) for n in names}
 
 
 def source_weight(ckpt: Checkpoint, unit: Unit, device: torch.device,
@@ -159,31 +170,51 @@ def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: tor
                  ) -> list[torch.Tensor]:
     """The output tensors of one unit, in plan order (`raw`: its tensors already read;
     `calib`: calibrated results first)."""
+    outs, finite = _compute(ckpt, unit, opts, device, raw, calib)
+    if finite is not None and not bool(finite):
+        raise _unit_nonfinite(ckpt, unit)
+    return outs
+
+
+def _compute(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.device,
+             raw: dict[str, torch.Tensor] | None, calib: Calibrator | None
+             ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """`compute_unit` without waiting for the device: the outputs (on `device`) and a 0-d
+    bool tensor, True when the values checked are finite (None: nothing to check). Reading
+    the flag is what synchronizes, so the streaming loop leaves that to its writer thread."""
     done = calib.result(unit) if calib is not None else None
     if isinstance(done, Int4Weight):
-        return _int4_outputs(done)
+        return _int4_outputs(done), None
+    if isinstance(done, list):  # packed on the device by the calibrator, already on the host
+        return done, None
     if done is not None:  # a BF16 tensor AWQ rescaled (norm, router, non-target Linear)
-        return [done]
-    raw = raw if raw is not None else read_unit(ckpt, unit)
+        return [done], None
+    raw = raw if raw is not None else read_unit(ckpt, unit, device)
     if unit.action == "copy":
         t = raw[unit.source]
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise _nonfinite(ckpt, unit.source, t)
-        return [t]
+        return [t], torch.isfinite(t).all() if t.is_floating_point() else None
     W = source_weight(ckpt, unit, device, raw)  # (N, K) float32
     if unit.action == "dequant":
-        if not torch.isfinite(W).all():
-            raise _nonfinite(ckpt, unit.source, W)
-        return [W.to(torch.bfloat16)]
+        return [W.to(torch.bfloat16)], torch.isfinite(W).all()
     q = quantize_rtn(W, opts.group_size, opts.symmetric)
     # A NaN or Inf anywhere in W makes its group's range, hence its scale, non-finite (amax
     # propagates NaN), so the scales (1/group_size of W) are the cheaper place to look.
-    if not torch.isfinite(q.scale).all():
-        raise _nonfinite(ckpt, unit.source, W)
-    return _int4_outputs(q)
+    return _int4_outputs(q), torch.isfinite(q.scale).all()
 
 
-def _write_all(w: ShardWriter, tensors: list[torch.Tensor]) -> None:
+def _unit_nonfinite(ckpt: Checkpoint, unit: Unit) -> QuantizeError:
+    """The error for a unit whose finiteness check failed (its source is read again: only
+    the failure path pays for the details)."""
+    raw = read_unit(ckpt, unit)
+    t = raw[unit.source] if unit.action == "copy" else source_weight(ckpt, unit, torch.device("cpu"), raw)
+    return _nonfinite(ckpt, unit.source, t)
+
+
+def _write_unit(w: ShardWriter, ckpt: Checkpoint, unit: Unit, tensors: list[torch.Tensor],
+                finite: torch.Tensor | None) -> None:
+    """The writer thread's part of a unit: check, copy to the host, hash and write."""
+    if finite is not None and not bool(finite):
+        raise _unit_nonfinite(ckpt, unit)
     for t in tensors:
         w.write(t)
 
@@ -280,6 +311,8 @@ def convert(
     ckpt = open_checkpoint(src)
     plan = make_plan(ckpt, opts, tp)
     dev = resolve_device(device)
+    if dev.type == "cuda":  # the driver's start-up (~0.4 s on an H200) overlaps the checks below
+        threading.Thread(target=_init_cuda, args=(dev,), daemon=True).start()
     aux = _aux_files(src)
     _check_scales(ckpt, plan)  # everything checkable without reading the weights, before writing
     _check_out_path(src, out, resume, overwrite)
@@ -319,22 +352,25 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
             continue
         if calib is not None:
             calib.start_shard(shard)  # resumes from a checkpoint; deletes those no longer needed
-        # Three stages overlap: the reader thread fetches unit i+1, this thread computes unit
-        # i, the writer thread hashes and writes unit i-1 (torch, hashlib and file I/O release
-        # the GIL). At most three units' tensors are in memory; the write order is the plan's.
+        # Three stages overlap: the reader thread fetches unit i+1 (onto the GPU when there is
+        # one), this thread launches unit i's work, the writer thread brings unit i-1 to the
+        # host, checks it, hashes and writes it (torch, hashlib and file I/O release the GIL).
+        # Only the writer waits for the device, so this thread never stalls the GPU's queue.
+        # At most three units' tensors are in memory; the write order is the plan's.
         with ShardWriter(out / shard.file, shard.tensors) as w, \
                 ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as writer:
-            ahead = reader.submit(read_unit, ckpt, shard.units[0])
+            ahead = reader.submit(read_unit, ckpt, shard.units[0], dev)
             written_prev = None
             for i, unit in enumerate(shard.units):
                 raw = ahead.result()
                 if i + 1 < len(shard.units):
-                    ahead = reader.submit(read_unit, ckpt, shard.units[i + 1])
-                outs = [t.cpu() for t in compute_unit(ckpt, unit, opts, dev, raw, calib)]
+                    ahead = reader.submit(read_unit, ckpt, shard.units[i + 1], dev)
+                outs, finite = _compute(ckpt, unit, opts, dev, raw, calib)
+                del raw
                 if written_prev is not None:
                     written_prev.result()  # re-raises a write error (e.g. disk full) here
                     stall_point("unit", w.f)  # test hook (shards.py): the shard is half written
-                written_prev = writer.submit(_write_all, w, outs)
+                written_prev = writer.submit(_write_unit, w, ckpt, unit, outs, finite)
                 if on_unit:
                     on_unit(unit)
             if written_prev is not None:

@@ -3,7 +3,8 @@
 Builds two synthetic GLM-5-layout block-FP8 checkpoints that differ only in depth (2 and 8
 layers, same layer size), converts each in a fresh subprocess (RTN, group 32) and records
 its peak RSS; then times a plain read+write of the same source bytes on the same disk and the
-conversion of the 8-layer checkpoint, and writes everything as JSON.
+conversion of each, and writes everything as JSON. Both timed steps start after `os.sync()`,
+with the source in the page cache (it was just written), as a re-run conversion finds it.
 
     python scripts/bench_stream.py --out bench_out/bench_stream.json [--device cpu|cuda]
 """
@@ -96,8 +97,13 @@ def main() -> None:
             write_checkpoint(src, _config(layers, args.hidden, args.experts, args.width), "fp8-block",
                              seed=layers, shard_bytes=512 * 2**20)
             src_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+            # Each timed step starts on a quiet disk: the kernel writes the checkpoint just
+            # generated (or the copy just deleted) back in the background, and whichever step
+            # ran next would otherwise share the disk with it.
+            os.sync()
             copy_s = _plain_copy(src, work / f"copy{layers}")
             shutil.rmtree(work / f"copy{layers}")
+            os.sync()
             run = _convert(src, work / f"dst{layers}", args.device, args.threads)
             run.update(source_bytes=src_bytes, plain_copy_seconds=copy_s,
                        plain_copy_MBps=src_bytes / copy_s / 1e6,
