@@ -81,11 +81,12 @@ from quantize.calib_data import CalibrationSet, load_calibration
 from quantize.calib_state import StateDir
 from quantize.checkpoint import DTYPES, Checkpoint
 from quantize.errors import Problem, QuantizeError
-from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
-from quantize.int4 import Int4Weight, dequantize, quantize_rtn
+from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize, xtx
+from quantize.int4 import Int4Weight, dequantize, int4_outputs, quantize_rtn
 from quantize.layout import layer_of
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, Shard, Unit
+from quantize.staging import to_host
 
 __all__ = ["AWQ_SCALES", "CALIB_REPORT", "Calibrator", "HiddenStates", "MLPStats", "awq_expected",
            "build_skeleton", "dense_forward", "load_layer", "moe_forward", "run_layer"]
@@ -94,6 +95,10 @@ CHUNK_TOKENS = 8192  # tokens per layer forward: enough to fill a GPU, small on 
 SAMPLE_TOKENS = 2048  # all-token MLP inputs kept for AWQ's search and expert fallbacks
 SAMPLE_EXPERT_TOKENS = 256  # routed intermediate activations kept per expert for AWQ
 EXPERT_BATCH = 32  # experts per AWQ search / all-expert pass (bounds their GPU memory)
+# Experts per batched GPTQ solve at most: 32 GLM-5.2 experts (6144^2 factorizations, 2 x 2048
+# rows each) already keep an H200 busy (measured: a batch of 32 takes 0.78 s, 24 ms/expert),
+# and a larger batch only adds memory (~0.5 GB per expert).
+GPTQ_BATCH = 32
 CALIB_REPORT = "calibration-report.json"
 # The AWQ scales as applied, for `verify` (a subfolder: engines never load it as weights):
 #   model.layers.L.mlp.awq_input_scale (H,): the post-attention norm's output is divided by it,
@@ -228,20 +233,28 @@ def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit] | None, L: int
     if _mlp_kind(layer.mlp) == "moe":
         layer.mlp.gate.float()  # routing in float32, as transformers keeps it
     layer.to_empty(device=device)
-    with torch.no_grad():
-        for key, t in layer.state_dict().items():  # views of the parameters: filled in place
-            for i, n in enumerate(names(key)):
-                w = (source_weight(ckpt, units[n], device) if units is not None
-                     else ckpt.read(n, device).float())
-                if not torch.isfinite(w).all():
-                    raise _nonfinite(ckpt, n, w)
-                if key.endswith("experts.gate_up_proj"):  # (E, 2I, H): gate rows, then up rows
-                    half = t.shape[1] // 2
-                    t[i // 2, (i % 2) * half:(i % 2 + 1) * half].copy_(w)
-                elif key.endswith("experts.down_proj"):  # (E, H, I)
-                    t[i].copy_(w)
-                else:
-                    t.copy_(w)
+
+    def get(n: str) -> torch.Tensor:
+        return source_weight(ckpt, units[n], device) if units is not None else ckpt.read(n, device).float()
+
+    params = layer.state_dict()  # views of the parameters: filled in place
+    order = [(key, i, n) for key, t in params.items() for i, n in enumerate(names(key))]
+    finite = []  # one flag per tensor, read once at the end: no device sync per tensor
+    with torch.no_grad(), _ReadAhead(get, [n for _, _, n in order], depth=16) as R:
+        for key, i, n in order:
+            w, t = R[n], params[key]
+            finite.append(torch.isfinite(w).all())
+            if key.endswith("experts.gate_up_proj"):  # (E, 2I, H): gate rows, then up rows
+                half = t.shape[1] // 2
+                t[i // 2, (i % 2) * half:(i % 2 + 1) * half].copy_(w)
+            elif key.endswith("experts.down_proj"):  # (E, H, I)
+                t[i].copy_(w)
+            else:
+                t.copy_(w)
+        del w
+    if finite and not bool(torch.stack(finite).all()):
+        n = next(n for (_, _, n), ok in zip(order, finite) if not ok)
+        raise _nonfinite(ckpt, n, get(n))
     layer.eval()
     return layer
 
@@ -256,21 +269,31 @@ def free_layer(layer: torch.nn.Module) -> None:
 
 @dataclass
 class MLPStats:
-    """What pass 1 collects for one layer's MLP; which parts are filled depends on the method."""
+    """What pass 1 collects for one layer's MLP; which parts are filled depends on the method.
+
+    A routed expert's gate/up Hessian 2 XᵀX / n is built when its GPTQ batch is solved
+    (`expert_H_in`), from the layer's MLP inputs kept once (`x_store`) and the rows routed to
+    it, instead of 256 float32 (H, H) running sums held through the whole pass: GLM-5.2 at
+    64 x 2048 tokens keeps 1.6 GB of bf16 inputs instead of 38.7 GB of sums. With
+    `store_tokens` off (the hidden states were spilled: they do not fit the device) the sums
+    are kept instead, a size that does not grow with the calibration set.
+    """
 
     kind: str  # "moe" | "dense"
     hessians: bool  # GPTQ needs them
     samples: bool  # AWQ needs activation samples
     all_experts: bool  # expert_calibration == "all"
     num_experts: int = 0
+    store_tokens: bool = True  # routed gate/up Hessians from kept inputs (else running sums)
     tokens: int = 0
     H_in: torch.Tensor | None = None  # (H, H) all MLP-input tokens
     H_down: torch.Tensor | None = None  # dense / shared down_proj (I, I)
     n_down: int = 0
     expert_tokens: list[int] = field(default_factory=list)  # routed tokens per expert
-    H_in_e: dict[int, torch.Tensor] = field(default_factory=dict)  # routed gate/up Hessians
-    n_in_e: dict[int, int] = field(default_factory=dict)
-    H_down_e: dict[int, torch.Tensor] = field(default_factory=dict)
+    x_store: list[torch.Tensor] = field(default_factory=list)  # MLP inputs (T_c, H) per chunk
+    rows_e: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)  # (chunk, rows)
+    S_in_e: dict[int, torch.Tensor] = field(default_factory=dict)  # XᵀX sums (no store_tokens)
+    S_down_e: dict[int, torch.Tensor] = field(default_factory=dict)  # down inputs' XᵀX sums
     n_down_e: dict[int, int] = field(default_factory=dict)
     x_sample: list[torch.Tensor] = field(default_factory=list)  # all-token MLP inputs (float32)
     inter_sample: list[torch.Tensor] = field(default_factory=list)  # dense/shared down inputs
@@ -279,17 +302,23 @@ class MLPStats:
     def __post_init__(self) -> None:
         self.expert_tokens = [0] * self.num_experts
 
+    @property
+    def routed_hessians(self) -> bool:
+        return self.hessians and not self.all_experts
+
     @staticmethod
     def _keep(buf: list[torch.Tensor], x: torch.Tensor, limit: int) -> None:
         have = sum(t.shape[0] for t in buf)
         if have < limit:
             buf.append(x[: limit - have].float().clone())
 
-    def mlp_input(self, x: torch.Tensor) -> None:  # x (T, H)
+    def mlp_input(self, x: torch.Tensor) -> None:  # x (T, H); after the chunk's routed() calls
         self.tokens += x.shape[0]
         if self.hessians:
             self.H_in, _ = accumulate_hessian(self._zeros(self.H_in, x.shape[-1], x), x,
                                               self.tokens - x.shape[0])
+        if self.kind == "moe" and self.routed_hessians and self.store_tokens:
+            self.x_store.append(x)  # chunk index len(x_store) - 1, as routed() recorded
         self._keep(self.x_sample, x, SAMPLE_TOKENS)
 
     def down_input(self, inter: torch.Tensor) -> None:  # dense / shared (T, I)
@@ -299,18 +328,42 @@ class MLPStats:
         if self.samples:
             self._keep(self.inter_sample, inter, SAMPLE_TOKENS)
 
-    def routed(self, e: int, x: torch.Tensor, inter: torch.Tensor) -> None:
+    def routed(self, e: int, x: torch.Tensor, inter: torch.Tensor, rows: torch.Tensor) -> None:
+        """Expert e's routed tokens of the current chunk: inputs x (n, H) = the chunk's rows
+        `rows`, and its down_proj inputs inter (n, I)."""
         self.expert_tokens[e] += x.shape[0]
-        if self.hessians and not self.all_experts:
-            self.H_in_e[e], self.n_in_e[e] = accumulate_hessian(
-                self._zeros(self.H_in_e.get(e), x.shape[-1], x), x, self.n_in_e.get(e, 0))
+        if self.routed_hessians:
+            if self.store_tokens:
+                self.rows_e.setdefault(e, []).append((len(self.x_store), rows))
+            else:
+                self.S_in_e[e] = xtx(x, self.S_in_e.get(e))
             self.expert_down(e, inter)
         if self.samples:
             self._keep(self.inter_e.setdefault(e, []), inter, SAMPLE_EXPERT_TOKENS)
 
     def expert_down(self, e: int, inter: torch.Tensor) -> None:
-        self.H_down_e[e], self.n_down_e[e] = accumulate_hessian(
-            self._zeros(self.H_down_e.get(e), inter.shape[-1], inter), inter, self.n_down_e.get(e, 0))
+        self.S_down_e[e] = xtx(inter, self.S_down_e.get(e))
+        self.n_down_e[e] = self.n_down_e.get(e, 0) + inter.shape[0]
+
+    def expert_H_in(self, e: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """2 XᵀX / n over the tokens routed to expert e (None if it got none); its statistics
+        are released. `out`: a (H, H) float32 tensor to write it into."""
+        n = self.expert_tokens[e]
+        if self.store_tokens:
+            rows = self.rows_e.pop(e, None)
+            if not rows:
+                return None
+            S = xtx(torch.cat([self.x_store[c].index_select(0, r) for c, r in rows]))
+        else:
+            S = self.S_in_e.pop(e, None)
+            if S is None:
+                return None
+        return torch.mul(S, 2.0 / n, out=out)
+
+    def expert_H_down(self, e: int) -> torch.Tensor | None:
+        """2 XᵀX / n of expert e's down_proj inputs (None if it got none), released."""
+        S = self.S_down_e.pop(e, None)
+        return None if S is None else S.mul_(2.0 / self.n_down_e[e])
 
     @staticmethod
     def _zeros(H: torch.Tensor | None, K: int, like: torch.Tensor) -> torch.Tensor:
@@ -346,7 +399,7 @@ def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = 
         y = F.linear(inter, experts.down_proj[e]) * topk_weights[token_idx, top_k_pos, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
         if stats is not None:
-            stats.routed(e, current, inter)
+            stats.routed(e, current, inter, token_idx)
     sh = moe.shared_experts
     inter_s = sh.act_fn(sh.gate_proj(x)) * sh.up_proj(x)
     if stats is not None:
@@ -478,13 +531,14 @@ class LayerWeights:
 
 
 class _ReadAhead:
-    """W[name] for names used in a known order, read `depth` ahead on worker threads: the
-    disk reads, host-to-device copies and FP8 dequantization of the next experts overlap the
-    rounding of the current ones (each read releases the GIL). A name out of order, or one not
-    listed, is read on the spot."""
+    """get(name) for names used in a known order, computed `depth` ahead on worker threads:
+    the disk reads, host-to-device copies and FP8 dequantization of the next tensors overlap
+    the work on the current ones (each read releases the GIL). A name out of order, or one
+    not listed, is read on the spot."""
 
-    def __init__(self, W: LayerWeights, names: list[str], depth: int, workers: int = 4) -> None:
-        self.W, self.names, self.depth = W, list(names), max(1, depth)
+    def __init__(self, get: Callable[[str], torch.Tensor], names: list[str], depth: int,
+                 workers: int = 4) -> None:
+        self.get, self.names, self.depth = get, list(names), max(1, depth)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="quantize-read")
         self.ahead: dict[str, Future] = {}
         self.i = 0
@@ -493,12 +547,12 @@ class _ReadAhead:
     def _fill(self) -> None:
         while self.i < len(self.names) and len(self.ahead) < self.depth:
             n = self.names[self.i]
-            self.ahead[n] = self.pool.submit(self.W.__getitem__, n)
+            self.ahead[n] = self.pool.submit(self.get, n)
             self.i += 1
 
     def __getitem__(self, name: str) -> torch.Tensor:
         f = self.ahead.pop(name, None)
-        t = f.result() if f is not None else self.W[name]
+        t = f.result() if f is not None else self.get(name)
         self._fill()
         return t
 
@@ -507,6 +561,12 @@ class _ReadAhead:
             f.cancel()
         self.ahead.clear()
         self.pool.shutdown(wait=True)
+
+    def __enter__(self) -> _ReadAhead:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class _Clock:
@@ -571,7 +631,10 @@ class Calibrator:
         self._save_after.add(self.last_layer)
         self.state: StateDir | None = None
         self._keep_after = -1  # the last layer a resume can start after (older: deletable)
-        self.results: dict[str, Int4Weight | torch.Tensor] = {}
+        # per written name: packed INT4 outputs (a list, or its Future while on its way to the
+        # host), or a rescaled BF16 tensor
+        self.results: dict[str, list[torch.Tensor] | Future | torch.Tensor] = {}
+        self._host = ThreadPoolExecutor(1, thread_name_prefix="quantize-d2h")
         self.layers: list[dict] = []
         self._mtp_skip: dict[int, str] = {}  # MTP layers not calibrated, and why
         self.awq_scales: dict[str, torch.Tensor] = {}  # AWQ_SCALES, float32 on the host
@@ -622,7 +685,7 @@ class Calibrator:
 
     # -- the provider interface pipeline.compute_unit consults --------------------------------
 
-    def result(self, unit: Unit) -> Int4Weight | torch.Tensor | None:
+    def result(self, unit: Unit) -> list[torch.Tensor] | torch.Tensor | None:
         L = layer_of(unit.source)
         if L is None:
             return None
@@ -630,7 +693,8 @@ class Calibrator:
         if L < self.next_layer - 1:
             raise RuntimeError(f"internal: layer {L} requested after layer {self.next_layer - 1}")
         self._run_until(L)
-        return self.results.get(unit.source)
+        r = self.results.get(unit.source)
+        return r.result() if isinstance(r, Future) else r
 
     def report(self) -> dict:
         o = self.opts
@@ -771,7 +835,7 @@ class Calibrator:
         I, K = shape
         per_expert = (2 * K * K + 4 * I * K) * 4
         free, _ = torch.cuda.mem_get_info(self.device)
-        return max(1, min(E, free // 4 // per_expert))
+        return max(1, min(E, GPTQ_BATCH, free // 4 // per_expert))
 
     def _run_mtp(self, L: int) -> None:
         """The MTP layer (index num_hidden_layers), run on its real inputs: at position i,
@@ -852,6 +916,9 @@ class Calibrator:
         else:
             entry.update(self._calibrate(L, layer, kind, targets))
         free_layer(layer)
+        for r in self.results.values():  # the layer's outputs are all on the host
+            if isinstance(r, Future):
+                r.result()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             entry["peak_gpu_gib"] = max([round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2),
@@ -870,7 +937,8 @@ class Calibrator:
         mlp = layer.mlp
         E = mlp.experts.num_experts if kind == "moe" else 0
         stats = MLPStats(kind, hessians="gptq" in method, samples="awq" in method,
-                         all_experts=o.expert_calibration == "all", num_experts=E)
+                         all_experts=o.expert_calibration == "all", num_experts=E,
+                         store_tokens=not self.spilled)
         fwd = moe_forward if kind == "moe" else dense_forward
         clock = _Clock(self.device)
         mlp.forward = lambda x: fwd(mlp, x, stats)  # pass 1: the same output, statistics on
@@ -971,8 +1039,12 @@ class Calibrator:
             nonlocal nq
             nq += 1
             self._set_weight(L, layer, n, dequantize(w, torch.float32))
-            self.results[n] = Int4Weight(w.q.cpu(), w.scale.cpu(),
-                                         None if w.zero_point is None else w.zero_point.cpu())
+            outs = int4_outputs(w)  # packed where it was computed: 1/2 of the int8 codes' bytes
+            if self.device.type == "cuda":  # to the host on a copy thread and stream: the
+                # solves queued behind it go on (resolved in `result`, at the latest at layer end)
+                self.results[n] = self._host.submit(lambda ts: [to_host(t) for t in ts], outs)
+            else:
+                self.results[n] = outs
 
         def split(w: Int4Weight, i, sl=slice(None)) -> Int4Weight:
             zp = None if w.zero_point is None else w.zero_point[i][sl]
@@ -990,7 +1062,7 @@ class Calibrator:
 
         quant = [n for n, t in targets.items() if t.quantize]
         if "gptq" not in method:
-            R = _ReadAhead(W, quant, depth=32)
+            R = _ReadAhead(W.__getitem__, quant, depth=32)
             for n in quant:
                 done(n, quantize_rtn(R[n], o.group_size, o.symmetric))
             R.close()
@@ -1002,7 +1074,7 @@ class Calibrator:
             report["gptq_expert_batch"] = nb
             order = [f"{p}experts.{e}.{proj}.weight" for c in range(0, len(routed), nb)
                      for proj in ("gate_proj", "up_proj", "down_proj") for e in routed[c: c + nb]]
-            R = _ReadAhead(W, order, depth=min(2 * nb, 64))  # the next reads overlap the solves
+            R = _ReadAhead(W.__getitem__, order, depth=min(2 * nb, 64))  # the next reads overlap the solves
             for c in range(0, len(routed), nb):
                 es = routed[c: c + nb]
                 gu = [(f"{p}experts.{e}.gate_proj.weight", f"{p}experts.{e}.up_proj.weight") for e in es]
@@ -1011,12 +1083,16 @@ class Calibrator:
                     w = gptq(Ws.reshape(-1, Ws.shape[-1]), H_in)
                     w = Int4Weight(*(None if t is None else t.reshape(len(es), -1, t.shape[-1])
                                      for t in w))
-                else:  # gate and up of an expert share its routed-token Hessian; each is
-                    # popped once stacked, so the layer's Hessians shrink as experts are solved
-                    Hin = [stats.H_in_e.pop(e, None) for e in es]
-                    w = gptq(Ws, torch.stack([H_scaled(H, s_in) if H is not None and e not in fb
-                                              else H_in for e, H in zip(es, Hin)]))  # (e, H, H)
-                    del Hin
+                else:  # gate and up of an expert share its routed-token Hessian, built
+                    # here for this batch only (MLPStats.expert_H_in), into one stacked tensor
+                    K = Ws.shape[-1]
+                    Hb = torch.empty(len(es), K, K, device=Ws.device)  # (e, H, H)
+                    for j, e in enumerate(es):
+                        H = stats.expert_H_in(e, out=Hb[j]) if e not in fb else None
+                        Hb[j] = H_scaled(H if H is not None else H_in,
+                                         None if H is None else s_in)
+                    w = gptq(Ws, Hb)
+                    del Hb
                 del Ws
                 half = w.q.shape[1] // 2
                 for i, (g, u) in enumerate(gu):
@@ -1025,7 +1101,7 @@ class Calibrator:
                 downs = [f"{p}experts.{e}.down_proj.weight" for e in es]
                 Hs = []
                 for e, n in zip(es, downs):
-                    H = stats.H_down_e.pop(e, None)
+                    H = stats.expert_H_down(e)
                     H = None if e in fb else H
                     if H is None:  # all-token statistics for a starved expert
                         H, _ = accumulate_hessian(torch.zeros(W.shape(n)[1], W.shape(n)[1],

@@ -63,6 +63,7 @@ __all__ = [
     "GPTQResult",
     "accumulate_hessian",
     "gptq_quantize",
+    "xtx",
 ]
 
 MAX_DAMP_RETRIES = 4  # 0.01 -> 100: past a dampening of 100x the mean diagonal H is not the problem
@@ -121,18 +122,7 @@ def accumulate_hessian(H: torch.Tensor, X: torch.Tensor, n_seen: torch.Tensor | 
     T = X.shape[-2]
     n_new = T if n_new is None else n_new
     n_total = n_seen + n_new
-    Xf = X.to(torch.float32)
-    if X.dtype == torch.bfloat16 and X.is_cuda:
-        # bf16 values (8-bit mantissa) are exact in TF32 (10-bit), and tensor cores accumulate
-        # TF32 products in fp32: the same Hessian up to summation order, ~8x the fp32 rate.
-        prev = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = True
-        try:
-            XtX = Xf.mT @ Xf
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = prev
-    else:
-        XtX = Xf.mT @ Xf  # (..., K, K)
+    XtX = xtx(X)  # (..., K, K)
     if isinstance(n_total, torch.Tensor):
         n_f = n_total.to(torch.float32).clamp(min=1)[..., None, None]
         old = torch.as_tensor(n_seen, dtype=torch.float32, device=H.device)
@@ -142,6 +132,26 @@ def accumulate_hessian(H: torch.Tensor, X: torch.Tensor, n_seen: torch.Tensor | 
         n_f = max(n_total, 1)
         H_new = H * (n_seen / n_f) + XtX * (2.0 / n_f)
     return H_new, n_total
+
+
+def xtx(X: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 XᵀX of X (..., T, K), added into `acc` (..., K, K) in place when given.
+
+    bf16 values (8-bit mantissa) are exact in TF32 (10-bit), and tensor cores accumulate TF32
+    products in fp32, so for bf16 inputs on CUDA TF32 gives the same sums up to summation
+    order, at ~8x the fp32 rate."""
+    Xf = X.to(torch.float32)
+    tf32 = X.dtype == torch.bfloat16 and X.is_cuda
+    prev = torch.backends.cuda.matmul.allow_tf32
+    if tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        if acc is None:
+            return Xf.mT @ Xf
+        return acc.baddbmm_(Xf.mT, Xf) if acc.ndim == 3 else acc.addmm_(Xf.mT, Xf)
+    finally:
+        if tf32:
+            torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def _group_qparams(W: torch.Tensor, Hdiag: torch.Tensor, cfg: GPTQConfig

@@ -41,6 +41,7 @@ import torch
 __all__ = [
     "Int4Weight",
     "dequantize",
+    "int4_outputs",
     "pack_int4",
     "quantize_rtn",
     "quantize_with_qparams",
@@ -136,3 +137,14 @@ def unpack_int4(packed: torch.Tensor, K: int, dim: int = 1) -> torch.Tensor:
     b = b.reshape(N, -1)  # (N, K/2)
     u = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(N, -1)[:, :K]  # (N, K) nibbles
     return (u.to(torch.int16) - 8).to(torch.int8)
+
+
+def int4_outputs(q: Int4Weight) -> list[torch.Tensor]:
+    """The tensors written for one quantized Linear, in the layout's order: weight_packed,
+    weight_scale, weight_shape (on the host) and, when asymmetric, weight_zero_point. Packed
+    on q's device."""
+    N, K = q.q.shape
+    outs = [pack_int4(q.q), q.scale, torch.tensor([N, K], dtype=torch.int64)]
+    if q.zero_point is not None:
+        outs.append(pack_int4(q.zero_point, dim=0))
+    return outs

@@ -31,7 +31,7 @@ from quantize.calib_state import CALIB_STATE
 from quantize.checkpoint import INDEX_NAME, Checkpoint, SourceFormat, link_problem, open_checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.fp8 import dequant_block, dequant_channel
-from quantize.int4 import Int4Weight, pack_int4, quantize_rtn
+from quantize.int4 import int4_outputs, quantize_rtn
 from quantize.manifest import MANIFEST, Manifest, read_manifest
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, Unit, make_plan
@@ -157,14 +157,6 @@ def _nonfinite(ckpt: Checkpoint, name: str, t: torch.Tensor) -> QuantizeError:
         "token routed through it, so it is never passed on)")])
 
 
-def _int4_outputs(q: Int4Weight) -> list[torch.Tensor]:
-    N, K = q.q.shape
-    outs = [pack_int4(q.q), q.scale, torch.tensor([N, K], dtype=torch.int64)]
-    if q.zero_point is not None:
-        outs.append(pack_int4(q.zero_point, dim=0))
-    return outs
-
-
 def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.device,
                  raw: dict[str, torch.Tensor] | None = None, calib: Calibrator | None = None
                  ) -> list[torch.Tensor]:
@@ -183,9 +175,7 @@ def _compute(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.d
     bool tensor, True when the values checked are finite (None: nothing to check). Reading
     the flag is what synchronizes, so the streaming loop leaves that to its writer thread."""
     done = calib.result(unit) if calib is not None else None
-    if isinstance(done, Int4Weight):
-        return _int4_outputs(done), None
-    if isinstance(done, list):  # packed on the device by the calibrator, already on the host
+    if isinstance(done, list):  # INT4 outputs the calibrator packed, already on the host
         return done, None
     if done is not None:  # a BF16 tensor AWQ rescaled (norm, router, non-target Linear)
         return [done], None
@@ -199,7 +189,7 @@ def _compute(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.d
     q = quantize_rtn(W, opts.group_size, opts.symmetric)
     # A NaN or Inf anywhere in W makes its group's range, hence its scale, non-finite (amax
     # propagates NaN), so the scales (1/group_size of W) are the cheaper place to look.
-    return _int4_outputs(q), torch.isfinite(q.scale).all()
+    return int4_outputs(q), torch.isfinite(q.scale).all()
 
 
 def _unit_nonfinite(ckpt: Checkpoint, unit: Unit) -> QuantizeError:

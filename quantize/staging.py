@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["CHUNK", "Staging", "device_chunks", "staging"]
+__all__ = ["CHUNK", "Staging", "device_chunks", "staging", "to_host"]
 
 CHUNK = 32 * 2**20  # a GLM-5.2 expert (12.6 MB FP8) in one chunk; 128 MB pinned per 2 stagings
 
@@ -77,3 +77,17 @@ def device_chunks(t: torch.Tensor) -> Iterator[memoryview]:
             st.done[i % 2].synchronize()
             yield st.views[i % 2][:min(CHUNK, n - off)]
         st.stream.synchronize()  # every copy finished before src may be freed or reused
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t` (itself if it is on the host), through `device_chunks`."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype)
+    if t.numel():
+        dst = memoryview(host.reshape(-1).view(torch.uint8).numpy())
+        off = 0
+        for chunk in device_chunks(t):
+            dst[off:off + len(chunk)] = chunk
+            off += len(chunk)
+    return host

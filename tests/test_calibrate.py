@@ -85,7 +85,52 @@ def test_moe_forward_equals_module(ckpt_dir):
     assert torch.allclose(ours, ref, rtol=0, atol=1e-6), f"max {diff.max()}, mean {diff.mean()}"
     # every token reached exactly top-k experts, and every hit expert got a Hessian
     assert sum(stats.expert_tokens) == 32 * ck.config["num_experts_per_tok"]
-    assert set(stats.H_in_e) == {e for e, n in enumerate(stats.expert_tokens) if n}
+    assert set(stats.rows_e) == {e for e, n in enumerate(stats.expert_tokens) if n}
+
+
+def test_routed_hessians_are_the_routed_tokens(ckpt_dir):
+    """Each expert's gate/up Hessian (built at solve time from the kept MLP inputs) and
+    down_proj Hessian are 2 XᵀX / n of exactly the tokens the router sent it, over several
+    chunks (float64 reference from the router's own top-k); the running-sum variant (used
+    when the hidden states spill) gives the same matrices."""
+    ck = open_checkpoint(ckpt_dir)
+    skel = build_skeleton(ck.config)
+    units = {u.source: u for u in make_plan(ck, ConvertOptions()).units}
+    layer = load_layer(skel, ck, units, 1, torch.device("cpu"), torch.float32)
+    H, E = ck.config["hidden_size"], ck.config["n_routed_experts"]
+    gen = torch.Generator().manual_seed(1)
+    chunks = [torch.randn(2, 16, H, generator=gen), torch.randn(1, 24, H, generator=gen)]
+    kept, sums = (MLPStats("moe", hessians=True, samples=False, all_experts=False, num_experts=E,
+                           store_tokens=st) for st in (True, False))
+    xs, inters = [[] for _ in range(E)], [[] for _ in range(E)]
+    experts = layer.mlp.experts
+    with torch.no_grad():
+        for x in chunks:
+            moe_forward(layer.mlp, x, kept)
+            moe_forward(layer.mlp, x, sums)
+            xf = x.reshape(-1, H)
+            _, _, topk = layer.mlp.gate(x)  # (T, k) the experts of each token
+            for e in range(E):
+                rows = xf[(topk == e).any(-1)]
+                gate, up = (rows.double() @ experts.gate_up_proj[e].double().T).chunk(2, dim=-1)
+                xs[e].append(rows.double())
+                inters[e].append(experts.act_fn(gate) * up)
+    hit = 0
+    for e in range(E):
+        X, Xd = torch.cat(xs[e]), torch.cat(inters[e])
+        assert kept.expert_tokens[e] == sums.expert_tokens[e] == X.shape[0]
+        Hk, Hs, Hd = kept.expert_H_in(e), sums.expert_H_in(e), kept.expert_H_down(e)
+        if X.shape[0] == 0:
+            assert Hk is None and Hs is None and Hd is None
+            continue
+        hit += 1
+        ref = 2 * X.T @ X / X.shape[0]
+        ref_d = 2 * Xd.T @ Xd / Xd.shape[0]
+        tol = 1e-5 * ref.abs().max().item()
+        assert torch.allclose(Hk.double(), ref, rtol=1e-5, atol=tol), e
+        assert torch.allclose(Hs.double(), ref, rtol=1e-5, atol=tol), e
+        assert torch.allclose(Hd.double(), ref_d, rtol=1e-4, atol=1e-4 * ref_d.abs().max().item()), e
+    assert hit >= E // 2  # most experts were routed tokens: the comparison is not vacuous
 
 
 def test_layer_error_below_rtn(ckpt_dir):
