@@ -3,7 +3,7 @@
 Builds two synthetic GLM-5-layout block-FP8 checkpoints that differ only in depth (2 and 8
 layers, same layer size), converts each in a fresh subprocess (RTN, group 32) and records
 its peak RSS; then times a plain read+write of the same source bytes on the same disk and the
-conversion of each, and writes everything as JSON. Both timed steps start after `os.sync()`,
+conversion of each (alternating, `--repeats` of each, medians), and writes everything as JSON. Both timed steps start after `os.sync()`,
 with the source in the page cache (it was just written), as a re-run conversion finds it.
 
     python scripts/bench_stream.py --out bench_out/bench_stream.json [--device cpu|cuda]
@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,6 +81,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3, help="copies and conversions per depth "
+                    "(alternating; medians are compared)")
     ap.add_argument("--workdir", type=Path, default=None, help="disk to run on (default: a temp dir)")
     args = ap.parse_args()
 
@@ -99,18 +102,26 @@ def main() -> None:
             src_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
             # Each timed step starts on a quiet disk: the kernel writes the checkpoint just
             # generated (or the copy just deleted) back in the background, and whichever step
-            # ran next would otherwise share the disk with it.
-            os.sync()
-            copy_s = _plain_copy(src, work / f"copy{layers}")
-            shutil.rmtree(work / f"copy{layers}")
-            os.sync()
-            run = _convert(src, work / f"dst{layers}", args.device, args.threads)
+            # ran next would otherwise share the disk with it. Copies and conversions
+            # alternate, `--repeats` times each, and the medians are compared: a disk's speed
+            # drifts by tens of percent between minutes (seen on the H200 host).
+            copies, runs = [], []
+            for _ in range(args.repeats):
+                os.sync()
+                copies.append(_plain_copy(src, work / f"copy{layers}"))
+                shutil.rmtree(work / f"copy{layers}")
+                os.sync()
+                runs.append(_convert(src, work / f"dst{layers}", args.device, args.threads))
+                shutil.rmtree(work / f"dst{layers}")
+            copy_s = statistics.median(copies)
+            run = dict(runs[0], seconds=statistics.median(r["seconds"] for r in runs),
+                       peak_rss_bytes=max(r["peak_rss_bytes"] for r in runs),
+                       all_seconds=[r["seconds"] for r in runs], all_plain_copy_seconds=copies)
             run.update(source_bytes=src_bytes, plain_copy_seconds=copy_s,
                        plain_copy_MBps=src_bytes / copy_s / 1e6,
                        convert_MBps=src_bytes / run["seconds"] / 1e6,
                        throughput_vs_copy=copy_s / run["seconds"])
             result["runs"][str(layers)] = run
-            shutil.rmtree(work / f"dst{layers}")
             shutil.rmtree(src)
             print(json.dumps({layers: run}), file=sys.stderr)
         r2, r8 = result["runs"]["2"], result["runs"]["8"]
