@@ -294,6 +294,7 @@ class MLPStats:
     rows_e: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)  # (chunk, rows)
     S_in_e: dict[int, torch.Tensor] = field(default_factory=dict)  # XᵀX sums (no store_tokens)
     S_down_e: dict[int, torch.Tensor] = field(default_factory=dict)  # down inputs' XᵀX sums
+    S_down_all: torch.Tensor | None = None  # (E, I, I) the same, all-expert mode
     n_down_e: dict[int, int] = field(default_factory=dict)
     x_sample: list[torch.Tensor] = field(default_factory=list)  # all-token MLP inputs (float32)
     inter_sample: list[torch.Tensor] = field(default_factory=list)  # dense/shared down inputs
@@ -345,6 +346,16 @@ class MLPStats:
         self.S_down_e[e] = xtx(inter, self.S_down_e.get(e))
         self.n_down_e[e] = self.n_down_e.get(e, 0) + inter.shape[0]
 
+    def experts_down(self, es: range, inter: torch.Tensor) -> None:
+        """All-expert mode: the down_proj inputs of experts `es` on every token (e, T, I),
+        summed into one (E, I, I) tensor with one batched matmul."""
+        if self.S_down_all is None:
+            I = inter.shape[-1]
+            self.S_down_all = torch.zeros(self.num_experts, I, I, device=inter.device)
+        xtx(inter, self.S_down_all[es.start:es.stop])
+        for e in es:
+            self.n_down_e[e] = self.n_down_e.get(e, 0) + inter.shape[1]
+
     def expert_H_in(self, e: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """2 XᵀX / n over the tokens routed to expert e (None if it got none); its statistics
         are released. `out`: a (H, H) float32 tensor to write it into."""
@@ -362,6 +373,8 @@ class MLPStats:
 
     def expert_H_down(self, e: int) -> torch.Tensor | None:
         """2 XᵀX / n of expert e's down_proj inputs (None if it got none), released."""
+        if self.S_down_all is not None:
+            return self.S_down_all[e] * (2.0 / self.n_down_e[e])
         S = self.S_down_e.pop(e, None)
         return None if S is None else S.mul_(2.0 / self.n_down_e[e])
 
@@ -408,9 +421,7 @@ def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = 
         if stats.all_experts and stats.hessians:
             for s in range(0, E, EXPERT_BATCH):
                 es = range(s, min(s + EXPERT_BATCH, E))
-                inter_all = _expert_inter(experts, es, xf)  # (e, T, I)
-                for i, ee in enumerate(es):
-                    stats.expert_down(ee, inter_all[i])
+                stats.experts_down(es, _expert_inter(experts, es, xf))  # (e, T, I)
     return out.view(*shape) + sh.down_proj(inter_s)
 
 
@@ -1056,7 +1067,7 @@ class Calibrator:
         def gptq(Ws: torch.Tensor, H: torch.Tensor) -> Int4Weight:
             nonlocal retries
             r = gptq_quantize(Ws, H, self.gptq_cfg)
-            damps.append(float(r.damp.max()))
+            damps.append(r.damp.max())  # a device scalar: read once at the end, no sync here
             retries += r.retries
             return r.weight
 
@@ -1122,7 +1133,8 @@ class Calibrator:
             for n in rest:
                 if n.endswith("down_proj.weight"):
                     done(n, gptq(W[n], H_scaled(stats.H_down, W.col.get(n))))
-            report["gptq"] = {"damp_max": max(damps) if damps else None, "retries": retries}
+            report["gptq"] = {"damp_max": float(torch.stack(damps).max()) if damps else None,
+                              "retries": retries}
 
         # ---- the BF16 tensors AWQ rescaled, as they will be written
         for n, t in targets.items():

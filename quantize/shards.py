@@ -255,7 +255,7 @@ class ShardWriter:
             from quantize.staging import device_chunks
 
             for chunk in device_chunks(tensor):
-                self._put(chunk)
+                self._put(memoryview(chunk.numpy()))
         else:
             t = tensor.detach().to("cpu").contiguous().reshape(-1)
             self._put(memoryview(t.view(torch.uint8).numpy()))

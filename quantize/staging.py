@@ -52,10 +52,10 @@ def staging(device: torch.device) -> Iterator[Staging]:
             _free[device].append(st)
 
 
-def device_chunks(t: torch.Tensor) -> Iterator[memoryview]:
-    """The bytes of a CUDA tensor, CHUNK at a time, as views of pinned host memory: chunk i+1
-    is copied while the caller consumes chunk i. Each view is valid until the next one is
-    requested; the copies are ordered after the work queued on the caller's stream."""
+def device_chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The bytes of a CUDA tensor, CHUNK at a time, as uint8 slices of pinned host memory:
+    chunk i+1 is copied while the caller consumes chunk i. Each slice is valid until the next
+    one is requested; the copies are ordered after the work queued on the caller's stream."""
     src = t.detach().contiguous().reshape(-1).view(torch.uint8)
     n = src.numel()
     starts = list(range(0, n, CHUNK))
@@ -75,19 +75,21 @@ def device_chunks(t: torch.Tensor) -> Iterator[memoryview]:
             if i + 1 < len(starts):
                 launch(i + 1)  # into the other buffer, whose chunk the caller has consumed
             st.done[i % 2].synchronize()
-            yield st.views[i % 2][:min(CHUNK, n - off)]
+            yield st.bufs[i % 2][:min(CHUNK, n - off)]
         st.stream.synchronize()  # every copy finished before src may be freed or reused
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of `t` (itself if it is on the host), through `device_chunks`."""
+    """A host copy of `t` (itself if it is on the host), through `device_chunks`. The copies
+    out of the pinned chunks are torch copies, which release the GIL (a memoryview assignment
+    would hold it: measured, that stalled the calibration's main thread)."""
     if not t.is_cuda:
         return t
     host = torch.empty(t.shape, dtype=t.dtype)
     if t.numel():
-        dst = memoryview(host.reshape(-1).view(torch.uint8).numpy())
+        dst = host.reshape(-1).view(torch.uint8)
         off = 0
         for chunk in device_chunks(t):
-            dst[off:off + len(chunk)] = chunk
-            off += len(chunk)
+            dst[off:off + chunk.numel()].copy_(chunk)
+            off += chunk.numel()
     return host

@@ -133,6 +133,30 @@ def test_routed_hessians_are_the_routed_tokens(ckpt_dir):
     assert hit >= E // 2  # most experts were routed tokens: the comparison is not vacuous
 
 
+def test_all_expert_down_hessians(ckpt_dir):
+    """--expert-calibration all: every expert's down_proj Hessian is 2 XᵀX / n of its
+    intermediate activations on every token (summed batch by batch), float64 reference."""
+    ck = open_checkpoint(ckpt_dir)
+    skel = build_skeleton(ck.config)
+    units = {u.source: u for u in make_plan(ck, ConvertOptions()).units}
+    layer = load_layer(skel, ck, units, 1, torch.device("cpu"), torch.float32)
+    H, E = ck.config["hidden_size"], ck.config["n_routed_experts"]
+    gen = torch.Generator().manual_seed(2)
+    chunks = [torch.randn(2, 16, H, generator=gen), torch.randn(1, 24, H, generator=gen)]
+    stats = MLPStats("moe", hessians=True, samples=False, all_experts=True, num_experts=E)
+    experts = layer.mlp.experts
+    with torch.no_grad():
+        for x in chunks:
+            moe_forward(layer.mlp, x, stats)
+        X = torch.cat([x.reshape(-1, H) for x in chunks]).double()
+        for e in range(E):
+            gate, up = (X @ experts.gate_up_proj[e].double().T).chunk(2, dim=-1)
+            inter = experts.act_fn(gate) * up
+            ref = 2 * inter.T @ inter / X.shape[0]
+            got = stats.expert_H_down(e).double()
+            assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), e
+
+
 def test_layer_error_below_rtn(ckpt_dir):
     """Per-layer output error (same input, quantized vs source weights): GPTQ and AWQ < RTN."""
     err = {m: [lay.get("output_rel_error") for lay in _calibrate(ckpt_dir, method=m)["layers"]]
