@@ -947,9 +947,13 @@ class Calibrator:
         method = o.method
         mlp = layer.mlp
         E = mlp.experts.num_experts if kind == "moe" else 0
+        # the routed Hessians keep the layer's MLP inputs (one more copy of the hidden states)
+        # where they fit in a quarter of the free memory; else running sums (bounded size)
+        kept = sum(self.hidden.get(i).numel() for i in range(len(self.hidden))) \
+            * torch.finfo(self.dtype).bits // 8 if not self.spilled else 0
         stats = MLPStats(kind, hessians="gptq" in method, samples="awq" in method,
                          all_experts=o.expert_calibration == "all", num_experts=E,
-                         store_tokens=not self.spilled)
+                         store_tokens=not self.spilled and not HiddenStates.should_spill(2 * kept, self.device))
         fwd = moe_forward if kind == "moe" else dense_forward
         clock = _Clock(self.device)
         mlp.forward = lambda x: fwd(mlp, x, stats)  # pass 1: the same output, statistics on
