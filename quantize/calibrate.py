@@ -36,9 +36,12 @@ token changes experts; it is searched on the shared expert and the AWQ_SEARCH_EX
 experts. The scales as applied are written to AWQ_SCALES (`awq_expected` re-applies them).
 
 GPTQ runs batched over experts (quantize/gptq.py): gate and up of an expert share its Hessian,
-so one (2I, H) solve per expert, as many experts at once as a quarter of the free GPU memory
-holds. GLM-5.2 worked number, routed statistics: 256 gate/up Hessians of 6144^2 float32 =
-38.6 GB, down Hessians 4.3 GB, the layer's BF16 experts 19.3 GB.
+so one (2I, H) solve per expert, up to GPTQ_BATCH experts at once (fewer when a quarter of the
+free GPU memory does not hold them). Routed gate/up Hessians are built per batch from the
+layer's MLP inputs, kept once, and each expert's routed rows (`MLPStats.expert_H_in`).
+GLM-5.2 worked number, routed statistics at 64 x 2048 tokens: kept inputs 1.6 GB (256 gate/up
+Hessians held at once would be 6144^2 float32 x 256 = 38.6 GB), down Hessians 4.3 GB, the
+layer's BF16 experts 19.3 GB, a batch of 32 solves ~16 GB.
 
 The MTP layer (index num_hidden_layers, dropped by transformers on load) is run too, on its
 real inputs: eh_proj([enorm(embed(token i+1)), hnorm(h_i)]) from the last layer's outputs h,
@@ -949,8 +952,8 @@ class Calibrator:
         E = mlp.experts.num_experts if kind == "moe" else 0
         # the routed Hessians keep the layer's MLP inputs (one more copy of the hidden states)
         # where they fit in a quarter of the free memory; else running sums (bounded size)
-        kept = sum(self.hidden.get(i).numel() for i in range(len(self.hidden))) \
-            * torch.finfo(self.dtype).bits // 8 if not self.spilled else 0
+        kept = 0 if self.spilled else \
+            sum(self.hidden.get(i).numel() for i in range(len(self.hidden))) * self.dtype.itemsize
         stats = MLPStats(kind, hessians="gptq" in method, samples="awq" in method,
                          all_experts=o.expert_calibration == "all", num_experts=E,
                          store_tokens=not self.spilled and not HiddenStates.should_spill(2 * kept, self.device))
@@ -1077,10 +1080,9 @@ class Calibrator:
 
         quant = [n for n, t in targets.items() if t.quantize]
         if "gptq" not in method:
-            R = _ReadAhead(W.__getitem__, quant, depth=32)
-            for n in quant:
-                done(n, quantize_rtn(R[n], o.group_size, o.symmetric))
-            R.close()
+            with _ReadAhead(W.__getitem__, quant, depth=32) as R:
+                for n in quant:
+                    done(n, quantize_rtn(R[n], o.group_size, o.symmetric))
         else:
             H_in = H_scaled(stats.H_in, s_in)
             routed = [e for e in range(E) if f"{p}experts.{e}.gate_proj.weight" in quant]
@@ -1089,44 +1091,46 @@ class Calibrator:
             report["gptq_expert_batch"] = nb
             order = [f"{p}experts.{e}.{proj}.weight" for c in range(0, len(routed), nb)
                      for proj in ("gate_proj", "up_proj", "down_proj") for e in routed[c: c + nb]]
-            R = _ReadAhead(W.__getitem__, order, depth=min(2 * nb, 64))  # the next reads overlap the solves
-            for c in range(0, len(routed), nb):
-                es = routed[c: c + nb]
-                gu = [(f"{p}experts.{e}.gate_proj.weight", f"{p}experts.{e}.up_proj.weight") for e in es]
-                Ws = torch.stack([torch.cat([R[g], R[u]]) for g, u in gu])  # (e, 2I, H)
-                if stats.all_experts:  # one Hessian for every expert: one solve of e*2I rows
-                    w = gptq(Ws.reshape(-1, Ws.shape[-1]), H_in)
-                    w = Int4Weight(*(None if t is None else t.reshape(len(es), -1, t.shape[-1])
-                                     for t in w))
-                else:  # gate and up of an expert share its routed-token Hessian, built
-                    # here for this batch only (MLPStats.expert_H_in), into one stacked tensor
-                    K = Ws.shape[-1]
-                    Hb = torch.empty(len(es), K, K, device=Ws.device)  # (e, H, H)
-                    for j, e in enumerate(es):
-                        H = stats.expert_H_in(e, out=Hb[j]) if e not in fb else None
-                        Hb[j] = H_scaled(H if H is not None else H_in,
-                                         None if H is None else s_in)
-                    w = gptq(Ws, Hb)
-                    del Hb
-                del Ws
-                half = w.q.shape[1] // 2
-                for i, (g, u) in enumerate(gu):
-                    done(g, split(w, i, slice(0, half)))
-                    done(u, split(w, i, slice(half, None)))
-                downs = [f"{p}experts.{e}.down_proj.weight" for e in es]
-                Hs = []
-                for e, n in zip(es, downs):
-                    H = stats.expert_H_down(e)
-                    H = None if e in fb else H
-                    if H is None:  # all-token statistics for a starved expert
-                        H, _ = accumulate_hessian(torch.zeros(W.shape(n)[1], W.shape(n)[1],
-                                                              device=self.device),
-                                                  expert_inter_sample(e), 0)
-                    Hs.append(H_scaled(H, W.col.get(n)))
-                w = gptq(torch.stack([R[n] for n in downs]), torch.stack(Hs))  # (e, H, I)
-                for i, n in enumerate(downs):
-                    done(n, split(w, i))
-            R.close()
+            # the next reads overlap the solves
+            with _ReadAhead(W.__getitem__, order, depth=min(2 * nb, 64)) as R:
+                for c in range(0, len(routed), nb):
+                    es = routed[c: c + nb]
+                    gu = [(f"{p}experts.{e}.gate_proj.weight", f"{p}experts.{e}.up_proj.weight") for e in es]
+                    Ws = torch.stack([torch.cat([R[g], R[u]]) for g, u in gu])  # (e, 2I, H)
+                    if stats.all_experts:  # one Hessian for every expert: one solve of e*2I rows
+                        w = gptq(Ws.reshape(-1, Ws.shape[-1]), H_in)
+                        w = Int4Weight(*(None if t is None else t.reshape(len(es), -1, t.shape[-1])
+                                         for t in w))
+                    else:  # gate and up of an expert share its routed-token Hessian, built
+                        # here for this batch only (MLPStats.expert_H_in), into one stacked tensor
+                        K = Ws.shape[-1]
+                        Hb = torch.empty(len(es), K, K, device=Ws.device)  # (e, H, H)
+                        for j, e in enumerate(es):
+                            H = stats.expert_H_in(e, out=Hb[j]) if e not in fb else None
+                            if H is None:  # a starved expert: all-token statistics (scaled)
+                                Hb[j] = H_in
+                            elif s_in is not None:
+                                Hb[j] = H_scaled(H, s_in)
+                        w = gptq(Ws, Hb)
+                        del Hb
+                    del Ws
+                    half = w.q.shape[1] // 2
+                    for i, (g, u) in enumerate(gu):
+                        done(g, split(w, i, slice(0, half)))
+                        done(u, split(w, i, slice(half, None)))
+                    downs = [f"{p}experts.{e}.down_proj.weight" for e in es]
+                    Hs = []
+                    for e, n in zip(es, downs):
+                        H = stats.expert_H_down(e)
+                        H = None if e in fb else H
+                        if H is None:  # all-token statistics for a starved expert
+                            H, _ = accumulate_hessian(torch.zeros(W.shape(n)[1], W.shape(n)[1],
+                                                                  device=self.device),
+                                                      expert_inter_sample(e), 0)
+                        Hs.append(H_scaled(H, W.col.get(n)))
+                    w = gptq(torch.stack([R[n] for n in downs]), torch.stack(Hs))  # (e, H, I)
+                    for i, n in enumerate(downs):
+                        done(n, split(w, i))
             rest = [n for n in quant if ".experts." not in n]  # shared experts / dense MLP
             gu = [n for n in rest if n.endswith(("gate_proj.weight", "up_proj.weight"))]
             if gu:

@@ -221,9 +221,8 @@ class ShardWriter:
 
     def _put(self, data) -> None:
         # A large chunk is hashed on a second thread while this one writes it (both release
-        # the GIL): sha256 runs at ~1-2 GB/s, about a page-cache write's speed, so doing them
-        # one after the other would halve the writer's rate. Both finish before returning:
-        # the caller may reuse the buffer.
+        # the GIL), so the hash does not add to the writer's time. Both finish before
+        # returning: the caller may reuse the buffer.
         hashing = self._hasher().submit(self.hash.update, data) if len(data) >= 2**20 else None
         try:
             self.f.write(data)

@@ -3,11 +3,12 @@ bit, and its recorded sha256 and size are the file's, also when large chunks are
 second thread while being written and the kernel's writeback is started along the way."""
 
 import hashlib
+import itertools
 
 import torch
 from safetensors import safe_open
 
-import quantize.shards as shards
+from quantize import shards
 from quantize.checkpoint import TORCH_TO_ST
 from quantize.plan import OutTensor
 from quantize.shards import PARTIAL, ShardWriter
@@ -41,7 +42,7 @@ def test_streamed_shard_reads_back_exactly(tmp_path, monkeypatch):
     assert not (tmp_path / (path.name + PARTIAL)).exists()
     # writeback ranges are consecutive and cover what was written before each kick
     assert len(kicks) >= 2
-    assert kicks[0][0] == 0 and all(b[0] == a[0] + a[1] for a, b in zip(kicks, kicks[1:]))
+    assert kicks[0][0] == 0 and all(b[0] == a[0] + a[1] for a, b in itertools.pairwise(kicks))
     with safe_open(path, "pt") as f:
         assert sorted(f.keys()) == sorted(tensors)
         for n, t in tensors.items():
