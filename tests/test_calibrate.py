@@ -69,12 +69,22 @@ def _calibrate(src, **kw) -> dict:
     return c.report()
 
 
+def _moe_layer(ckpt_dir):
+    """The checkpoint and its MoE layer 1, float32 on the CPU."""
+    ck = open_checkpoint(ckpt_dir)
+    units = {u.source: u for u in make_plan(ck, ConvertOptions()).units}
+    return ck, load_layer(build_skeleton(ck.config), ck, units, 1, torch.device("cpu"), torch.float32)
+
+
+def _chunks(H: int, seed: int) -> list[torch.Tensor]:
+    """Two calibration chunks of MLP inputs of different shapes, (2, 16, H) and (1, 24, H)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 16, H, generator=gen), torch.randn(1, 24, H, generator=gen)]
+
+
 def test_moe_forward_equals_module(ckpt_dir):
     """Our per-expert calibration forward is the module's forward (same ops, same order)."""
-    ck = open_checkpoint(ckpt_dir)
-    skel = build_skeleton(ck.config)
-    units = {u.source: u for u in make_plan(ck, ConvertOptions()).units}
-    layer = load_layer(skel, ck, units, 1, torch.device("cpu"), torch.float32)
+    ck, layer = _moe_layer(ckpt_dir)
     x = torch.randn(2, 16, ck.config["hidden_size"], generator=torch.Generator().manual_seed(0))
     stats = MLPStats("moe", hessians=True, samples=True, all_experts=False,
                      num_experts=ck.config["n_routed_experts"])
@@ -93,13 +103,9 @@ def test_routed_hessians_are_the_routed_tokens(ckpt_dir):
     down_proj Hessian are 2 XᵀX / n of exactly the tokens the router sent it, over several
     chunks (float64 reference from the router's own top-k); the running-sum variant (used
     when the hidden states spill) gives the same matrices."""
-    ck = open_checkpoint(ckpt_dir)
-    skel = build_skeleton(ck.config)
-    units = {u.source: u for u in make_plan(ck, ConvertOptions()).units}
-    layer = load_layer(skel, ck, units, 1, torch.device("cpu"), torch.float32)
+    ck, layer = _moe_layer(ckpt_dir)
     H, E = ck.config["hidden_size"], ck.config["n_routed_experts"]
-    gen = torch.Generator().manual_seed(1)
-    chunks = [torch.randn(2, 16, H, generator=gen), torch.randn(1, 24, H, generator=gen)]
+    chunks = _chunks(H, seed=1)
     kept, sums = (MLPStats("moe", hessians=True, samples=False, all_experts=False, num_experts=E,
                            store_tokens=st) for st in (True, False))
     xs, inters = [[] for _ in range(E)], [[] for _ in range(E)]
@@ -136,13 +142,9 @@ def test_routed_hessians_are_the_routed_tokens(ckpt_dir):
 def test_all_expert_down_hessians(ckpt_dir):
     """--expert-calibration all: every expert's down_proj Hessian is 2 XᵀX / n of its
     intermediate activations on every token (summed batch by batch), float64 reference."""
-    ck = open_checkpoint(ckpt_dir)
-    skel = build_skeleton(ck.config)
-    units = {u.source: u for u in make_plan(ck, ConvertOptions()).units}
-    layer = load_layer(skel, ck, units, 1, torch.device("cpu"), torch.float32)
+    ck, layer = _moe_layer(ckpt_dir)
     H, E = ck.config["hidden_size"], ck.config["n_routed_experts"]
-    gen = torch.Generator().manual_seed(2)
-    chunks = [torch.randn(2, 16, H, generator=gen), torch.randn(1, 24, H, generator=gen)]
+    chunks = _chunks(H, seed=2)
     stats = MLPStats("moe", hessians=True, samples=False, all_experts=True, num_experts=E)
     experts = layer.mlp.experts
     with torch.no_grad():
