@@ -15,12 +15,21 @@ finished checkpoint (never in the manifest, so `verify` and `push` never see the
 
 The calibrator saves the state after layer L only where a resume can start at L+1 (some
 shard's first layer is L+1; with GLM-5.2's ~5 GB shards, about one layer each, nearly every
-layer), and after its last layer. A checkpoint is written as `layer-<L>.partial/`, each file
+layer), at most once every `interval` seconds (`--checkpoint-interval`, default 300), and
+always after its last layer. A checkpoint is written as `layer-<L>.partial/`, each file
 fsynced, then renamed into place; a `.partial` folder left by a crash is deleted on the next
-start. Size: the hidden states, so
-GLM-5.2 at the defaults is 128 x 2048 tokens x 6144 x 2 bytes (bf16) = 3.2 GB per checkpoint,
-a few seconds of writing against ~1 minute per layer. The last one (after the final layer, MTP
-included) holds no hidden states: nothing is left to run, only the report and scales to write.
+start. Size: the hidden states, so GLM-5.2 at 128 x 2048 tokens is 128 x 2048 x 6144 x 2 bytes
+(bf16) = 3.2 GB per checkpoint, 12.9 GB at 512 x 2048. The last one (after the final layer,
+MTP included) holds no hidden states: nothing is left to run, only the report and scales.
+
+`Checkpointer` takes the writing off the calibration's critical path: the hidden states are
+copied to host memory on a copy thread (through pinned chunks and their own CUDA stream, so the
+next layer's kernels keep running), then serialized, hashed, fsynced and renamed on the same
+thread. At most one checkpoint is in flight; while one is still being written, a layer that
+could be checkpointed is skipped (with `interval` 0, the test setting, it waits instead). The
+calibration calls `wait_copied()` before it replaces the hidden states on the device, so at
+most one extra copy of them is ever held there, briefly. A run that dies before a checkpoint
+is renamed into place resumes from the previous one: the same bytes, some layers run again.
 
 `prune(L)` deletes every checkpoint older than the newest one at or before layer L: the
 caller passes the last layer a resume can still start after (the first layer of the first
@@ -37,6 +46,9 @@ import json
 import os
 import re
 import shutil
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,12 +57,23 @@ from safetensors.torch import load, save
 
 from quantize.shards import PARTIAL, fsync_dir, sha256_file, stall_point, write_failed
 
-__all__ = ["CALIB_STATE", "Saved", "StateDir"]
+__all__ = ["CALIB_STATE", "Checkpointer", "Saved", "StateDir", "checkpoint_bytes"]
 
 CALIB_STATE = "calibration/state"
 _NAME = re.compile(r"layer-(\d+)")
 _META = "state.json"
 _SCALES = "awq-scales.safetensors"
+# At most this many checkpoints exist at once: the newest one a resume may need, a newer
+# finished one, and one being written (`prune` runs before and after each save).
+MAX_CHECKPOINTS = 3
+
+
+def checkpoint_bytes(num_samples: int, seq_len: int, hidden: int, itemsize: int,
+                     index_topk: int = 0) -> int:
+    """Bytes of one checkpoint: the hidden states, and a DSA model's top-k key indices (int32,
+    min(index_topk, seq_len) per token); the rest is a few KB. GLM-5.2 at 512 x 2048 on a GPU:
+    12.9 GB of hidden states + 8.6 GB of top-k = 21.5 GB."""
+    return num_samples * seq_len * (hidden * itemsize + min(index_topk, seq_len) * 4)
 
 
 @dataclass
@@ -87,6 +110,7 @@ class StateDir:
 
     def __init__(self, root: Path, fingerprint: str) -> None:
         self.root, self.fingerprint = root, fingerprint
+        self._lock = threading.Lock()  # prune runs on the writer's and the saver's threads
         if root.is_dir():
             for p in root.glob(f"*{PARTIAL}"):  # a crash mid-write (the folder lock says so)
                 shutil.rmtree(p)
@@ -162,11 +186,12 @@ class StateDir:
 
     def prune(self, layer: int) -> None:
         """Delete every checkpoint older than the newest one at or before `layer`."""
-        have = self.layers()
-        keep = max((c for c in have if c <= layer), default=None)
-        for c in have:
-            if keep is not None and c < keep:
-                shutil.rmtree(self.path(c))
+        with self._lock:
+            have = self.layers()
+            keep = max((c for c in have if c <= layer), default=None)
+            for c in have:
+                if keep is not None and c < keep:
+                    shutil.rmtree(self.path(c))
 
     def remove(self) -> None:
         """Delete every checkpoint (the conversion is complete)."""
@@ -174,3 +199,89 @@ class StateDir:
             shutil.rmtree(self.root)
         if self.root.parent.is_dir() and not any(self.root.parent.iterdir()):
             self.root.parent.rmdir()  # `calibration/` held only the state (no AWQ scales)
+
+
+class Checkpointer:
+    """Saves checkpoints into a `StateDir` on a background thread (module docstring).
+
+        saver = Checkpointer(state, interval=300, keep_after=lambda: last_layer_a_resume_needs)
+        if saver.due():
+            saver.save(L, hidden_chunks, topks, entries, mtp_skip, awq_scales)
+        ...
+        saver.wait_copied()   # before the hidden states on the device are replaced
+        saver.wait()          # before the state folder is removed; raises a failed save's error
+    """
+
+    def __init__(self, state: StateDir, interval: float, keep_after: Callable[[], int],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.state, self.interval, self.keep_after, self.clock = state, interval, keep_after, clock
+        self._last = clock()  # the first checkpoint comes `interval` seconds into the run
+        self._thread: threading.Thread | None = None
+        self._copied = threading.Event()
+        self._copied.set()
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def due(self) -> bool:
+        """Whether a layer that can be checkpointed now should be: `interval` seconds have
+        passed since the last one began and none is still being written (interval 0: always)."""
+        if self.interval <= 0:
+            return True
+        return not self.busy and self.clock() - self._last >= self.interval
+
+    def save(self, layer: int, chunks: list[torch.Tensor], topk: list[torch.Tensor | None],
+             entries: list[dict], mtp_skip: dict[int, str], awq_scales: dict[str, torch.Tensor],
+             background: bool = True) -> None:
+        """Checkpoint the state after `layer`. `chunks` / `topk`: the hidden states and DSA
+        top-k per chunk, on the device or the host, never modified in place afterwards (the
+        caller replaces them); the other arguments are copied here. `background=False` writes
+        before returning (hidden states spilled to files that the next layer overwrites)."""
+        self.wait()
+        self._last = self.clock()
+        args = (layer, list(chunks), list(topk), json.loads(json.dumps(entries)), dict(mtp_skip),
+                dict(awq_scales))
+        if not background:
+            self._write(*args)
+            return
+        self._copied.clear()
+        self._thread = threading.Thread(target=self._run, args=args, name="quantize-checkpoint",
+                                        daemon=True)
+        self._thread.start()
+
+    def wait_copied(self) -> None:
+        """Until the checkpoint in flight holds its own host copy of the hidden states."""
+        self._copied.wait()
+
+    def wait(self) -> None:
+        """Until no checkpoint is in flight; re-raises the error of one that failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    def _run(self, *args) -> None:
+        try:
+            self._write(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the calibration's thread by wait()
+            self._error = e
+        finally:
+            self._copied.set()
+
+    def _write(self, layer: int, chunks: list[torch.Tensor], topk: list[torch.Tensor | None],
+               entries: list[dict], mtp_skip: dict[int, str], awq_scales: dict[str, torch.Tensor]
+               ) -> None:
+        from quantize.staging import to_host
+
+        host = [to_host(h) for h in chunks]  # (b, S, H) each, through pinned chunks
+        top = [None if k is None else to_host(k) for k in topk]
+        del chunks, topk  # the device copies may go now
+        self._copied.set()
+        self.state.prune(self.keep_after())  # room first: an older checkpoint no resume needs
+        self.state.save(layer, zip(host, top), entries, mtp_skip, awq_scales)
+        del host
+        self.state.prune(self.keep_after())

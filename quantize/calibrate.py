@@ -59,11 +59,13 @@ resumed run recomputes no layer it finished (with none usable: from layer 0, as 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -81,7 +83,7 @@ from quantize.awq import (
     scale_linear_inputs,
 )
 from quantize.calib_data import CalibrationSet, load_calibration
-from quantize.calib_state import StateDir
+from quantize.calib_state import Checkpointer, StateDir
 from quantize.checkpoint import DTYPES, Checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize, xtx
@@ -118,15 +120,21 @@ AWQ_SEARCH_EXPERTS = 32  # routed experts the shared gate/up input scale is sear
 
 
 class HiddenStates:
-    """The calibration activations between layers: a list of (b, S, H) chunks, on the compute
-    device when they fit, else one file per chunk in a temporary folder."""
+    """The calibration activations between layers: a list of (b, S, H) chunks, kept `where`
+    `placement` says: on the compute device when they fit, else in host memory (a GPU run
+    copies each chunk in for its forward), else one file per chunk in a temporary folder.
+    A chunk is replaced by `put`, never modified in place (a checkpoint may hold the old one)."""
 
-    def __init__(self, chunks: list[torch.Tensor], device: torch.device, spill: bool) -> None:
-        self.device = device
-        self._dir = tempfile.TemporaryDirectory(prefix="calib-hidden-") if spill else None
+    def __init__(self, chunks: list[torch.Tensor], device: torch.device, where: str) -> None:
+        self.device, self.where = device, where
+        self._dir = tempfile.TemporaryDirectory(prefix="calib-hidden-") if where == "disk" else None
         self._chunks: list[torch.Tensor | None] = []
         for c in chunks:
             self.append(c)
+
+    @property
+    def on_disk(self) -> bool:
+        return self._dir is not None
 
     def append(self, t: torch.Tensor) -> None:
         self._chunks.append(None)
@@ -139,23 +147,45 @@ class HiddenStates:
         return Path(self._dir.name) / f"{i:06d}.pt"
 
     def get(self, i: int) -> torch.Tensor:
+        """Chunk i where it is kept (`to(device)` brings a host chunk in)."""
         if self._dir is None:
             return self._chunks[i]
         return torch.load(self._path(i), map_location=self.device)
 
+    def on_device(self, i: int) -> torch.Tensor:
+        return self.get(i).to(self.device)
+
     def put(self, i: int, t: torch.Tensor) -> None:
-        if self._dir is None:
+        if self.where == "device":
             self._chunks[i] = t.to(self.device)
+        elif self.where == "host":
+            self._chunks[i] = t.to("cpu")
         else:
             torch.save(t.cpu(), self._path(i))
 
     @staticmethod
     def should_spill(nbytes: int, device: torch.device) -> bool:
+        """Whether `nbytes` more would take over half of the device's free memory."""
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
         else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            free = _host_free()
         return nbytes > free // 2
+
+    @staticmethod
+    def placement(nbytes: int, device: torch.device) -> str:
+        """Where hidden states of `nbytes` are kept: "device" while twice that fits in half of
+        its free memory (a layer's pass 2 holds old and new chunks), else "host" while twice
+        that fits in half of the free host memory, else "disk"."""
+        if not HiddenStates.should_spill(2 * nbytes, device):
+            return "device"
+        if device.type == "cuda" and 2 * nbytes <= _host_free() // 2:
+            return "host"
+        return "disk"
+
+
+def _host_free() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +221,11 @@ def build_skeleton(config: dict):
 
 # MoE blocks whose forward `moe_forward` mirrors (router -> fused experts -> + shared experts).
 MOE_CLASSES = ("GlmMoeDsaMoE", "Glm4MoeMoE", "DeepseekV3MoE")
+
+
+def _mlp_target(name: str) -> bool:
+    """A Linear weight of a layer's MLP (what the calibration rounds)."""
+    return ".mlp." in name and name.endswith("_proj.weight")
 
 
 def _mlp_kind(mlp: torch.nn.Module) -> str:
@@ -606,17 +641,25 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class Calibrator:
-    """Runs the layers in order, lazily; `result(unit)` is the calibrated Int4Weight of a target
-    unit, the rescaled tensor of an AWQ-folded unit, or None (the plain path applies).
+    """Runs the layers in order on its own thread; `result(unit)` is the calibrated INT4
+    outputs of a target unit, the rescaled tensor of an AWQ-folded unit, or None (the plain
+    path applies).
 
-    Layer index num_layers is the MTP layer; `last_layer` is the last one run (the MTP layer
-    when the plan has one). With `use_state`, the state after layer L is checkpointed when a
-    shard's first layer is L+1 (where a resume can start), and after `last_layer`."""
+    The layer thread runs one layer ahead of the caller: while the shard writer writes layer
+    L's results, layer L+1 is computed (and layer L+2's source bytes are read into the page
+    cache); it starts layer L+2 only once the writer asks for layer L+1, so at most two layers'
+    results are held. Layer index num_layers is the MTP layer; `last_layer` is the last one run
+    (the MTP layer when the plan has one). With `use_state`, the state after layer L is
+    checkpointed in the background (calib_state.Checkpointer) when a shard's first layer is
+    L+1 (where a resume can start) and `checkpoint_interval` seconds have passed since the last
+    one, and after `last_layer`. `close()` stops the thread (always call it, e.g. `with`)."""
 
     def __init__(self, ckpt: Checkpoint, plan: Plan, opts: ConvertOptions, device: torch.device,
-                 log: Callable[[str], None] | None = None, calib: CalibrationSet | None = None
-                 ) -> None:
-        """`calib`: token ids to use instead of loading `opts.calib` (benchmarks)."""
+                 log: Callable[[str], None] | None = None, calib: CalibrationSet | None = None,
+                 checkpoint_interval: float = 300.0) -> None:
+        """`calib`: token ids to use instead of loading `opts.calib` (benchmarks);
+        `checkpoint_interval`: seconds between resume checkpoints at least (0: every layer a
+        resume can start after)."""
         self.ckpt, self.plan, self.opts, self.device = ckpt, plan, opts, device
         self.log = log or (lambda msg: None)
         self.units = {u.source: u for u in plan.units}
@@ -644,11 +687,27 @@ class Calibrator:
         self._save_after = {L - 1 for s in plan.shards if (L := self._first_layer(s)) is not None}
         self._save_after.add(self.last_layer)
         self.state: StateDir | None = None
+        self._saver: Checkpointer | None = None
+        self.checkpoint_interval = checkpoint_interval
         self._keep_after = -1  # the last layer a resume can start after (older: deletable)
         # per written name: packed INT4 outputs (a list, or its Future while on its way to the
-        # host), or a rescaled BF16 tensor
+        # host), or a rescaled BF16 tensor; `results` is the layer in progress (layer thread),
+        # `_published` the finished layers the writer may still read
         self.results: dict[str, list[torch.Tensor] | Future | torch.Tensor] = {}
+        self._published: dict[int, dict] = {}
+        self._cv = threading.Condition()
+        self._runner: threading.Thread | None = None
+        self._want = -1  # the highest layer the writer has asked for
+        self._done = -1  # the highest layer published
+        self._failed: BaseException | None = None
+        self._stop = False
         self._host = ThreadPoolExecutor(1, thread_name_prefix="quantize-d2h")
+        self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="quantize-prefetch")
+        self._layer_sources: dict[int, list[str]] = {}  # source tensors (+ scales) per layer
+        for u in plan.units:
+            if (L := layer_of(u.source)) is not None:
+                self._layer_sources.setdefault(min(L, self.num_layers), []).extend(
+                    [u.source] + ([u.scale] if u.scale else []))
         self.layers: list[dict] = []
         self._mtp_skip: dict[int, str] = {}  # MTP layers not calibrated, and why
         self.awq_scales: dict[str, torch.Tensor] = {}  # AWQ_SCALES, float32 on the host
@@ -666,8 +725,11 @@ class Calibrator:
         from quantize.shards import write_bytes_atomic, write_failed, write_json_atomic
 
         self._keep_after = self.last_layer
-        self._jump(self.last_layer)
-        self._run_until(self.last_layer)
+        if self._runner is None:  # a resume whose every shard was kept: the last checkpoint
+            self._jump(self.last_layer)
+        self._wait_for(self.last_layer)
+        if self._saver is not None:
+            self._saver.wait()
         write_json_atomic(out / CALIB_REPORT, self.report())
         if not self.awq_scales:
             return [CALIB_REPORT]
@@ -699,16 +761,80 @@ class Calibrator:
 
     # -- the provider interface pipeline.compute_unit consults --------------------------------
 
+    def provides(self, unit: Unit) -> bool:
+        """Whether `result(unit)` is certainly not None (the writer need not read the unit's
+        source): a quantized Linear of a calibrated layer. AWQ-rescaled BF16 tensors are
+        known only once their layer ran."""
+        L = layer_of(unit.source)
+        return unit.action == "quantize" and L is not None and L < self.num_layers and \
+            _mlp_target(unit.source)
+
     def result(self, unit: Unit) -> list[torch.Tensor] | torch.Tensor | None:
         L = layer_of(unit.source)
         if L is None:
             return None
         L = min(L, self.num_layers)  # further MTP layers: rounded to nearest after the first
-        if L < self.next_layer - 1:
-            raise RuntimeError(f"internal: layer {L} requested after layer {self.next_layer - 1}")
-        self._run_until(L)
-        r = self.results.get(unit.source)
+        self._wait_for(L)
+        with self._cv:
+            if L not in self._published:
+                raise RuntimeError(f"internal: layer {L} requested after it was released")
+            for k in [k for k in self._published if k < L]:  # the writer has moved on
+                del self._published[k]
+            r = self._published[L].get(unit.source)
         return r.result() if isinstance(r, Future) else r
+
+    def _wait_for(self, L: int) -> None:
+        """Until layer L's results are published (the layer thread is started if needed)."""
+        with self._cv:
+            if self._runner is None:
+                self._runner = threading.Thread(target=self._run_layers, daemon=True,
+                                                name="quantize-calibrate")
+                self._runner.start()
+            self._want = max(self._want, L)
+            self._cv.notify_all()
+            while self._done < L and self._failed is None:
+                self._cv.wait()
+            if self._failed is not None:
+                raise self._failed
+
+    def _run_layers(self) -> None:
+        """The layer thread: run the next layer whenever the writer has asked for the one
+        before it, until `last_layer` (or `close()`)."""
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            while True:
+                with self._cv:
+                    while not self._stop and self.next_layer > self._want + 1:
+                        self._cv.wait()
+                    if self._stop or self.next_layer > self.last_layer:
+                        return
+                self._run_until(self.next_layer)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the writer's thread
+            with self._cv:
+                self._failed = e
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        """Stop the layer thread after the layer in progress and wait for a checkpoint being
+        written (errors are dropped: this runs while another error propagates, or after
+        `write_outputs`, which raised them)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._runner is not None:
+            self._runner.join()
+        if self._saver is not None:
+            with contextlib.suppress(BaseException):
+                self._saver.wait()
+        self._host.shutdown()
+        self._prefetch.shutdown(cancel_futures=True)
+
+    def __enter__(self) -> Calibrator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def report(self) -> dict:
         o = self.opts
@@ -737,6 +863,7 @@ class Calibrator:
 
         fp = {"run": run, "torch": torch.__version__, "transformers": transformers.__version__}
         self.state = StateDir(root, hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest())
+        self._saver = Checkpointer(self.state, self.checkpoint_interval, lambda: self._keep_after)
 
     def start_shard(self, shard: Shard) -> None:
         """Called before `shard` is written, every shard before it recorded in the manifest:
@@ -746,12 +873,14 @@ class Calibrator:
         if L is None or self.state is None:
             return
         self._keep_after = L - 1
-        self._jump(L - 1)
+        if self._runner is None:  # (once running, the layer thread is ahead of every shard)
+            self._jump(L - 1)
         self.state.prune(self._keep_after)
 
     def discard_state(self) -> None:
         """Delete the checkpoints: the conversion is complete."""
         if self.state is not None:
+            self._saver.wait()
             self.state.remove()
 
     def _first_layer(self, shard: Shard) -> int | None:
@@ -780,11 +909,12 @@ class Calibrator:
         self.awq_scales = saved.awq_scales
         self.results = {}
         self.next_layer = c + 1
+        self._done = c  # (nothing published: no shard needs these layers' results)
         self.hidden, self.topk = None, []
         if saved.chunks:
             h, _ = saved.chunk(0)
-            spill = HiddenStates.should_spill(2 * h.nbytes * saved.chunks, self.device)  # as _embed
-            self.hidden, self.spilled = HiddenStates([], self.device, spill), spill
+            where = HiddenStates.placement(h.nbytes * saved.chunks, self.device)  # as _embed
+            self.hidden, self.spilled = HiddenStates([], self.device, where), where != "device"
             for i in range(saved.chunks):
                 h, topk = saved.chunk(i)
                 self.hidden.append(h)
@@ -792,21 +922,41 @@ class Calibrator:
 
     def _save(self, L: int) -> None:
         last = L == self.last_layer  # nothing left to run: no hidden states
-        chunks = [] if last else ((self.hidden.get(i), self.topk[i]) for i in range(len(self.hidden)))
-        self.state.save(L, chunks, self.layers, self._mtp_skip, self.awq_scales)
-        self.state.prune(self._keep_after)
+        n = 0 if last else len(self.hidden)
+        # hidden states spilled to files are overwritten by the next layer: written first
+        background = not last and not self.hidden.on_disk
+        self._saver.save(L, [self.hidden.get(i) for i in range(n)], self.topk[:n], self.layers,
+                         self._mtp_skip, self.awq_scales, background=background)
 
     def _run_until(self, L: int) -> None:
-        """Run layers next_layer .. L (the MTP layer when L == num_layers), checkpointing."""
+        """Run layers next_layer .. L (the MTP layer when L == num_layers), publishing each
+        layer's results and checkpointing (layer thread)."""
         while self.next_layer <= L:
             M = self.next_layer
+            self.results = {}
             if M < self.num_layers:
                 self._run(M)
             else:
                 self._run_mtp(M)
             self.next_layer += 1
-            if self.state is not None and M in self._save_after:
+            with self._cv:
+                self._published[M] = self.results
+                self._done = M
+                self._cv.notify_all()
+            if self.state is not None and M in self._save_after and \
+                    (M == self.last_layer or self._saver.due()):
                 self._save(M)
+
+    def _before_overwrite(self) -> None:
+        """Before the hidden states are replaced: a checkpoint in flight has its host copy."""
+        if self._saver is not None:
+            self._saver.wait_copied()
+
+    def _warm(self, L: int) -> None:
+        """Read layer L's source tensors into the page cache on the prefetch thread."""
+        names = self._layer_sources.get(L)
+        if names and not self._stop:
+            self._prefetch.submit(self.ckpt.prefetch, names)
 
     def _rtn_mtp(self) -> list[dict]:
         """Report entries of MTP layers rounded to nearest: their quantized units that got no
@@ -834,10 +984,10 @@ class Calibrator:
         chunks = [emb[self.calib.tokens[i: i + b].to(self.device)].to(self.dtype)
                   for i in range(0, n, b)]  # (b, S, H) each
         nbytes = n * S * emb.shape[1] * torch.finfo(self.dtype).bits // 8
-        spill = HiddenStates.should_spill(2 * nbytes, self.device)
-        self.hidden = HiddenStates(chunks, self.device, spill)
+        where = HiddenStates.placement(nbytes, self.device)
+        self.hidden = HiddenStates(chunks, self.device, where)
         self.topk = [None] * len(chunks)
-        self.spilled = spill
+        self.spilled = where != "device"
 
     def _gptq_batch(self, shape: tuple[int, ...], E: int) -> int:
         """Experts per batched GPTQ solve: all of them when a quarter of the free device memory
@@ -881,12 +1031,13 @@ class Calibrator:
             chunks = []
             for i in range(len(self.hidden)):
                 t = self.calib.tokens[i * b:(i + 1) * b, 1:].to(dev)  # (b, S-1) next tokens
-                x = torch.cat([enorm(emb[t].to(dt)), hnorm(self.hidden.get(i)[:, :-1])], -1)
+                x = torch.cat([enorm(emb[t].to(dt)), hnorm(self.hidden.on_device(i)[:, :-1])], -1)
                 chunks.append(F.linear(x, eh))  # (b, S-1, H)
         del emb
         self.skeleton = skeleton
         self.inputs = layer_inputs(skeleton, S - 1, dev, dt)
-        self.hidden = HiddenStates(chunks, dev, self.spilled)
+        self._before_overwrite()
+        self.hidden = HiddenStates(chunks, dev, self.hidden.where)
         self.topk = [None] * len(chunks)
         self._run(L)
         self.layers[-1]["mtp"] = True
@@ -915,15 +1066,16 @@ class Calibrator:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.hidden is None:
             self._embed()
-        self.results = {}  # the previous layer's results were consumed
         layer = load_layer(self.skeleton, self.ckpt, self.units, L, self.device, self.dtype)
+        self._warm(L + 1)  # the next layer's bytes into the page cache while this one runs
         kind = _mlp_kind(layer.mlp)
         targets = self._targets(L, layer)
         active = any(t.quantize for t in targets.values())
         entry: dict = {"layer": L, "mlp": kind}
         if not active:
+            self._before_overwrite()
             for i in range(len(self.hidden)):
-                h, self.topk[i] = run_layer(self.skeleton, layer, self.inputs, self.hidden.get(i),
+                h, self.topk[i] = run_layer(self.skeleton, layer, self.inputs, self.hidden.on_device(i),
                                             self.topk[i])
                 self.hidden.put(i, h)
             entry["quantized"] = 0
@@ -962,7 +1114,7 @@ class Calibrator:
         mlp.forward = lambda x: fwd(mlp, x, stats)  # pass 1: the same output, statistics on
         ref0 = None
         for i in range(len(self.hidden)):
-            out, _ = run_layer(self.skeleton, layer, self.inputs, self.hidden.get(i), self.topk[i])
+            out, _ = run_layer(self.skeleton, layer, self.inputs, self.hidden.on_device(i), self.topk[i])
             if i == 0:
                 ref0 = out
         del mlp.forward  # back to the class's forward
@@ -1155,11 +1307,12 @@ class Calibrator:
 
         clock.lap("rounding")
         # ---- pass 2: the next layer's inputs through the quantized layer
+        self._before_overwrite()
         for i in range(len(self.hidden)):
-            out, self.topk[i] = run_layer(self.skeleton, layer, self.inputs, self.hidden.get(i),
-                                          self.topk[i])
+            h = self.hidden.on_device(i)
+            out, self.topk[i] = run_layer(self.skeleton, layer, self.inputs, h, self.topk[i])
             if i == 0:
-                h0 = self.hidden.get(0)
+                h0 = h
                 report["output_rel_error"] = _relerr(out - h0, ref0 - h0)
             self.hidden.put(i, out)
         clock.lap("pass2_forward")

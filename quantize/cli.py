@@ -95,6 +95,11 @@ def plan(
     targets: Targets = "routed",
     asymmetric: Asym = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")] = "5GB",
+    method: Annotated[str, typer.Option(
+        help="rtn, gptq, awq or awq+gptq: calibrated methods add their resume checkpoints to "
+             "the disk needed.")] = "rtn",
+    num_samples: Annotated[int, typer.Option(help="Calibration sequences (calibrated methods).")] = 128,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 2048,
     json_: Json = False,
     strict: Annotated[bool, typer.Option(help="Exit 1 when a serving check fails.")] = False,
     revision: Revision = None,
@@ -109,6 +114,7 @@ def plan(
       quantize plan ./GLM-5.2-FP8 --tp 8
       quantize plan ./GLM-4.6-FP8 --tp 8 --group-size 128     # warns: 1536/8 = 192
       quantize plan zai-org/GLM-5.2-FP8 --tp 8                # Hub: headers only
+      quantize plan ./GLM-5.2-FP8 --method gptq --num-samples 512   # + checkpoint disk
     """
     from quantize.hub import resolve_source
     from quantize.plan import make_plan
@@ -116,8 +122,9 @@ def plan(
 
     try:
         ckpt = resolve_source(src, revision, headers_only=True)
-        d = plan_data(make_plan(ckpt, _options("rtn", group_size, targets, asymmetric,
-                                               max_shard_size), tp))
+        d = plan_data(make_plan(ckpt, _options(method, group_size, targets, asymmetric,
+                                               max_shard_size, num_samples=num_samples,
+                                               seq_len=seq_len), tp))
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
     if json_:
@@ -165,6 +172,10 @@ def convert(
         "--mse-clip", help="GPTQ: search each group's clipping range (1.00-0.80 of min/max) for "
         "the least squared error instead of the full range.",
         rich_help_panel="Calibration (gptq, awq)")] = False,
+    checkpoint_interval: Annotated[float, typer.Option(
+        help="Seconds between the calibration's resume checkpoints, at least (written in the "
+             "background; a crash repeats at most this much work; 0: after every layer).",
+        rich_help_panel="Calibration (gptq, awq)")] = 300.0,
     device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
     resume: Annotated[bool, typer.Option(
         help="Continue an interrupted conversion in DST (also automatic when DST has a manifest).")] = False,
@@ -223,11 +234,18 @@ def convert(
                 done = bar.tasks[0].completed
                 bar.update(task, rate=f"{done / max(time.perf_counter() - t0, 1e-9) / 2**20:,.0f} MiB/s")
 
-            def line(text: str) -> None:
-                bar.console.print(text, highlight=False)
+            def line(text: str) -> None:  # timestamped: per-layer wall times read off the log
+                now = time.time()
+                stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+                bar.console.print(f"{stamp} {text}", highlight=False, markup=False)
 
+            line(f"convert {src} -> {dst}: {fmt_bytes(total)} to read, {len(plan_.shards)} shard(s) "
+                 f"of {fmt_bytes(plan_.output_bytes)}, method {method}, device {device}")
+            if checkpoint_interval < 0:
+                raise ValueError("--checkpoint-interval must be >= 0 seconds")
             res = run_convert(local, dst, opts, device=device, resume=resume, overwrite=overwrite,
-                              on_unit=step, command=command, log=line, tp=tp)
+                              on_unit=step, command=command, log=line, tp=tp,
+                              checkpoint_interval=checkpoint_interval)
     except (QuantizeError, ValueError) as e:
         from quantize.manifest import output_state
 

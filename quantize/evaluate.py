@@ -11,8 +11,8 @@
     logits = lm_head(norm(h)) on both, LOGIT_TOKENS tokens at a time:
         ppl = exp(mean NLL of the next token), KL(source || quantized) per token, top-1 agreement
 
-Memory: one decoder layer (of one model) at a time, the two hidden-state streams (spilled to
-disk by `HiddenStates` when they would take half the free memory), and both heads during the
+Memory: one decoder layer (of one model) at a time, the two hidden-state streams (moved to host
+memory or disk by `HiddenStates` when they would take half the free memory), and both heads during the
 logits pass. GLM-5.2 worked number: a layer's BF16 weights ~20 GB, 16 x 2048 tokens x 6144 x
 2 B = 0.4 GB per stream, lm_head 154,880 x 6144 x 2 B = 1.9 GB per model. The MTP layer is not
 evaluated (it predicts the token after next, for speculative decoding; transformers drops it).
@@ -308,12 +308,12 @@ class Evaluator:
         n, S = self.tokens.shape
         H = self.src.config["hidden_size"]
         nbytes = n * S * H * torch.finfo(self.dtype).bits // 8
-        spill = HiddenStates.should_spill(4 * nbytes, self.device)  # two streams, and headroom
+        where = HiddenStates.placement(2 * nbytes, self.device)  # two streams
         for side in SIDES:
             emb = self.read(side, "model.embed_tokens.weight")  # (V, H)
             chunks = [emb[self.tokens[i: i + self.b].to(self.device)].to(self.dtype)
                       for i in range(0, n, self.b)]  # (b, S, H) each
-            self.hidden[side] = HiddenStates(chunks, self.device, spill)
+            self.hidden[side] = HiddenStates(chunks, self.device, where)
             self.topk[side] = [None] * len(chunks)
             del emb, chunks
 
@@ -326,12 +326,12 @@ class Evaluator:
             layer = load_layer(self.skeleton, ckpt, units, L, self.device, self.dtype)
             hs, topk = self.hidden[side], self.topk[side]
             for i in range(len(hs)):
-                h, topk[i] = run_layer(self.skeleton, layer, self.inputs, hs.get(i), topk[i])
+                h, topk[i] = run_layer(self.skeleton, layer, self.inputs, hs.on_device(i), topk[i])
                 hs.put(i, h)
             free_layer(layer)
         err = ref = 0.0
         for i in range(len(self.hidden["source"])):
-            hs, hq = self.hidden["source"].get(i).double(), self.hidden["quantized"].get(i).double()
+            hs, hq = self.hidden["source"].on_device(i).double(), self.hidden["quantized"].on_device(i).double()
             err += float((hq - hs).pow(2).sum())
             ref += float(hs.pow(2).sum())
         prefix = f"model.layers.{L}."
@@ -356,7 +356,7 @@ class Evaluator:
         """Chunk i's logits of one side, (b, S, V) float32 (tests compare them with transformers)."""
         norm, W = head or self.head(side)
         with torch.no_grad():
-            return F.linear(norm(self.hidden[side].get(i)), W).float()
+            return F.linear(norm(self.hidden[side].on_device(i)), W).float()
 
     @torch.no_grad()
     def score(self) -> TokenScores:
@@ -367,7 +367,7 @@ class Evaluator:
             x = {}
             for side in SIDES:
                 norm, _ = heads[side]
-                h = norm(self.hidden[side].get(i))[:, :-1]  # (b, S-1, H): the last has no target
+                h = norm(self.hidden[side].on_device(i))[:, :-1]  # (b, S-1, H): the last has no target
                 x[side] = h.reshape(-1, h.shape[-1])
             for a in range(0, targets.numel(), LOGIT_TOKENS):
                 piece = slice(a, a + LOGIT_TOKENS)

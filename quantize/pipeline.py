@@ -200,6 +200,14 @@ def _unit_nonfinite(ckpt: Checkpoint, unit: Unit) -> QuantizeError:
     return _nonfinite(ckpt, unit.source, t)
 
 
+def _read_plain(ckpt: Checkpoint, unit: Unit, device: torch.device, calib: Calibrator | None
+                ) -> dict[str, torch.Tensor] | None:
+    """`read_unit`, except for a unit the calibration provides (None: nothing to read)."""
+    if calib is not None and calib.provides(unit):
+        return None
+    return read_unit(ckpt, unit, device)
+
+
 def _write_unit(w: ShardWriter, ckpt: Checkpoint, unit: Unit, tensors: list[torch.Tensor],
                 finite: torch.Tensor | None) -> None:
     """The writer thread's part of a unit: check, copy to the host, hash and write."""
@@ -294,9 +302,12 @@ def convert(
     command: str | None = None,
     log: Callable[[str], None] | None = None,
     tp: int = 8,
+    checkpoint_interval: float = 300.0,
 ) -> ConvertResult:
     """`tp`: the tensor-parallel size the output is meant to be served at: the plan's checks
-    use it and the manifest records it for the model card's serving commands."""
+    use it and the manifest records it for the model card's serving commands.
+    `checkpoint_interval`: calibrated runs save their resume state at most this often
+    (seconds; 0: after every layer a resume can start from)."""
     src, out = Path(src), Path(out)
     ckpt = open_checkpoint(src)
     plan = make_plan(ckpt, opts, tp)
@@ -310,11 +321,56 @@ def convert(
     if opts.method != "rtn":  # calibration data and layer classes, checked before any output
         from quantize.calibrate import Calibrator
 
-        calib = Calibrator(ckpt, plan, opts, dev, log=log)  # log: one line per layer
-    with folder_lock(out):  # one conversion per output folder at a time
-        return _write(ckpt, plan, out, _prepare_out(out, overwrite), aux, opts, dev, on_unit,
-                      {"command": command, "source_format": ckpt.source_format,
-                       "model_type": ckpt.model_type, "tp": tp}, calib)
+        calib = Calibrator(ckpt, plan, opts, dev, log=log,  # log: one line per layer
+                           checkpoint_interval=checkpoint_interval)
+    try:
+        with folder_lock(out):  # one conversion per output folder at a time
+            previous = _prepare_out(out, overwrite)
+            check_disk(out, plan, previous, dev)
+            return _write(ckpt, plan, out, previous, aux, opts, dev, on_unit,
+                          {"command": command, "source_format": ckpt.source_format,
+                           "model_type": ckpt.model_type, "tp": tp}, calib)
+    finally:
+        if calib is not None:
+            calib.close()  # stops its layer thread (also when an error propagates)
+
+
+def disk_needed(plan: Plan, device: torch.device | str, previous: dict | None = None) -> dict:
+    """Bytes a conversion still has to write into its output folder: the shards the
+    manifest does not hold yet, and for calibrated methods the resume checkpoints (at most
+    calib_state.MAX_CHECKPOINTS at once, each the hidden states of every calibration token:
+    bf16 on a GPU, float32 on the CPU)."""
+    from quantize.calib_state import MAX_CHECKPOINTS, checkpoint_bytes
+
+    held = set((previous or {}).get("files", {}))
+    shards = sum(s.file_bytes for s in plan.shards if s.file not in held)
+    o = plan.options
+    one = 0
+    if o.method != "rtn":
+        itemsize = 2 if torch.device(device).type == "cuda" else 4
+        one = checkpoint_bytes(o.num_samples, o.seq_len, plan.hidden_size, itemsize,
+                               plan.index_topk)
+    return {"shards": shards, "checkpoint": one, "checkpoints": MAX_CHECKPOINTS * one,
+            "total": shards + MAX_CHECKPOINTS * one}
+
+
+def check_disk(out: Path, plan: Plan, previous: dict | None, device: torch.device) -> None:
+    """Refuse to start when the output's file system lacks the room `disk_needed` says."""
+    from quantize.report import fmt_bytes
+
+    need = disk_needed(plan, device, previous)
+    free = shutil.disk_usage(out).free
+    if need["total"] <= free:
+        return
+    parts = f"{fmt_bytes(need['shards'])} of shards"
+    if need["checkpoints"]:
+        parts += (f" + {fmt_bytes(need['checkpoints'])} of calibration checkpoints (up to 3 at "
+                  f"once, {fmt_bytes(need['checkpoint'])} each)")
+    raise QuantizeError("not enough free disk space for the output", [Problem(
+        str(out), None, f"{fmt_bytes(free)} free", f"{fmt_bytes(need['total'])}: {parts}",
+        "free space or choose an output folder on a larger disk"
+        + (", or lower --num-samples (the checkpoints grow with the calibration tokens)"
+           if need["checkpoints"] else ""))])
 
 
 def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: list[Path],
@@ -332,6 +388,10 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
     if calib is not None:
         calib.use_state(out / CALIB_STATE, manifest.identity())
 
+    # With a calibration, its layer thread has the GPU; the tensors it does not produce (copied,
+    # BF16-widened, RTN-rounded: exact, the same bytes on either device) are computed on the
+    # host, so the writer never waits for the device's queue of calibration work.
+    plain = torch.device("cpu") if calib is not None else dev
     written, skipped = [], []
     for shard in plan.shards:
         if manifest.holds(shard.file):
@@ -349,13 +409,13 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
         # At most three units' tensors are in memory; the write order is the plan's.
         with ShardWriter(out / shard.file, shard.tensors) as w, \
                 ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as writer:
-            ahead = reader.submit(read_unit, ckpt, shard.units[0], dev)
+            ahead = reader.submit(_read_plain, ckpt, shard.units[0], plain, calib)
             written_prev = None
             for i, unit in enumerate(shard.units):
                 raw = ahead.result()
                 if i + 1 < len(shard.units):
-                    ahead = reader.submit(read_unit, ckpt, shard.units[i + 1], dev)
-                outs, finite = _compute(ckpt, unit, opts, dev, raw, calib)
+                    ahead = reader.submit(_read_plain, ckpt, shard.units[i + 1], plain, calib)
+                outs, finite = _compute(ckpt, unit, opts, plain, raw, calib)
                 del raw
                 if written_prev is not None:
                     written_prev.result()  # re-raises a write error (e.g. disk full) here

@@ -100,6 +100,8 @@ class Plan:
     checks: tuple[Check, ...]  # the serving kernels' rules at tensor-parallel size `tp`
     expert_width: int | None
     tp: int  # the tensor-parallel size it was planned for (the card's serving commands)
+    hidden_size: int = 0  # config.json's (the size of a calibration checkpoint)
+    index_topk: int = 0  # config.json's, DSA models (their checkpoints carry the top-k too)
 
     @property
     def output_bytes(self) -> int:
@@ -296,4 +298,6 @@ def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
         checks=tuple(tp_checks(ckpt, opts, tp, width, _row_widths(ckpt, units))),
         expert_width=width,
         tp=tp,
+        hidden_size=int(ckpt.config.get("hidden_size") or 0),
+        index_topk=int(ckpt.config.get("index_topk") or 0) if ckpt.model_type == "glm_moe_dsa" else 0,
     )

@@ -95,7 +95,16 @@ def plan_data(plan: Plan) -> dict:
         "by_role": {k: {"source_bytes": s, "output_bytes": o} for k, (s, o) in plan.bytes_by("role").items()},
         "ignore": list(plan.ignore),
         "checks": [{"level": c.level, "what": c.what, "detail": c.detail} for c in plan.checks],
+        "disk": _disk(plan),
     }
+
+
+def _disk(plan: Plan) -> dict:
+    """What a conversion writes into its output folder, calibration checkpoints included
+    (bf16 hidden states, as on a GPU)."""
+    from quantize.pipeline import disk_needed
+
+    return disk_needed(plan, "cuda")
 
 
 def plan_tables(d: dict) -> list[Table]:
@@ -110,6 +119,11 @@ def plan_tables(d: dict) -> list[Table]:
               fmt_bytes(int(d["per_gpu_output_bytes"])))
     t.add_row("ratio", "", f"{d['ratio']:.3f}")
     t.add_row("files (shards, headers incl.)", "", f"{d['shards']} / {fmt_bytes(d['output_file_bytes'])}")
+    disk = d.get("disk") or {}
+    if disk.get("checkpoint"):
+        t.add_row(f"+ calibration checkpoints ({o['num_samples']} x {o['seq_len']} tokens, GPU)", "",
+                  f"up to 3 x {fmt_bytes(disk['checkpoint'])}")
+        t.add_row("disk needed at most", "", fmt_bytes(disk["total"]))
     r = Table(title="bytes by role")
     for c in ("role", "source", "output"):
         r.add_column(c, justify="left" if c == "role" else "right")

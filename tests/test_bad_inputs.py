@@ -498,16 +498,43 @@ def small_disk(tmp_path):
 def test_disk_full_stops_cleanly_and_resumes(dsa_fp8, small_disk, tmp_path):
     out = small_disk / "out"
     args = ["--max-shard-size", "200KB"]
-    text = assert_clear_error(convert(dsa_fp8, out, *args), "the disk filled up while writing",
-                              "No space left on device (errno 28)", "then rerun the same command")
-    assert "holds an unfinished conversion" in text
+    # too small from the start: refused up front (the plan knows the bytes), nothing written
+    assert_clear_error(convert(dsa_fp8, out, *args), "not enough free disk space",
+                       "2.00 MiB free", "MiB of shards", "a larger disk")
+    assert not out.exists() or not any(out.iterdir())
+
+    # room at the start, then another program fills the disk during the run
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
+    filler = small_disk / "filler"
+
+    def fill(unit) -> None:  # once some shards are recorded
+        if filler.exists() or not unit.source.startswith("model.layers.2."):
+            return
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 2**16)
+                    f.flush()
+            except OSError:
+                pass
+
+    from quantize.manifest import output_state
+    from quantize.pipeline import convert as run_convert
+
+    with pytest.raises(QuantizeError) as e:
+        run_convert(dsa_fp8, out, ConvertOptions(max_shard_size=200_000), device="cpu", on_unit=fill,
+                    tp=1)
+    text = f"{e.value}\n{output_state(out)}"
+    for m in ("the disk filled up while writing", "No space left on device (errno 28)",
+              "then rerun the same command", "holds an unfinished conversion"):
+        assert m in text, f"{m!r} not in:\n{text}"
+    filler.unlink()
     manifest = json.loads((out / MANIFEST).read_text())  # still valid JSON, still in-progress
     assert manifest["status"] == "in-progress" and manifest["files"]
     for name, rec in manifest["files"].items():  # what it vouches for is intact
         assert sha256_file(out / name) == rec["sha256"]
     assert_unfinished(dsa_fp8, out)
 
-    subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
     r = convert(dsa_fp8, out, *args)
     assert r.exit_code == 0, r.output
     assert f"{len(manifest['files'])} kept from an earlier run" in r.output
@@ -520,8 +547,8 @@ def test_disk_full_stops_cleanly_and_resumes(dsa_fp8, small_disk, tmp_path):
 
 def test_read_only_output_is_a_clear_error(dsa_fp8, small_disk):
     out = small_disk / "out"
-    out.mkdir()
-    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    out.mkdir()  # room enough (the up-front disk check passes), but read-only
+    subprocess.run(["mount", "-o", "remount,size=16m,ro", str(small_disk)], check=True)
     assert_clear_error(convert(dsa_fp8, out), "could not write the output", "Read-only file system",
                        "a writable output folder")
     assert not any(out.iterdir())

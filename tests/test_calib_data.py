@@ -136,3 +136,15 @@ def test_parquet_and_saved_dataset_folders(tmp_path):
         read_documents(tmp_path / "ds")
 
 
+
+
+def test_batched_tokenization_equals_one_call_per_document(tok):
+    """`tokenize_documents` encodes all documents in one batched call: the ids must be those of
+    encoding each rendered document on its own (the default set: prose, code, chats)."""
+    from quantize.calib_data import _render, tokenize_documents
+
+    docs = read_documents(DEFAULT_CALIB)
+    ids, chats, templated = tokenize_documents(docs, tok)
+    want = [tok(_render(d, tok)[0], add_special_tokens=False)["input_ids"] for d in docs]
+    assert len(ids) == len(docs) and ids == want
+    assert chats == templated == sum(isinstance(d, list) for d in docs) > 0

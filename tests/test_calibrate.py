@@ -254,12 +254,17 @@ def test_converted_checkpoint_loads_in_transformers(ckpt_dir, tmp_path, method):
     assert logits.shape == (1, 6, cfg["vocab_size"]) and torch.isfinite(logits).all()
 
 
-def test_hidden_states_spill_roundtrip():
+@pytest.mark.parametrize("where", ["device", "host", "disk"])
+def test_hidden_states_roundtrip(where):
     chunks = [torch.randn(2, 4, 8) for _ in range(3)]
-    hs = HiddenStates(chunks, torch.device("cpu"), spill=True)
-    assert len(hs) == 3 and all(torch.equal(hs.get(i), c) for i, c in enumerate(chunks))
+    hs = HiddenStates(chunks, torch.device("cpu"), where)
+    assert hs.on_disk == (where == "disk")
+    assert len(hs) == 3 and all(torch.equal(hs.on_device(i), c) for i, c in enumerate(chunks))
+    held = hs.get(1).clone() if where == "disk" else hs.get(1)  # what a checkpoint holds
+    before = held.clone()
     hs.put(1, chunks[0])
-    assert torch.equal(hs.get(1), chunks[0])
+    assert torch.equal(hs.on_device(1), chunks[0])
+    assert torch.equal(held, before)  # replaced, not overwritten in place
 
 
 def test_spilled_hidden_states_give_the_same_result(ckpt_dir, monkeypatch):
@@ -399,3 +404,25 @@ def test_unknown_moe_block_is_refused_before_any_output(tmp_path):
     assert not (tmp_path / "out").exists()
     res = convert(tmp_path / "src", tmp_path / "out", ConvertOptions(), device="cpu")
     assert sum(u.action == "quantize" for u in res.plan.units) == 2 * 4 * 3
+
+
+def test_layer_thread_runs_one_layer_ahead(ckpt_dir):
+    """The calibration's layer thread computes layer L+1 while the writer holds layer L's
+    results, and no further: at most two layers' results exist at once."""
+    import time
+
+    ck = open_checkpoint(ckpt_dir)
+    opts = ConvertOptions(method="gptq", **CALIB)
+    plan = make_plan(ck, opts)
+    first = next(u for u in plan.units if u.action == "quantize")  # layer L, the first calibrated
+    L = int(first.source.split(".")[2])
+    with Calibrator(ck, plan, opts, torch.device("cpu")) as c:
+        assert c.result(first) is not None
+        deadline = time.monotonic() + 60
+        while c._done < L + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # room to run further, were it allowed
+        assert L + 1 < c.last_layer  # (the fixture has layers left to run)
+        assert c._done == L + 1 and c.next_layer == L + 2
+        assert max(c._published) == L + 1 and len([k for k in c._published if k >= L]) == 2
+    assert not c._runner.is_alive()

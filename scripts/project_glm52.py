@@ -1,0 +1,71 @@
+"""Full GLM-5.2 conversion time from measured per-layer wall times and disk rates.
+
+    python3 scripts/project_glm52.py benchmarks/h200_pipeline.json [--gpus 8 --scaling 6.0]
+
+GLM-5.2: 3 dense decoder layers, 75 MoE decoder layers and the MTP layer (an MoE layer);
+704 GiB of FP8 read, 420 GiB of INT4/BF16 written. The benchmark's slice measures a dense layer
+(layer 0) and MoE layers (layer 1 and the MTP layer) through the whole CLI; the projection for
+each token count is
+
+    calibration  = start-up (until layer 0's line) + 3 x dense wall + 76 x MoE wall
+                   (the MoE wall time divided by --scaling on --gpus GPUs, unmeasured here)
+    disk         = 704 GiB / read rate + 420 GiB / write rate (the benchmark's cold read
+                   and fsynced write of this machine's disk)
+    total        = max(calibration, disk) + the last layer's write-out
+
+since reading runs ahead of the layers and writing behind them (the overlapped pipeline), the
+longer of the two bounds the run. The MoE wall time is the median over the slice's MoE layers;
+start-up includes tokenization and the first layer's cold read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+GIB = 2**30
+READ_BYTES, WRITE_BYTES = 703.7 * GIB, 419.9 * GIB
+DENSE, MOE = 3, 76  # 75 MoE decoder layers + the MTP layer
+
+
+def project(run: dict, disk: dict, gpus: int, scaling: float) -> dict:
+    layers = run["layers"]
+    dense = next((lay for lay in layers if lay["layer"] == 0), None)
+    moe = [lay for lay in layers if lay["layer"] > 0 and "wall_s" in lay]
+    if dense is None or not moe:
+        return {"tokens": run["tokens"], "error": "the run has no dense and MoE layer lines"}
+    moe_wall = statistics.median(lay["wall_s"] for lay in moe)
+    moe_compute = statistics.median(lay["compute_s"] for lay in moe)
+    start = dense["at"]  # process start to layer 0's line: start-up, tokenization, layer 0
+    tail = max(run["wall_s"] - (layers[-1]["at"] or 0), 0)  # after the last layer line
+    calib = start + (DENSE - 1) * dense["compute_s"] + MOE * moe_wall / (scaling if gpus > 1 else 1)
+    io = READ_BYTES / (disk["read_MBps"] * 1e6) + WRITE_BYTES / (disk["write_MBps"] * 1e6)
+    total = max(calib, io) + tail
+    return {"tokens": run["tokens"], "gpus": gpus, "scaling": scaling if gpus > 1 else 1.0,
+            "moe_wall_s": moe_wall, "moe_compute_s": moe_compute,
+            "moe_wall_over_compute": round(moe_wall / moe_compute, 3),
+            "startup_s": round(start, 1), "tail_s": round(tail, 1),
+            "calibration_min": round(calib / 60, 1), "disk_min": round(io / 60, 1),
+            "total_min": round(total / 60, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bench", type=Path, help="JSON written by scripts/bench_pipeline.py")
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--scaling", type=float, default=1.0, help="speed-up of the MoE layer on --gpus")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    b = json.loads(args.bench.read_text())
+    rows = [project(r, b["disk"], args.gpus, args.scaling) for r in b["runs"] if r.get("exit") == 0]
+    res = {"bench": str(args.bench), "disk": b["disk"], "projections": rows}
+    for r in rows:
+        print(json.dumps(r))
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
