@@ -94,9 +94,15 @@ from quantize.plan import Plan, Shard, Unit
 from quantize.staging import to_host
 
 __all__ = ["AWQ_SCALES", "CALIB_REPORT", "Calibrator", "HiddenStates", "MLPStats", "awq_expected",
-           "build_skeleton", "dense_forward", "load_layer", "moe_forward", "run_layer"]
+           "build_skeleton", "chunk_tokens", "dense_forward", "load_layer", "moe_forward", "run_layer"]
 
-CHUNK_TOKENS = 8192  # tokens per layer forward: enough to fill a GPU, small on the CPU
+# Tokens per layer forward: on a GPU enough that each of 256 experts gets ~500 routed tokens
+# per chunk (the expert loop's per-expert launches are paid per chunk); small on the CPU.
+CHUNK_TOKENS = {"cuda": 16384, "cpu": 8192}
+
+
+def chunk_tokens(device: torch.device) -> int:
+    return CHUNK_TOKENS.get(torch.device(device).type, CHUNK_TOKENS["cpu"])
 SAMPLE_TOKENS = 2048  # all-token MLP inputs kept for AWQ's search and expert fallbacks
 SAMPLE_EXPERT_TOKENS = 256  # routed intermediate activations kept per expert for AWQ
 EXPERT_BATCH = 32  # experts per AWQ search / all-expert pass (bounds their GPU memory)
@@ -437,13 +443,21 @@ def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = 
     experts = moe.experts
     E = experts.num_experts
     out = torch.zeros_like(xf)
+    # Each expert's (top-k slot, token) pairs in the order transformers' loop visits them
+    # (torch.where over its (k, T) one-hot mask: slot-major), found with one stable sort of
+    # the (k, T) expert ids and one host read of the counts, instead of a mask of (E+1, k, T)
+    # and a device sync per expert (256 per chunk on GLM-5.2).
+    T = xf.shape[0]
     with torch.no_grad():
-        expert_mask = F.one_hot(topk_indices, num_classes=E + 1).permute(2, 1, 0)  # (E+1, k, T)
-        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-    for e in expert_hit[:, 0].tolist():
-        if e == E:
+        flat = topk_indices.t().reshape(-1)  # (k * T,): position p = slot * T + token
+        order = torch.argsort(flat, stable=True)  # grouped by expert, p ascending within one
+        counts = torch.bincount(flat, minlength=E + 1).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        p, start = order[start:start + n], start + n
+        if n == 0 or e == E:
             continue
-        top_k_pos, token_idx = torch.where(expert_mask[e])
+        top_k_pos, token_idx = p // T, p % T
         current = xf[token_idx]
         gate, up = F.linear(current, experts.gate_up_proj[e]).chunk(2, dim=-1)
         inter = experts.act_fn(gate) * up
@@ -801,8 +815,8 @@ class Calibrator:
         """The layer thread: run the next layer whenever the writer has asked for the one
         before it, until `last_layer` (or `close()`)."""
         try:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
+            if self.device.type == "cuda" and self.device.index is not None:
+                torch.cuda.set_device(self.device)  # (the thread's current device: cuda:N)
             while True:
                 with self._cv:
                     while not self._stop and self.next_layer > self._want + 1:
@@ -980,7 +994,7 @@ class Calibrator:
     def _embed(self) -> None:
         emb = self.ckpt.read("model.embed_tokens.weight", self.device)  # (V, H)
         n, S = self.calib.tokens.shape
-        b = max(1, CHUNK_TOKENS // S)
+        b = max(1, chunk_tokens(self.device) // S)
         chunks = [emb[self.calib.tokens[i: i + b].to(self.device)].to(self.dtype)
                   for i in range(0, n, b)]  # (b, S, H) each
         nbytes = n * S * emb.shape[1] * torch.finfo(self.dtype).bits // 8
@@ -1027,18 +1041,17 @@ class Calibrator:
             eh = ck.read(p + "eh_proj.weight", dev).to(dt)  # (H, 2H)
             emb = ck.read("model.embed_tokens.weight", dev)  # (V, H)
             S = self.calib.tokens.shape[1]
-            b = max(1, CHUNK_TOKENS // S)  # samples per chunk, as in _embed
-            chunks = []
-            for i in range(len(self.hidden)):
+            b = max(1, chunk_tokens(dev) // S)  # samples per chunk, as in _embed
+            self.topk = [None] * len(self.hidden)  # the MTP layer computes its own top-k
+            self._before_overwrite()
+            for i in range(len(self.hidden)):  # each chunk replaced in turn: no second copy
                 t = self.calib.tokens[i * b:(i + 1) * b, 1:].to(dev)  # (b, S-1) next tokens
                 x = torch.cat([enorm(emb[t].to(dt)), hnorm(self.hidden.on_device(i)[:, :-1])], -1)
-                chunks.append(F.linear(x, eh))  # (b, S-1, H)
+                self.hidden.put(i, F.linear(x, eh))  # (b, S-1, H)
+                del x
         del emb
         self.skeleton = skeleton
         self.inputs = layer_inputs(skeleton, S - 1, dev, dt)
-        self._before_overwrite()
-        self.hidden = HiddenStates(chunks, dev, self.hidden.where)
-        self.topk = [None] * len(chunks)
         self._run(L)
         self.layers[-1]["mtp"] = True
 

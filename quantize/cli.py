@@ -174,7 +174,8 @@ def convert(
         rich_help_panel="Calibration (gptq, awq)")] = False,
     checkpoint_interval: Annotated[float, typer.Option(
         help="Seconds between the calibration's resume checkpoints, at least (written in the "
-             "background; a crash repeats at most this much work; 0: after every layer).",
+             "background; a crash repeats about this much work; 0: after every layer; inf: "
+             "none, a crash restarts the calibration).",
         rich_help_panel="Calibration (gptq, awq)")] = 300.0,
     device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
     resume: Annotated[bool, typer.Option(

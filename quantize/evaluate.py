@@ -52,9 +52,9 @@ from quantize.calib_data import (
     window_starts,
 )
 from quantize.calibrate import (
-    CHUNK_TOKENS,
     HiddenStates,
     build_skeleton,
+    chunk_tokens,
     free_layer,
     layer_inputs,
     load_layer,
@@ -288,7 +288,7 @@ class Evaluator:
         self.skeleton = build_skeleton(src.config)  # DST has the same config (checked by evaluate)
         self.num_layers = len(self.skeleton.model.layers)
         self.inputs = layer_inputs(self.skeleton, tokens.shape[1], device, dtype)
-        self.b = max(1, CHUNK_TOKENS // tokens.shape[1])  # samples per chunk
+        self.b = max(1, chunk_tokens(self.device) // tokens.shape[1])  # samples per chunk
         self.hidden: dict[str, HiddenStates] = {}
         self.topk: dict[str, list[torch.Tensor | None]] = {}
         self.layers: list[dict] = []

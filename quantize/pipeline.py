@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import threading
 from collections.abc import Callable
@@ -326,7 +327,7 @@ def convert(
     try:
         with folder_lock(out):  # one conversion per output folder at a time
             previous = _prepare_out(out, overwrite)
-            check_disk(out, plan, previous, dev)
+            check_disk(out, plan, previous, dev, checkpoint_interval)
             return _write(ckpt, plan, out, previous, aux, opts, dev, on_unit,
                           {"command": command, "source_format": ckpt.source_format,
                            "model_type": ckpt.model_type, "tp": tp}, calib)
@@ -335,18 +336,19 @@ def convert(
             calib.close()  # stops its layer thread (also when an error propagates)
 
 
-def disk_needed(plan: Plan, device: torch.device | str, previous: dict | None = None) -> dict:
+def disk_needed(plan: Plan, device: torch.device | str, previous: dict | None = None,
+                checkpoint_interval: float = 300.0) -> dict:
     """Bytes a conversion still has to write into its output folder: the shards the
     manifest does not hold yet, and for calibrated methods the resume checkpoints (at most
     calib_state.MAX_CHECKPOINTS at once, each the hidden states of every calibration token:
-    bf16 on a GPU, float32 on the CPU)."""
+    bf16 on a GPU, float32 on the CPU; none with an infinite `checkpoint_interval`)."""
     from quantize.calib_state import MAX_CHECKPOINTS, checkpoint_bytes
 
     held = set((previous or {}).get("files", {}))
     shards = sum(s.file_bytes for s in plan.shards if s.file not in held)
     o = plan.options
     one = 0
-    if o.method != "rtn":
+    if o.method != "rtn" and not math.isinf(checkpoint_interval):
         itemsize = 2 if torch.device(device).type == "cuda" else 4
         one = checkpoint_bytes(o.num_samples, o.seq_len, plan.hidden_size, itemsize,
                                plan.index_topk)
@@ -354,11 +356,12 @@ def disk_needed(plan: Plan, device: torch.device | str, previous: dict | None = 
             "total": shards + MAX_CHECKPOINTS * one}
 
 
-def check_disk(out: Path, plan: Plan, previous: dict | None, device: torch.device) -> None:
+def check_disk(out: Path, plan: Plan, previous: dict | None, device: torch.device,
+               checkpoint_interval: float) -> None:
     """Refuse to start when the output's file system lacks the room `disk_needed` says."""
     from quantize.report import fmt_bytes
 
-    need = disk_needed(plan, device, previous)
+    need = disk_needed(plan, device, previous, checkpoint_interval)
     free = shutil.disk_usage(out).free
     if need["total"] <= free:
         return
@@ -369,7 +372,8 @@ def check_disk(out: Path, plan: Plan, previous: dict | None, device: torch.devic
     raise QuantizeError("not enough free disk space for the output", [Problem(
         str(out), None, f"{fmt_bytes(free)} free", f"{fmt_bytes(need['total'])}: {parts}",
         "free space or choose an output folder on a larger disk"
-        + (", or lower --num-samples (the checkpoints grow with the calibration tokens)"
+        + (", or lower --num-samples (the checkpoints grow with the calibration tokens), or "
+           "pass --checkpoint-interval inf (no checkpoints: a crash restarts the calibration)"
            if need["checkpoints"] else ""))])
 
 

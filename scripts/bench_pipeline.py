@@ -93,8 +93,8 @@ def parse_log(text: str, start: float) -> dict:
 
 
 def run_convert(src: Path, dst: Path, n: int, seq_len: int, device: str, extra: list[str],
-                log: Path) -> dict:
-    cmd = [sys.executable, "-m", "quantize", "convert", str(src), str(dst), "--method", "gptq",
+                log: Path, wrap: list[str]) -> dict:
+    cmd = [*wrap, sys.executable, "-m", "quantize", "convert", str(src), str(dst), "--method", "gptq",
            "--device", device, "--num-samples", str(n), "--seq-len", str(seq_len), "--tp", "1",
            "--overwrite", *extra]
     env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
@@ -107,7 +107,7 @@ def run_convert(src: Path, dst: Path, n: int, seq_len: int, device: str, extra: 
         _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
     text = log.read_text()
-    res = {"command": " ".join(cmd[1:]), "tokens": [n, seq_len], "exit": os.waitstatus_to_exitcode(status),
+    res = {"command": " ".join(cmd), "tokens": [n, seq_len], "exit": os.waitstatus_to_exitcode(status),
            "wall_s": round(wall, 2), "peak_rss_gib": round(usage.ru_maxrss * 1024 / 2**30, 2),
            "cold_cache": cold, **parse_log(text, start)}
     rep = dst / "calibration-report.json"
@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2, help="decoder layers (0 dense, the rest MoE), + MTP")
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--extra", default="", help="more convert flags, e.g. '--checkpoint-interval 0'")
+    ap.add_argument("--wrap", default="", help="a command the convert runs under, e.g. "
+                    "'py-spy record --format raw --threads -o prof.txt --'")
     ap.add_argument("--keep-output", action="store_true", help="keep each run's output folder")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (figures meaningless)")
     args = ap.parse_args()
@@ -167,7 +169,8 @@ def main() -> None:
             n = min(n, 8)
         dst = args.workdir / f"out-{n}"
         log = args.out.with_name(args.out.stem + f"-{n}x{args.seq_len}.log")
-        r = run_convert(src, dst, n, args.seq_len, device, args.extra.split(), log)
+        wrap = args.wrap.replace("{n}", str(n)).split()
+        r = run_convert(src, dst, n, args.seq_len, device, args.extra.split(), log, wrap)
         if not args.keep_output:
             subprocess.run(["rm", "-rf", str(dst)], check=False)
         res["runs"].append(r)
