@@ -10,6 +10,7 @@ The stages, in the order `pipeline.convert` runs them:
     calib_data.py   calibration text (default set in calib_data/) -> token ids   [--method != rtn]
     calibrate.py    layer-by-layer forward, statistics, GPTQ / AWQ rounding       [--method != rtn]
     calib_state.py  layer-boundary checkpoints of the calibration, for resume     [--method != rtn]
+    distributed.py  several processes under torchrun: samples and experts per rank [torchrun]
     shards.py       write: streamed safetensors shards, index, config, atomic renames
     pipeline.py     the recipe: validate, plan, stream units, write, finish
     verify.py       reload the output and compare it with the source

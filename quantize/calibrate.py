@@ -85,6 +85,7 @@ from quantize.awq import (
 from quantize.calib_data import CalibrationSet, load_calibration
 from quantize.calib_state import Checkpointer, StateDir
 from quantize.checkpoint import DTYPES, Checkpoint
+from quantize.distributed import Dist, owned
 from quantize.errors import Problem, QuantizeError
 from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize, xtx
 from quantize.int4 import Int4Weight, dequantize, int4_outputs, quantize_rtn
@@ -670,11 +671,22 @@ class Calibrator:
 
     def __init__(self, ckpt: Checkpoint, plan: Plan, opts: ConvertOptions, device: torch.device,
                  log: Callable[[str], None] | None = None, calib: CalibrationSet | None = None,
-                 checkpoint_interval: float = 300.0) -> None:
+                 checkpoint_interval: float = 300.0, dist: Dist | None = None) -> None:
         """`calib`: token ids to use instead of loading `opts.calib` (benchmarks);
         `checkpoint_interval`: seconds between resume checkpoints at least (0: every layer a
-        resume can start after)."""
+        resume can start after); `dist`: this rank of several (quantize/distributed.py): its
+        share of the samples, the experts it owns."""
         self.ckpt, self.plan, self.opts, self.device = ckpt, plan, opts, device
+        self.dist = dist
+        if dist is not None and "awq" in opts.method:
+            raise QuantizeError("AWQ runs in one process", [Problem(
+                "--method", None, f"{opts.method} under torchrun ({dist.world} processes)",
+                "gptq or rtn with several processes",
+                "run AWQ methods without torchrun, or use --method gptq")])
+        if dist is not None and opts.num_samples < dist.world:
+            raise QuantizeError("fewer calibration samples than processes", [Problem(
+                "--num-samples", None, str(opts.num_samples), f"at least {dist.world}, one per rank",
+                f"pass --num-samples {dist.world} or more")])
         self.log = log or (lambda msg: None)
         self.units = {u.source: u for u in plan.units}
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -685,6 +697,8 @@ class Calibrator:
                 f"at most max_position_embeddings {limit}", f"pass --seq-len {min(limit, 2048)}")])
         self.calib = calib or self._load_calibration()
         c = self.calib
+        # this rank's samples (all of them in one process)
+        self.tokens = c.tokens if dist is None else c.tokens[dist.samples(c.tokens.shape[0])]
         if c.overlapping:
             n, L = c.tokens.shape
             self.log(f"warning: {Path(c.source).name} holds {c.stream_tokens:,} tokens, fewer than "
@@ -797,6 +811,11 @@ class Calibrator:
             r = self._published[L].get(unit.source)
         return r.result() if isinstance(r, Future) else r
 
+    def run_all(self) -> None:
+        """Run every layer (a rank other than 0: its share of the calibration, nothing written)."""
+        if self.last_layer >= 0:
+            self._wait_for(self.last_layer)
+
     def _wait_for(self, L: int) -> None:
         """Until layer L's results are published (the layer thread is started if needed)."""
         with self._cv:
@@ -866,8 +885,11 @@ class Calibrator:
         manifest records it, `Manifest.resume` compares it): the calibration tokens (the --calib
         file, seed, sizes and tokenizer all end up in them) and the compute device type and
         dtype (bf16 on CUDA, float32 on the CPU: other Hessians, other rounding)."""
-        return {"tokens_sha256": hashlib.sha256(self.calib.tokens.numpy().tobytes()).hexdigest(),
-                "device": self.device.type, "compute_dtype": str(self.dtype).replace("torch.", "")}
+        ident = {"tokens_sha256": hashlib.sha256(self.calib.tokens.numpy().tobytes()).hexdigest(),
+                 "device": self.device.type, "compute_dtype": str(self.dtype).replace("torch.", "")}
+        if self.dist is not None:  # sums in another order: other float rounding, other integers
+            ident["processes"] = self.dist.world
+        return ident
 
     def use_state(self, root: Path, run: dict) -> None:
         """Checkpoint into `root` (DST/CALIB_STATE), and resume from there. `run`: what the
@@ -875,6 +897,10 @@ class Calibrator:
         "calibration"); the library versions are added to the fingerprint."""
         import transformers
 
+        if self.dist is not None:  # (each rank holds other samples: not written yet)
+            self.log("note: no resume checkpoints under torchrun: a resumed run keeps the finished "
+                     "shards and runs the calibration again from layer 0")
+            return
         fp = {"run": run, "torch": torch.__version__, "transformers": transformers.__version__}
         self.state = StateDir(root, hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest())
         self._saver = Checkpointer(self.state, self.checkpoint_interval, lambda: self._keep_after)
@@ -993,9 +1019,9 @@ class Calibrator:
 
     def _embed(self) -> None:
         emb = self.ckpt.read("model.embed_tokens.weight", self.device)  # (V, H)
-        n, S = self.calib.tokens.shape
+        n, S = self.tokens.shape
         b = max(1, chunk_tokens(self.device) // S)
-        chunks = [emb[self.calib.tokens[i: i + b].to(self.device)].to(self.dtype)
+        chunks = [emb[self.tokens[i: i + b].to(self.device)].to(self.dtype)
                   for i in range(0, n, b)]  # (b, S, H) each
         nbytes = n * S * emb.shape[1] * torch.finfo(self.dtype).bits // 8
         where = HiddenStates.placement(nbytes, self.device)
@@ -1013,7 +1039,10 @@ class Calibrator:
         I, K = shape
         per_expert = (2 * K * K + 4 * I * K) * 4
         free, _ = torch.cuda.mem_get_info(self.device)
-        return max(1, min(E, GPTQ_BATCH, free // 4 // per_expert))
+        nb = max(1, min(E, GPTQ_BATCH, free // 4 // per_expert))
+        if self.dist is not None:  # every rank the same (its collectives follow the batches)
+            nb = int(self.dist.all_reduce(torch.tensor([nb]), op="min").item())
+        return nb
 
     def _run_mtp(self, L: int) -> None:
         """The MTP layer (index num_hidden_layers), run on its real inputs: at position i,
@@ -1045,7 +1074,7 @@ class Calibrator:
             self.topk = [None] * len(self.hidden)  # the MTP layer computes its own top-k
             self._before_overwrite()
             for i in range(len(self.hidden)):  # each chunk replaced in turn: no second copy
-                t = self.calib.tokens[i * b:(i + 1) * b, 1:].to(dev)  # (b, S-1) next tokens
+                t = self.tokens[i * b:(i + 1) * b, 1:].to(dev)  # (b, S-1) next tokens
                 x = torch.cat([enorm(emb[t].to(dt)), hnorm(self.hidden.on_device(i)[:, :-1])], -1)
                 self.hidden.put(i, F.linear(x, eh))  # (b, S-1, H)
                 del x
@@ -1132,6 +1161,7 @@ class Calibrator:
                 ref0 = out
         del mlp.forward  # back to the class's forward
         clock.lap("pass1_forward_statistics")
+        self._reduce_stats(stats)  # several ranks: counts and shared statistics summed
 
         p = f"model.layers.{L}.mlp."
         W = LayerWeights(self.ckpt, self.units, self.device)
@@ -1222,6 +1252,8 @@ class Calibrator:
             nonlocal nq
             nq += 1
             self._set_weight(L, layer, n, dequantize(w, torch.float32))
+            if self.dist is not None and not self.dist.leader:
+                return  # only rank 0 writes the output
             outs = int4_outputs(w)  # packed where it was computed: 1/2 of the int8 codes' bytes
             if self.device.type == "cuda":  # to the host on a copy thread and stream: the
                 # solves queued behind it go on (resolved in `result`, at the latest at layer end)
@@ -1254,6 +1286,10 @@ class Calibrator:
             nb = self._gptq_batch(W.shape(f"{p}experts.{routed[0]}.gate_proj.weight"), len(routed)) \
                 if routed else 1
             report["gptq_expert_batch"] = nb
+            if self.dist is not None and routed:
+                self._gptq_routed_ranks(stats, W, p, routed, nb, fb, H_in, gptq, split, done,
+                                        expert_inter_sample)
+                routed = []  # (done)
             order = [f"{p}experts.{e}.{proj}.weight" for c in range(0, len(routed), nb)
                      for proj in ("gate_proj", "up_proj", "down_proj") for e in routed[c: c + nb]]
             # the next reads overlap the solves
@@ -1335,6 +1371,108 @@ class Calibrator:
         report["quantized"] = nq
         report["modified_bf16"] = sorted(mods)
         return report
+
+    def _reduce_stats(self, stats: MLPStats) -> None:
+        """Several ranks: token counts summed on every rank, the all-token and dense / shared
+        Hessians summed (weighted by tokens) on every rank, rank 0's all-token input sample on
+        every rank. The routed experts' Hessians are summed onto their owners later, one GPTQ
+        batch at a time (`_gptq_routed_ranks`)."""
+        d = self.dist
+        if d is None:
+            return
+        E = stats.num_experts
+        counts = torch.tensor([stats.tokens, stats.n_down, *stats.expert_tokens,
+                               *[stats.n_down_e.get(e, 0) for e in range(E)]], dtype=torch.int64)
+        c = d.all_reduce(counts).tolist()
+        n_in, n_down = stats.tokens, stats.n_down
+        stats.tokens, stats.n_down = c[0], c[1]
+        stats.expert_tokens = c[2:2 + E]
+        stats.n_down_e = {e: n for e, n in enumerate(c[2 + E:]) if n}
+        if stats.H_in is not None:  # 2 XᵀX / n per rank -> over every rank's tokens
+            stats.H_in = d.all_reduce(stats.H_in * (n_in / stats.tokens))
+        if stats.H_down is not None:
+            stats.H_down = d.all_reduce(stats.H_down * (n_down / stats.n_down))
+        xs = torch.cat(stats.x_sample) if stats.x_sample else None
+        shape = d.broadcast_object(None if xs is None else tuple(xs.shape))
+        if shape is not None:
+            buf = xs.contiguous() if d.leader else torch.empty(shape, device=self.device)
+            stats.x_sample = [d.broadcast(buf, 0)]
+
+    def _gptq_routed_ranks(self, stats: MLPStats, W: LayerWeights, p: str, routed: list[int],
+                           nb: int, fb: set[int], H_in: torch.Tensor, gptq, split, done,
+                           expert_inter_sample) -> None:
+        """GPTQ of the routed experts across ranks: in step j, every owner's j-th batch of its
+        experts gets its Hessians summed from every rank's tokens (`reduce_to`), each owner
+        solves its batch, and every solved expert goes to every rank (`broadcast`, in expert
+        order) to be set for the second forward (`done`)."""
+        d, E = self.dist, stats.num_experts
+        own = [[e for e in routed if owned(e, E, d.world) == o] for o in range(d.world)]
+        steps = max(-(-len(x) // nb) for x in own)
+        mine = own[d.rank]
+        name = f"{p}experts.{{}}.{{}}.weight".format
+        I, K = W.shape(name(routed[0], "gate_proj"))
+        g = self.opts.group_size
+        order = [name(e, proj) for c in range(0, len(mine), nb)
+                 for proj in ("gate_proj", "up_proj", "down_proj") for e in mine[c: c + nb]]
+        with _ReadAhead(W.__getitem__, order, depth=min(2 * nb, 64)) as R:
+            for j in range(steps):
+                H_gu = H_dn = None  # this rank's batch, summed over every rank's tokens
+                for o in range(d.world):
+                    es = own[o][j * nb:(j + 1) * nb]
+                    if not es:
+                        continue
+                    if not stats.all_experts:  # (all-expert gate/up share H_in)
+                        Hb = torch.zeros(len(es), K, K, device=self.device)  # (e, H, H)
+                        for i, e in enumerate(es):
+                            if e not in fb:
+                                stats.expert_H_in(e, out=Hb[i])  # this rank's share, or 0
+                        d.reduce_to(Hb, o)
+                        H_gu = Hb if o == d.rank else H_gu
+                    Hd = torch.zeros(len(es), I, I, device=self.device)  # (e, I, I)
+                    for i, e in enumerate(es):
+                        if e not in fb and (H := stats.expert_H_down(e)) is not None:
+                            Hd[i] = H
+                    d.reduce_to(Hd, o)
+                    H_dn = Hd if o == d.rank else H_dn
+                got: dict[str, Int4Weight] = {}
+                es = mine[j * nb:(j + 1) * nb]
+                if es:
+                    Ws = torch.stack([torch.cat([R[name(e, "gate_proj")], R[name(e, "up_proj")]])
+                                      for e in es])  # (e, 2I, H)
+                    if stats.all_experts:
+                        w = gptq(Ws.reshape(-1, K), H_in)
+                        w = Int4Weight(*(None if t is None else t.reshape(len(es), -1, t.shape[-1])
+                                         for t in w))
+                    else:
+                        for i, e in enumerate(es):
+                            if e in fb:  # a starved expert: all-token statistics
+                                H_gu[i] = H_in
+                        w = gptq(Ws, H_gu)
+                    del Ws, H_gu
+                    for i, e in enumerate(es):
+                        got[name(e, "gate_proj")] = split(w, i, slice(0, I))
+                        got[name(e, "up_proj")] = split(w, i, slice(I, None))
+                    for i, e in enumerate(es):
+                        if e in fb:
+                            H_dn[i], _ = accumulate_hessian(torch.zeros(I, I, device=self.device),
+                                                            expert_inter_sample(e), 0)
+                    w = gptq(torch.stack([R[name(e, "down_proj")] for e in es]), H_dn)
+                    del H_dn
+                    for i, e in enumerate(es):
+                        got[name(e, "down_proj")] = split(w, i)
+                for o in range(d.world):  # every solved expert to every rank
+                    for e in own[o][j * nb:(j + 1) * nb]:
+                        for proj in ("gate_proj", "up_proj", "down_proj"):
+                            n = name(e, proj)
+                            N_, K_ = W.shape(n)
+                            w = got.pop(n, None)
+                            if w is None:  # another rank's: room for it
+                                q = torch.empty(N_, K_, dtype=torch.int8, device=self.device)
+                                sc = torch.empty(N_, K_ // g, dtype=torch.bfloat16, device=self.device)
+                                zp = None if self.opts.symmetric else torch.empty_like(q[:, :K_ // g])
+                                w = Int4Weight(q, sc, zp)
+                            done(n, Int4Weight(*(None if t is None else d.broadcast(t.contiguous(), o)
+                                                 for t in w)))
 
     def _set_weight(self, L: int, layer, name: str, t: torch.Tensor) -> None:
         """Copy a written value into the module (fused experts included)."""

@@ -63,10 +63,10 @@ def _fail(e: Exception, debug: bool, hint: str | None = None) -> None:
     raise typer.Exit(2)
 
 
-def _progress() -> Progress:
+def _progress(disable: bool = False) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
                     TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                    console=err, transient=False)
+                    console=err, transient=False, disable=disable)
 
 
 @app.command()
@@ -198,8 +198,10 @@ def convert(
       quantize convert zai-org/GLM-5.2-FP8 ./GLM-5.2-INT4     # downloads into HF_HOME first
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 512
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
+      torchrun --nproc-per-node 8 -m quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq
     """
     from quantize.checkpoint import open_checkpoint
+    from quantize.distributed import init
     from quantize.hub import resolve_source
     from quantize.manifest import read_manifest
     from quantize.pipeline import convert as run_convert
@@ -207,6 +209,8 @@ def convert(
     from quantize.report import fmt_bytes
 
     command = shlex.join(["quantize", *sys.argv[1:]]) if sys.argv[0].endswith("quantize") else None
+    d = init(device)  # under torchrun: this rank (rank 0 prints and writes, the others compute)
+    quiet = d is not None and not d.leader
     try:
         opts = _options(method, group_size, targets, asymmetric, max_shard_size,
                         calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed,
@@ -217,9 +221,9 @@ def convert(
         ckpt = open_checkpoint(local)
         plan_ = make_plan(ckpt, opts, tp)
         for c in plan_.checks:
-            if c.level != "ok":
+            if c.level != "ok" and not quiet:
                 err.print(f"[yellow]warning:[/] {c.what}: {c.detail}", highlight=False)
-        prev = read_manifest(dst) if dst.is_dir() and not overwrite else None
+        prev = read_manifest(dst) if dst.is_dir() and not overwrite and not quiet else None
         if prev is not None:
             done = sum(s.file in prev.get("files", {}) for s in plan_.shards)
             err.print(f"found {dst / 'quantize-manifest.json'} ({prev.get('status')}, {done} of "
@@ -227,7 +231,7 @@ def convert(
                       "re-hashed and kept (--overwrite starts over)", highlight=False)
         total = sum(u.source_bytes for u in plan_.units)
         t0 = time.perf_counter()
-        with _progress() as bar:
+        with _progress(disable=quiet) as bar:
             task = bar.add_task("convert", total=total, rate="")
 
             def step(unit) -> None:
@@ -236,6 +240,8 @@ def convert(
                 bar.update(task, rate=f"{done / max(time.perf_counter() - t0, 1e-9) / 2**20:,.0f} MiB/s")
 
             def line(text: str) -> None:  # timestamped: per-layer wall times read off the log
+                if quiet:
+                    return
                 now = time.time()
                 stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
                 bar.console.print(f"{stamp} {text}", highlight=False, markup=False)
@@ -246,16 +252,24 @@ def convert(
                 raise ValueError("--checkpoint-interval must be >= 0 seconds")
             res = run_convert(local, dst, opts, device=device, resume=resume, overwrite=overwrite,
                               on_unit=step, command=command, log=line, tp=tp,
-                              checkpoint_interval=checkpoint_interval)
+                              checkpoint_interval=checkpoint_interval, dist=d)
     except (QuantizeError, ValueError) as e:
         from quantize.manifest import output_state
 
+        if quiet:
+            _fail(e, debug, f"(rank {d.rank} of {d.world})")
         _fail(e, debug, output_state(dst))
     except KeyboardInterrupt:
         from quantize.manifest import output_state
 
         err.print(f"interrupted: {output_state(dst)}", highlight=False)
         raise typer.Exit(130) from None
+    if d is not None:
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
+    if res is None:  # a rank other than 0: its share is done, rank 0 reports
+        return
     dt = time.perf_counter() - t0
     err.print(f"[green]done[/] in {dt:.1f} s on {res.device}: {len(res.written)} shard(s) written, "
               f"{len(res.skipped)} kept from an earlier run; {fmt_bytes(res.plan.output_bytes)} "

@@ -34,7 +34,7 @@ __all__ = ["CALIB_IDENTITY", "MANIFEST", "Manifest", "finished_manifest", "outpu
 
 MANIFEST = "quantize-manifest.json"
 # The keys of "calibration" a resumed run must match (`Calibrator.identity`).
-CALIB_IDENTITY = ("tokens_sha256", "device", "compute_dtype")
+CALIB_IDENTITY = ("tokens_sha256", "device", "compute_dtype", "processes")
 
 
 def source_fingerprint(ckpt: Checkpoint) -> dict:
@@ -71,9 +71,10 @@ def calibration_changes(recorded: dict | None, now: dict | None) -> list[str]:
     if recorded.get("tokens_sha256") != now["tokens_sha256"]:
         diffs.append("calibration tokens differ (the --calib file, --seed, --num-samples/--seq-len "
                      "or the tokenizer changed)")
-    for k, what in (("device", "calibration device"), ("compute_dtype", "calibration compute dtype")):
-        if recorded.get(k) != now[k]:
-            diffs.append(f"{what}: was {recorded.get(k)}, now {now[k]}")
+    for k, what in (("device", "calibration device"), ("compute_dtype", "calibration compute dtype"),
+                    ("processes", "calibration processes (torchrun ranks)")):
+        if recorded.get(k) != now.get(k):
+            diffs.append(f"{what}: was {recorded.get(k) or 1}, now {now.get(k) or 1}")
     return diffs
 
 

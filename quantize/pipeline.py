@@ -30,6 +30,7 @@ import torch
 from quantize import __version__
 from quantize.calib_state import CALIB_STATE
 from quantize.checkpoint import INDEX_NAME, Checkpoint, SourceFormat, link_problem, open_checkpoint
+from quantize.distributed import Dist
 from quantize.errors import Problem, QuantizeError
 from quantize.fp8 import dequant_block, dequant_channel
 from quantize.int4 import int4_outputs, quantize_rtn
@@ -304,15 +305,25 @@ def convert(
     log: Callable[[str], None] | None = None,
     tp: int = 8,
     checkpoint_interval: float = 300.0,
-) -> ConvertResult:
+    dist: Dist | None = None,
+) -> ConvertResult | None:
     """`tp`: the tensor-parallel size the output is meant to be served at: the plan's checks
     use it and the manifest records it for the model card's serving commands.
     `checkpoint_interval`: calibrated runs save their resume state at most this often
-    (seconds; 0: after every layer a resume can start from)."""
+    (seconds; 0: after every layer a resume can start from). `dist`: this process's rank
+    under torchrun (quantize/distributed.py): rank 0 converts and writes, the other ranks
+    take their share of the calibration and write nothing (None is returned on them)."""
     src, out = Path(src), Path(out)
     ckpt = open_checkpoint(src)
     plan = make_plan(ckpt, opts, tp)
-    dev = resolve_device(device)
+    dev = resolve_device(device) if dist is None else dist.device
+    if dist is not None and not dist.leader:
+        if opts.method != "rtn":  # RTN is rank 0's alone: it is bound by the disk
+            from quantize.calibrate import Calibrator
+
+            with Calibrator(ckpt, plan, opts, dev, dist=dist) as calib:
+                calib.run_all()
+        return None
     if dev.type == "cuda":  # the driver's start-up (~0.4 s on an H200) overlaps the checks below
         threading.Thread(target=_init_cuda, args=(dev,), daemon=True).start()
     aux = _aux_files(src)
@@ -323,11 +334,12 @@ def convert(
         from quantize.calibrate import Calibrator
 
         calib = Calibrator(ckpt, plan, opts, dev, log=log,  # log: one line per layer
-                           checkpoint_interval=checkpoint_interval)
+                           checkpoint_interval=checkpoint_interval, dist=dist)
     try:
         with folder_lock(out):  # one conversion per output folder at a time
             previous = _prepare_out(out, overwrite)
-            check_disk(out, plan, previous, dev, checkpoint_interval)
+            check_disk(out, plan, previous, dev,
+                       checkpoint_interval if dist is None else math.inf)  # (none under torchrun)
             return _write(ckpt, plan, out, previous, aux, opts, dev, on_unit,
                           {"command": command, "source_format": ckpt.source_format,
                            "model_type": ckpt.model_type, "tp": tp}, calib)

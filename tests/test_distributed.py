@@ -1,0 +1,121 @@
+"""`torchrun --nproc-per-node 2 -m quantize convert ...` on the CPU (gloo), against one process.
+
+RTN runs on rank 0 alone: the output must be byte-identical. GPTQ splits the calibration samples
+and the routed experts across the two ranks (quantize/distributed.py); the Hessians are the same
+sums taken in another order, so the first calibrated layer (whose inputs are the same in both
+runs: layer 0 is a dense layer without INT4 targets) must agree in nearly every integer, the
+routed-token counts exactly, and every layer's output error must be within 10 % of the
+one-process run's (later layers see hidden states that differ by that rounding, so some tokens
+change experts there). The output must pass `verify`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from quantize.calibrate import Calibrator
+from quantize.checkpoint import open_checkpoint
+from quantize.distributed import Dist, owned
+from quantize.errors import QuantizeError
+from quantize.int4 import unpack_int4
+from quantize.options import ConvertOptions
+from quantize.pipeline import convert
+from quantize.plan import make_plan
+from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+CALIB = ["--num-samples", "8", "--seq-len", "64"]
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    cfg = tiny_config("glm_moe_dsa")
+    d = write_checkpoint(tmp_path_factory.mktemp("src"), cfg, "fp8-block", seed=3)
+    write_tokenizer(d, cfg["vocab_size"])
+    return d
+
+
+def torchrun(src: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "300",
+           "HF_HUB_OFFLINE": "1", "QUANTIZE_DIST_TIMEOUT_MIN": "3"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "quantize", "convert", str(src), str(out), "--device", "cpu", "--tp", "1",
+           "--max-shard-size", "1MB", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def folder_bytes(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def codes(out: Path, prefix: str) -> torch.Tensor:
+    """Every INT4 code of the tensors under `prefix`, in name order, as one int8 vector."""
+    ts = {}
+    for f in sorted(out.glob("*.safetensors")):
+        ts.update(load_file(f))
+    return torch.cat([unpack_int4(ts[n], int(ts[n.replace("weight_packed", "weight_shape")][1])).reshape(-1)
+                      for n in sorted(ts) if n.startswith(prefix) and n.endswith("weight_packed")])
+
+
+def test_rtn_under_torchrun_is_byte_identical(src, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    convert(src, one, ConvertOptions(max_shard_size=10**6), device="cpu", tp=1)
+    r = torchrun(src, two)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("done in") == 1  # rank 0 reports, rank 1 stays quiet
+    got, want = folder_bytes(two), folder_bytes(one)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name] == want[name], f"{name} differs from the one-process run"
+
+
+def test_gptq_under_torchrun_matches_one_process(src, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    opts = ConvertOptions(method="gptq", num_samples=8, seq_len=64, max_shard_size=10**6)
+    convert(src, one, opts, device="cpu", tp=1)
+    r = torchrun(src, two, "--method", "gptq", *CALIB)
+    assert r.returncode == 0, r.stderr[-3000:]
+    v = subprocess.run([sys.executable, "-m", "quantize", "verify", str(src), str(two)],
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+                       capture_output=True, text=True, check=False)
+    assert v.returncode == 0, v.stdout[-2000:] + v.stderr[-2000:]
+
+    a, b = codes(one, "model.layers.1."), codes(two, "model.layers.1.")
+    same = (a == b).float().mean().item()
+    assert a.numel() > 10_000 and same >= 0.99, f"layer 1: {same:.4%} of the integers agree"
+    rep1 = json.loads((one / "calibration-report.json").read_text())
+    rep2 = json.loads((two / "calibration-report.json").read_text())
+    by = {lay["layer"]: lay for lay in rep1["layers"]}
+    assert rep2["layers"][1]["expert_tokens"] == by[1]["expert_tokens"]  # every rank's tokens
+    assert rep2["layers"][1]["tokens"] == by[1]["tokens"] == 8 * 64
+    for lay in rep2["layers"]:
+        if lay.get("output_rel_error") is not None:
+            e1, e2 = by[lay["layer"]]["output_rel_error"], lay["output_rel_error"]
+            assert abs(e2 - e1) <= 0.1 * e1, (lay["layer"], e1, e2)
+    manifest = json.loads((two / "quantize-manifest.json").read_text())
+    assert manifest["calibration"]["processes"] == 2
+
+    # a one-process run may not resume a two-process folder: other sums, other integers
+    (two / "quantize-manifest.json").write_text(json.dumps({**manifest, "status": "in-progress"}))
+    with pytest.raises(QuantizeError, match=r"calibration processes \(torchrun ranks\): was 2, now 1"):
+        convert(src, two, opts, device="cpu", tp=1, resume=True)
+
+
+def test_ranks_split_samples_and_experts_and_refuse_awq(src):
+    d = [Dist(r, 3, torch.device("cpu")) for r in range(3)]
+    assert [x.samples(8) for x in d] == [slice(0, 2), slice(2, 5), slice(5, 8)]
+    assert [owned(e, 8, 3) for e in range(8)] == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert [owned(e, 256, 8) for e in (0, 31, 32, 255)] == [0, 0, 1, 7]
+    ck = open_checkpoint(src)
+    for opts, msg in ((ConvertOptions(method="awq+gptq", num_samples=8, seq_len=64), "AWQ runs in one process"),
+                      (ConvertOptions(method="gptq", num_samples=2, seq_len=64), "--num-samples 3")):
+        with pytest.raises(QuantizeError, match=msg):
+            Calibrator(ck, make_plan(ck, opts), opts, torch.device("cpu"), dist=d[0])
