@@ -655,6 +655,10 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
+class _Stopped(Exception):
+    """`Calibrator.close()` was called while a layer ran: the layer thread leaves it."""
+
+
 class Calibrator:
     """Runs the layers in order on its own thread; `result(unit)` is the calibrated INT4
     outputs of a target unit, the rescaled tensor of an AWQ-folded unit, or None (the plain
@@ -843,13 +847,16 @@ class Calibrator:
                     if self._stop or self.next_layer > self.last_layer:
                         return
                 self._run_until(self.next_layer)
+        except _Stopped:
+            return
         except BaseException as e:  # noqa: BLE001 - re-raised on the writer's thread
             with self._cv:
                 self._failed = e
                 self._cv.notify_all()
 
     def close(self) -> None:
-        """Stop the layer thread after the layer in progress and wait for a checkpoint being
+        """Stop the layer thread (it leaves the layer in progress at its next forward chunk or
+        GPTQ batch: within a second or so, also after Ctrl-C) and wait for a checkpoint being
         written (errors are dropped: this runs while another error propagates, or after
         `write_outputs`, which raised them)."""
         with self._cv:
@@ -860,8 +867,13 @@ class Calibrator:
         if self._saver is not None:
             with contextlib.suppress(BaseException):
                 self._saver.wait()
-        self._host.shutdown()
+        self._host.shutdown(cancel_futures=True)
         self._prefetch.shutdown(cancel_futures=True)
+
+    def _check_stop(self) -> None:
+        """Leave the layer in progress when `close()` was called (layer thread)."""
+        if self._stop:
+            raise _Stopped
 
     def __enter__(self) -> Calibrator:
         return self
@@ -996,7 +1008,7 @@ class Calibrator:
         """Read layer L's source tensors into the page cache on the prefetch thread."""
         names = self._layer_sources.get(L)
         if names and not self._stop:
-            self._prefetch.submit(self.ckpt.prefetch, names)
+            self._prefetch.submit(self.ckpt.prefetch, names, stop=lambda: self._stop)
 
     def _rtn_mtp(self) -> list[dict]:
         """Report entries of MTP layers rounded to nearest: their quantized units that got no
@@ -1117,6 +1129,7 @@ class Calibrator:
         if not active:
             self._before_overwrite()
             for i in range(len(self.hidden)):
+                self._check_stop()
                 h, self.topk[i] = run_layer(self.skeleton, layer, self.inputs, self.hidden.on_device(i),
                                             self.topk[i])
                 self.hidden.put(i, h)
@@ -1156,6 +1169,7 @@ class Calibrator:
         mlp.forward = lambda x: fwd(mlp, x, stats)  # pass 1: the same output, statistics on
         ref0 = None
         for i in range(len(self.hidden)):
+            self._check_stop()
             out, _ = run_layer(self.skeleton, layer, self.inputs, self.hidden.on_device(i), self.topk[i])
             if i == 0:
                 ref0 = out
@@ -1295,6 +1309,7 @@ class Calibrator:
             # the next reads overlap the solves
             with _ReadAhead(W.__getitem__, order, depth=min(2 * nb, 64)) as R:
                 for c in range(0, len(routed), nb):
+                    self._check_stop()
                     es = routed[c: c + nb]
                     gu = [(f"{p}experts.{e}.gate_proj.weight", f"{p}experts.{e}.up_proj.weight") for e in es]
                     Ws = torch.stack([torch.cat([R[g], R[u]]) for g, u in gu])  # (e, 2I, H)
@@ -1358,6 +1373,7 @@ class Calibrator:
         # ---- pass 2: the next layer's inputs through the quantized layer
         self._before_overwrite()
         for i in range(len(self.hidden)):
+            self._check_stop()
             h = self.hidden.on_device(i)
             out, self.topk[i] = run_layer(self.skeleton, layer, self.inputs, h, self.topk[i])
             if i == 0:

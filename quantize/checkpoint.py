@@ -23,6 +23,7 @@ import math
 import os
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,10 +133,12 @@ class Checkpoint:
         return t.view(torch_dtype).reshape(info.shape)
 
 
-    def prefetch(self, names: list[str], chunk: int = 8 * 2**20) -> None:
+    def prefetch(self, names: list[str], chunk: int = 8 * 2**20,
+                 stop: Callable[[], bool] = lambda: False) -> None:
         """Read the tensors' bytes into the OS page cache (and drop them): a later `read` of
         them comes from memory. For a thread that runs ahead of the reads; file order, so the
-        disk sees long sequential reads. Errors are left to the real read."""
+        disk sees long sequential reads; `stop()` is asked between chunks. Errors are left to
+        the real read."""
         if self.root is None:
             return
         spans = sorted((self.tensors[n].file, self.tensors[n].begin, self.tensors[n].nbytes)
@@ -147,7 +150,7 @@ class Checkpoint:
                 if file not in handles:
                     handles[file] = os.open(self.root / file, os.O_RDONLY)
                 off, end = begin, begin + nbytes
-                while off < end:
+                while off < end and not stop():
                     got = os.preadv(handles[file], [buf[:min(chunk, end - off)]], off)
                     if got <= 0:
                         break

@@ -345,7 +345,7 @@ def convert(
                            "model_type": ckpt.model_type, "tp": tp}, calib)
     finally:
         if calib is not None:
-            calib.close()  # stops its layer thread (also when an error propagates)
+            calib.close()  # stops its layer thread (also when an error or Ctrl-C propagates)
 
 
 def disk_needed(plan: Plan, device: torch.device | str, previous: dict | None = None,

@@ -220,12 +220,13 @@ def test_other_calibration_tokens_or_device_are_not_resumed(src, tmp_path):
 # --- killed from outside (see tests/test_resume.py for the stall hook) -----------------------
 
 
-def run_cli(src: Path, out: Path, stall: str | None = None) -> tuple[int, str]:
+def run_cli(src: Path, out: Path, stall: str | None = None, sig=signal.SIGKILL) -> tuple[int, str]:
     """`quantize convert` in a subprocess with a clock standing still in quantize.calibrate;
-    with `stall`, SIGKILLed when it reaches that point. Returns (exit status, stderr)."""
+    with `stall`, sent `sig` (SIGKILL) when it reaches that point. Returns (exit status, stderr)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "300"}
     env.pop(STALL_ENV, None)
-    code = ("import types, quantize.calibrate as c; "
+    code = ("import signal, types, quantize.calibrate as c; "
+            "signal.signal(signal.SIGINT, signal.default_int_handler); "
             "c.time = types.SimpleNamespace(perf_counter=lambda: 0.0); "
             "from quantize.cli import app; app()")
     cmd = [sys.executable, "-c", code, "convert", str(src), str(out), "--max-shard-size", "200KB",
@@ -245,7 +246,7 @@ def run_cli(src: Path, out: Path, stall: str | None = None) -> tuple[int, str]:
             assert time.monotonic() < deadline, f"never reached {stall}"
             time.sleep(0.05)
     finally:
-        os.kill(p.pid, signal.SIGKILL)
+        os.kill(p.pid, sig)
         rc = p.wait(timeout=30)
     return rc, log.read_text()
 
@@ -340,3 +341,20 @@ def test_checkpoint_disk_is_predicted_and_checked_before_writing(src, tmp_path, 
         convert(src, fresh, OPTS, device="cpu")
     assert "calibration checkpoints (up to 3 at once" in str(e.value)
     assert not list(fresh.iterdir())  # refused before anything was written
+
+
+def test_ctrl_c_during_a_calibrated_run_stops_it_and_the_folder_resumes(src, tmp_path):
+    """SIGINT while the writer waits for the layer thread: exit 130 at once (the layer in progress
+    is not waited for), a resumable folder, and the resumed run equals an uninterrupted one."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    rc, err = run_cli(src, ref)
+    assert rc == 0, err
+    rc, err = run_cli(src, out, stall="unit:40", sig=signal.SIGINT)
+    assert rc == 130 and "Traceback" not in err, err
+    assert "interrupted:" in err and "rerun the same command to resume" in err, err
+    rc, err = run_cli(src, out)
+    assert rc == 0, err
+    got, want = folder_bytes(out), folder_bytes(ref)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name] == want[name], f"{name} differs from the uninterrupted run"
