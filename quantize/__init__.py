@@ -8,7 +8,9 @@ The stages, in the order `pipeline.convert` runs them:
     fp8.py          FP8 -> float dequantization (block and per-channel)
     int4.py         group-wise INT4 round-to-nearest, pack/unpack (pack-quantized)
     calib_data.py   calibration text (default set in calib_data/) -> token ids   [--method != rtn]
-    calibrate.py    layer-by-layer forward, statistics, GPTQ / AWQ rounding       [--method != rtn]
+    layers.py       decoder layers from transformers' classes, filled and run      [--method != rtn]
+    capture.py      the MLP's calibration forward and its statistics (Hessians)    [--method != rtn]
+    calibrate.py    the layer thread: statistics -> GPTQ / AWQ rounding -> report  [--method != rtn]
     calib_state.py  layer-boundary checkpoints of the calibration, for resume     [--method != rtn]
     distributed.py  several processes under torchrun: samples and experts per rank [torchrun]
     shards.py       write: streamed safetensors shards, index, config, atomic renames

@@ -2,31 +2,24 @@
 
     tokens  = load_calibration(...)                      (num_samples, seq_len) int64
     h       = embed_tokens[tokens]                       (num_samples, seq_len, H), in chunks
-    for L in 0 .. num_hidden_layers - 1:
-        layer = transformers' own decoder layer L, built on the meta device, filled from the
-                checkpoint (FP8 dequantized by pipeline.source_weight)
-        pass 1: run it over h with the MLP replaced by `moe_forward` / `dense_forward`, which
-                compute the same output and feed `MLPStats` (Hessians, routed token counts,
-                activation samples)
+    for L in 0 .. num_hidden_layers - 1:                 on the layer thread, one layer ahead
+        layer = layers.load_layer(...)                   of the shard writer (pipeline.py)
+        pass 1: run it over h with the MLP replaced by capture.moe_forward / dense_forward,
+                which compute the same output and feed `MLPStats` (Hessians, routed token
+                counts, activation samples)
         quantize the layer's target Linears (batched over experts), AWQ scales folded exactly
         pass 2: h = layer(h) with the quantized weights (what the engines will compute)
-        free the layer
+        publish the layer's INT4 outputs to the writer; checkpoint h (calib_state.py)
 
-The model's own classes give the attention (GQA, MLA, the DSA indexer and its shared top-k)
-for free; only the MLP needs a calibration forward, because transformers v5 fuses the experts
-into 3-D parameters (`experts.gate_up_proj` (E, 2I, H), `experts.down_proj` (E, H, I)) and
-exposes no per-expert inputs. `moe_forward` mirrors `GlmMoeDsaMoE.forward` /
-`Glm4MoeMoE.forward` op for op (tests/test_calibrate.py proves them equal).
+The modules: `layers.py` builds and runs a decoder layer (transformers' own classes) and holds
+the activations between layers; `capture.py` is the MLP's calibration forward and its
+statistics; `gptq.py` / `awq.py` are the rounding as pure functions; this module dispatches the
+rounding for one layer (`_calibrate`), drives the layers (`Calibrator`), and writes the report;
+`calib_state.py` keeps the checkpoints for resume; `distributed.py` the ranks under torchrun.
 
-MoE statistics (`expert_calibration`):
-    routed  expert e's gate/up Hessian from the tokens routed to e, its down Hessian from its
-            intermediate activations on those tokens. An expert with fewer than
-            `min_expert_tokens` routed tokens falls back to all-token statistics (the layer's
-            all-token gate/up Hessian; down Hessian from a sample of all tokens run through e),
-            and the report says which and why.
-    all     every expert's statistics from every token: the gate/up Hessian is the layer's
-            single all-token Hessian (one GPTQ solve shared by all experts' rows), the down
-            Hessians from every token through every expert; only routed outputs flow on.
+Statistics of a starved expert: one with fewer than `min_expert_tokens` routed tokens falls back
+to all-token statistics (the layer's all-token gate/up Hessian; down Hessian from a sample of
+all tokens run through it), and the report says which and why.
 
 AWQ folds (quantize/awq.py does the search): each down_proj's input scale s (I,) goes into
 the same expert's up_proj rows; the post-attention norm's output scale s (H,) into the norm,
@@ -41,35 +34,30 @@ free GPU memory does not hold them). Routed gate/up Hessians are built per batch
 layer's MLP inputs, kept once, and each expert's routed rows (`MLPStats.expert_H_in`).
 GLM-5.2 worked number, routed statistics at 64 x 2048 tokens: kept inputs 1.6 GB (256 gate/up
 Hessians held at once would be 6144^2 float32 x 256 = 38.6 GB), down Hessians 4.3 GB, the
-layer's BF16 experts 19.3 GB, a batch of 32 solves ~16 GB.
+layer's BF16 experts 19.3 GB, a batch of 32 solves ~16 GB. Under torchrun each rank solves its
+block of experts, their Hessians summed onto it from every rank (`_gptq_routed_ranks`).
 
 The MTP layer (index num_hidden_layers, dropped by transformers on load) is run too, on its
 real inputs: eh_proj([enorm(embed(token i+1)), hnorm(h_i)]) from the last layer's outputs h,
 through the same decoder-layer class built for that index. Further MTP layers, or one whose
 eh_proj / norms are missing, are rounded to nearest and the report says so.
 
-Hidden states stay on the compute device while they take less than half its free memory,
-else they are spilled to disk in chunks (`HiddenStates`).
-
-Resume: given the output folder (`use_state`), the state after each layer a resume can start
-from is checkpointed there (quantize/calib_state.py: the hidden states, 3.2 GB for GLM-5.2), and
-`start_shard` jumps to the newest usable checkpoint before the layers a shard needs, so a
-resumed run recomputes no layer it finished (with none usable: from layer 0, as before).
+Resume: given the output folder (`use_state`), the state after a layer a resume can start from
+is checkpointed there in the background, at most every `checkpoint_interval` seconds
+(quantize/calib_state.py), and `start_shard` jumps to the newest usable checkpoint before the
+layers a shard needs, so a resumed run recomputes at most the layers since that checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import json
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -84,29 +72,31 @@ from quantize.awq import (
 )
 from quantize.calib_data import CalibrationSet, load_calibration
 from quantize.calib_state import Checkpointer, StateDir
+from quantize.capture import EXPERT_BATCH, MLPStats, dense_forward, moe_forward
 from quantize.checkpoint import DTYPES, Checkpoint
 from quantize.distributed import Dist, owned
 from quantize.errors import Problem, QuantizeError
-from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize, xtx
+from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
 from quantize.int4 import Int4Weight, dequantize, int4_outputs, quantize_rtn
+from quantize.layers import (
+    MOE_CLASSES,
+    HiddenStates,
+    ReadAhead,
+    build_skeleton,
+    chunk_tokens,
+    free_layer,
+    layer_inputs,
+    load_layer,
+    mlp_kind,
+    mlp_target,
+    run_layer,
+)
 from quantize.layout import layer_of
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, Shard, Unit
 from quantize.staging import to_host
 
-__all__ = ["AWQ_SCALES", "CALIB_REPORT", "Calibrator", "HiddenStates", "MLPStats", "awq_expected",
-           "build_skeleton", "chunk_tokens", "dense_forward", "load_layer", "moe_forward", "run_layer"]
-
-# Tokens per layer forward: on a GPU enough that each of 256 experts gets ~500 routed tokens
-# per chunk (the expert loop's per-expert launches are paid per chunk); small on the CPU.
-CHUNK_TOKENS = {"cuda": 16384, "cpu": 8192}
-
-
-def chunk_tokens(device: torch.device) -> int:
-    return CHUNK_TOKENS.get(torch.device(device).type, CHUNK_TOKENS["cpu"])
-SAMPLE_TOKENS = 2048  # all-token MLP inputs kept for AWQ's search and expert fallbacks
-SAMPLE_EXPERT_TOKENS = 256  # routed intermediate activations kept per expert for AWQ
-EXPERT_BATCH = 32  # experts per AWQ search / all-expert pass (bounds their GPU memory)
+__all__ = ["AWQ_SCALES", "CALIB_REPORT", "Calibrator", "LayerWeights", "Target", "awq_expected"]
 # Experts per batched GPTQ solve at most: 32 GLM-5.2 experts (6144^2 factorizations, 2 x 2048
 # rows each) already keep an H200 busy (measured: a batch of 32 takes 0.78 s, 24 ms/expert),
 # and a larger batch only adds memory (~0.5 GB per expert).
@@ -120,419 +110,6 @@ CALIB_REPORT = "calibration-report.json"
 #       expert's / MLP's up_proj = source / s (rows).
 AWQ_SCALES = "calibration/awq-scales.safetensors"
 AWQ_SEARCH_EXPERTS = 32  # routed experts the shared gate/up input scale is searched on
-
-
-# ---------------------------------------------------------------------------------------------
-# Hidden states
-
-
-class HiddenStates:
-    """The calibration activations between layers: a list of (b, S, H) chunks, kept `where`
-    `placement` says: on the compute device when they fit, else in host memory (a GPU run
-    copies each chunk in for its forward), else one file per chunk in a temporary folder.
-    A chunk is replaced by `put`, never modified in place (a checkpoint may hold the old one)."""
-
-    def __init__(self, chunks: list[torch.Tensor], device: torch.device, where: str) -> None:
-        self.device, self.where = device, where
-        self._dir = tempfile.TemporaryDirectory(prefix="calib-hidden-") if where == "disk" else None
-        self._chunks: list[torch.Tensor | None] = []
-        for c in chunks:
-            self.append(c)
-
-    @property
-    def on_disk(self) -> bool:
-        return self._dir is not None
-
-    def append(self, t: torch.Tensor) -> None:
-        self._chunks.append(None)
-        self.put(len(self._chunks) - 1, t)
-
-    def __len__(self) -> int:
-        return len(self._chunks)
-
-    def _path(self, i: int) -> Path:
-        return Path(self._dir.name) / f"{i:06d}.pt"
-
-    def get(self, i: int) -> torch.Tensor:
-        """Chunk i where it is kept (`to(device)` brings a host chunk in)."""
-        if self._dir is None:
-            return self._chunks[i]
-        return torch.load(self._path(i), map_location=self.device)
-
-    def on_device(self, i: int) -> torch.Tensor:
-        return self.get(i).to(self.device)
-
-    def put(self, i: int, t: torch.Tensor) -> None:
-        if self.where == "device":
-            self._chunks[i] = t.to(self.device)
-        elif self.where == "host":
-            self._chunks[i] = t.to("cpu")
-        else:
-            torch.save(t.cpu(), self._path(i))
-
-    @staticmethod
-    def should_spill(nbytes: int, device: torch.device) -> bool:
-        """Whether `nbytes` more would take over half of the device's free memory."""
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-        else:
-            free = _host_free()
-        return nbytes > free // 2
-
-    @staticmethod
-    def placement(nbytes: int, device: torch.device) -> str:
-        """Where hidden states of `nbytes` are kept: "device" while twice that fits in half of
-        its free memory (a layer's pass 2 holds old and new chunks), else "host" while twice
-        that fits in half of the free host memory, else "disk"."""
-        if not HiddenStates.should_spill(2 * nbytes, device):
-            return "device"
-        if device.type == "cuda" and 2 * nbytes <= _host_free() // 2:
-            return "host"
-        return "disk"
-
-
-def _host_free() -> int:
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-# ---------------------------------------------------------------------------------------------
-# The layer, from transformers' classes and the checkpoint
-
-
-def build_skeleton(config: dict):
-    """The whole model on the meta device (no memory): its layer classes, rotary and config."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = {k: v for k, v in config.items() if k != "quantization_config"}
-    model_type = cfg.pop("model_type", None)
-    try:
-        hf_config = AutoConfig.for_model(model_type, **cfg)
-    except (ValueError, KeyError) as e:
-        raise QuantizeError("calibration needs a model transformers knows", [Problem(
-            "config.json", None, f"model_type {model_type!r} ({e})",
-            "a decoder-only architecture of the installed transformers",
-            "use --method rtn, which needs no forward pass")]) from None
-    with torch.device("meta"):
-        # trust_remote_code=False: a config.json auto_map naming the checkpoint's own Python
-        # is never imported (only the installed transformers' classes are built)
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa",
-                                                 trust_remote_code=False)
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or not hasattr(model.model, "rotary_emb"):
-        raise QuantizeError("calibration supports decoder-only models with model.model.layers", [
-            Problem("config.json", None, f"{type(model).__name__} has no model.model.layers / rotary_emb",
-                    "a Llama-like decoder (GLM-4.x, GLM-5.x, Llama, Qwen, ...)",
-                    "use --method rtn")])
-    return model
-
-
-# MoE blocks whose forward `moe_forward` mirrors (router -> fused experts -> + shared experts).
-MOE_CLASSES = ("GlmMoeDsaMoE", "Glm4MoeMoE", "DeepseekV3MoE")
-
-
-def _mlp_target(name: str) -> bool:
-    """A Linear weight of a layer's MLP (what the calibration rounds)."""
-    return ".mlp." in name and name.endswith("_proj.weight")
-
-
-def _mlp_kind(mlp: torch.nn.Module) -> str:
-    if type(mlp).__name__ in MOE_CLASSES:
-        return "moe"
-    if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-        return "dense"
-    return "unsupported"
-
-
-def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit] | None, L: int,
-               device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """Layer L of `skeleton` filled from the checkpoint, in `dtype` on `device` (router and
-    fp32-kept modules stay float32). `units`: the plan's, so FP8 weights are dequantized with
-    their scales; None reads every tensor as `ckpt.read` gives it (eval's INT4 view)."""
-    from quantize.pipeline import _nonfinite, source_weight
-
-    layer = skeleton.model.layers[L]
-    prefix = f"model.layers.{L}."
-    E = getattr(getattr(layer.mlp, "experts", None), "num_experts", 0)
-
-    def names(key: str) -> list[str]:  # checkpoint tensors behind one module parameter
-        if key.endswith("experts.gate_up_proj"):
-            m = prefix + key[: -len("gate_up_proj")]
-            return [f"{m}{e}.{k}_proj.weight" for e in range(E) for k in ("gate", "up")]
-        if key.endswith("experts.down_proj"):
-            m = prefix + key[: -len("down_proj")]
-            return [f"{m}{e}.down_proj.weight" for e in range(E)]
-        return [prefix + key]
-
-    have = units if units is not None else ckpt.tensors
-    missing = [n for key in layer.state_dict() for n in names(key) if n not in have]
-    if missing:
-        raise QuantizeError("the checkpoint lacks tensors the layer class needs", [Problem(
-            "model.safetensors.index.json", n, "missing", "every parameter of the transformers layer",
-            "the config and weights disagree; re-download the checkpoint") for n in missing])
-    layer.to(dtype)  # on the meta device: free
-    keep32 = list(getattr(skeleton, "_keep_in_fp32_modules", None) or []) + \
-        list(getattr(skeleton, "_keep_in_fp32_modules_strict", None) or [])
-    for name, mod in layer.named_modules():
-        if any(k in name.split(".") or name.endswith(k) for k in keep32):
-            mod.float()
-    if _mlp_kind(layer.mlp) == "moe":
-        layer.mlp.gate.float()  # routing in float32, as transformers keeps it
-    layer.to_empty(device=device)
-
-    def get(n: str) -> torch.Tensor:
-        return source_weight(ckpt, units[n], device) if units is not None else ckpt.read(n, device).float()
-
-    params = layer.state_dict()  # views of the parameters: filled in place
-    order = [(key, i, n) for key, t in params.items() for i, n in enumerate(names(key))]
-    finite = []  # one flag per tensor, read once at the end: no device sync per tensor
-    with torch.no_grad(), _ReadAhead(get, [n for _, _, n in order], depth=16) as R:
-        for key, i, n in order:
-            w, t = R[n], params[key]
-            finite.append(torch.isfinite(w).all())
-            if key.endswith("experts.gate_up_proj"):  # (E, 2I, H): gate rows, then up rows
-                half = t.shape[1] // 2
-                t[i // 2, (i % 2) * half:(i % 2 + 1) * half].copy_(w)
-            elif key.endswith("experts.down_proj"):  # (E, H, I)
-                t[i].copy_(w)
-            else:
-                t.copy_(w)
-        del w
-    if finite and not bool(torch.stack(finite).all()):
-        n = next(n for (_, _, n), ok in zip(order, finite) if not ok)
-        raise _nonfinite(ckpt, n, get(n))
-    layer.eval()
-    return layer
-
-
-def free_layer(layer: torch.nn.Module) -> None:
-    layer.to_empty(device="meta")
-
-
-# ---------------------------------------------------------------------------------------------
-# Statistics and the calibration forwards of the MLP
-
-
-@dataclass
-class MLPStats:
-    """What pass 1 collects for one layer's MLP; which parts are filled depends on the method.
-
-    A routed expert's gate/up Hessian 2 XᵀX / n is built when its GPTQ batch is solved
-    (`expert_H_in`), from the layer's MLP inputs kept once (`x_store`) and the rows routed to
-    it, instead of 256 float32 (H, H) running sums held through the whole pass: GLM-5.2 at
-    64 x 2048 tokens keeps 1.6 GB of bf16 inputs instead of 38.7 GB of sums. With
-    `store_tokens` off (the hidden states were spilled: they do not fit the device) the sums
-    are kept instead, a size that does not grow with the calibration set.
-    """
-
-    kind: str  # "moe" | "dense"
-    hessians: bool  # GPTQ needs them
-    samples: bool  # AWQ needs activation samples
-    all_experts: bool  # expert_calibration == "all"
-    num_experts: int = 0
-    store_tokens: bool = True  # routed gate/up Hessians from kept inputs (else running sums)
-    tokens: int = 0
-    H_in: torch.Tensor | None = None  # (H, H) all MLP-input tokens
-    H_down: torch.Tensor | None = None  # dense / shared down_proj (I, I)
-    n_down: int = 0
-    expert_tokens: list[int] = field(default_factory=list)  # routed tokens per expert
-    x_store: list[torch.Tensor] = field(default_factory=list)  # MLP inputs (T_c, H) per chunk
-    rows_e: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)  # (chunk, rows)
-    S_in_e: dict[int, torch.Tensor] = field(default_factory=dict)  # XᵀX sums (no store_tokens)
-    S_down_e: dict[int, torch.Tensor] = field(default_factory=dict)  # down inputs' XᵀX sums
-    S_down_all: torch.Tensor | None = None  # (E, I, I) the same, all-expert mode
-    n_down_e: dict[int, int] = field(default_factory=dict)
-    x_sample: list[torch.Tensor] = field(default_factory=list)  # all-token MLP inputs (float32)
-    inter_sample: list[torch.Tensor] = field(default_factory=list)  # dense/shared down inputs
-    inter_e: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # routed down inputs
-
-    def __post_init__(self) -> None:
-        self.expert_tokens = [0] * self.num_experts
-
-    @property
-    def routed_hessians(self) -> bool:
-        return self.hessians and not self.all_experts
-
-    @staticmethod
-    def _keep(buf: list[torch.Tensor], x: torch.Tensor, limit: int) -> None:
-        have = sum(t.shape[0] for t in buf)
-        if have < limit:
-            buf.append(x[: limit - have].float().clone())
-
-    def mlp_input(self, x: torch.Tensor) -> None:  # x (T, H); after the chunk's routed() calls
-        self.tokens += x.shape[0]
-        if self.hessians:
-            self.H_in, _ = accumulate_hessian(self._zeros(self.H_in, x.shape[-1], x), x,
-                                              self.tokens - x.shape[0])
-        if self.kind == "moe" and self.routed_hessians and self.store_tokens:
-            self.x_store.append(x)  # chunk index len(x_store) - 1, as routed() recorded
-        self._keep(self.x_sample, x, SAMPLE_TOKENS)
-
-    def down_input(self, inter: torch.Tensor) -> None:  # dense / shared (T, I)
-        if self.hessians:
-            self.H_down, self.n_down = accumulate_hessian(
-                self._zeros(self.H_down, inter.shape[-1], inter), inter, self.n_down)
-        if self.samples:
-            self._keep(self.inter_sample, inter, SAMPLE_TOKENS)
-
-    def routed(self, e: int, x: torch.Tensor, inter: torch.Tensor, rows: torch.Tensor) -> None:
-        """Expert e's routed tokens of the current chunk: inputs x (n, H) = the chunk's rows
-        `rows`, and its down_proj inputs inter (n, I)."""
-        self.expert_tokens[e] += x.shape[0]
-        if self.routed_hessians:
-            if self.store_tokens:
-                self.rows_e.setdefault(e, []).append((len(self.x_store), rows))
-            else:
-                self.S_in_e[e] = xtx(x, self.S_in_e.get(e))
-            self.expert_down(e, inter)
-        if self.samples:
-            self._keep(self.inter_e.setdefault(e, []), inter, SAMPLE_EXPERT_TOKENS)
-
-    def expert_down(self, e: int, inter: torch.Tensor) -> None:
-        self.S_down_e[e] = xtx(inter, self.S_down_e.get(e))
-        self.n_down_e[e] = self.n_down_e.get(e, 0) + inter.shape[0]
-
-    def experts_down(self, es: range, inter: torch.Tensor) -> None:
-        """All-expert mode: the down_proj inputs of experts `es` on every token (e, T, I),
-        summed into one (E, I, I) tensor with one batched matmul."""
-        if self.S_down_all is None:
-            I = inter.shape[-1]
-            self.S_down_all = torch.zeros(self.num_experts, I, I, device=inter.device)
-        xtx(inter, self.S_down_all[es.start:es.stop])
-        for e in es:
-            self.n_down_e[e] = self.n_down_e.get(e, 0) + inter.shape[1]
-
-    def expert_H_in(self, e: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """2 XᵀX / n over the tokens routed to expert e (None if it got none); its statistics
-        are released. `out`: a (H, H) float32 tensor to write it into."""
-        n = self.expert_tokens[e]
-        if self.store_tokens:
-            rows = self.rows_e.pop(e, None)
-            if not rows:
-                return None
-            S = xtx(torch.cat([self.x_store[c].index_select(0, r) for c, r in rows]))
-        else:
-            S = self.S_in_e.pop(e, None)
-            if S is None:
-                return None
-        return torch.mul(S, 2.0 / n, out=out)
-
-    def expert_H_down(self, e: int) -> torch.Tensor | None:
-        """2 XᵀX / n of expert e's down_proj inputs (None if it got none), released."""
-        if self.S_down_all is not None:
-            return self.S_down_all[e] * (2.0 / self.n_down_e[e])
-        S = self.S_down_e.pop(e, None)
-        return None if S is None else S.mul_(2.0 / self.n_down_e[e])
-
-    @staticmethod
-    def _zeros(H: torch.Tensor | None, K: int, like: torch.Tensor) -> torch.Tensor:
-        return H if H is not None else torch.zeros(K, K, device=like.device)
-
-
-def _expert_inter(experts: torch.nn.Module, es: range, x: torch.Tensor) -> torch.Tensor:
-    """act(gate_e x) * up_e x for experts `es` on all tokens x (T, H) -> (len(es), T, I)."""
-    gu = torch.matmul(x.unsqueeze(0), experts.gate_up_proj[es.start:es.stop].transpose(1, 2))
-    gate, up = gu.chunk(2, dim=-1)  # (e, T, I) each
-    return experts.act_fn(gate) * up
-
-
-def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = None) -> torch.Tensor:
-    """`GlmMoeDsaMoE.forward` / `Glm4MoeMoE.forward`, op for op, exposing each expert's routed
-    tokens (and, with `stats.all_experts`, every expert's activations on every token)."""
-    shape = x.shape
-    _, topk_weights, topk_indices = moe.gate(x)  # (T, k) each
-    xf = x.reshape(-1, shape[-1])  # (T, H)
-    experts = moe.experts
-    E = experts.num_experts
-    out = torch.zeros_like(xf)
-    # Each expert's (top-k slot, token) pairs in the order transformers' loop visits them
-    # (torch.where over its (k, T) one-hot mask: slot-major), found with one stable sort of
-    # the (k, T) expert ids and one host read of the counts, instead of a mask of (E+1, k, T)
-    # and a device sync per expert (256 per chunk on GLM-5.2).
-    T = xf.shape[0]
-    with torch.no_grad():
-        flat = topk_indices.t().reshape(-1)  # (k * T,): position p = slot * T + token
-        order = torch.argsort(flat, stable=True)  # grouped by expert, p ascending within one
-        counts = torch.bincount(flat, minlength=E + 1).tolist()
-    start = 0
-    for e, n in enumerate(counts):
-        p, start = order[start:start + n], start + n
-        if n == 0 or e == E:
-            continue
-        top_k_pos, token_idx = p // T, p % T
-        current = xf[token_idx]
-        gate, up = F.linear(current, experts.gate_up_proj[e]).chunk(2, dim=-1)
-        inter = experts.act_fn(gate) * up
-        y = F.linear(inter, experts.down_proj[e]) * topk_weights[token_idx, top_k_pos, None]
-        out.index_add_(0, token_idx, y.to(out.dtype))
-        if stats is not None:
-            stats.routed(e, current, inter, token_idx)
-    sh = moe.shared_experts
-    inter_s = sh.act_fn(sh.gate_proj(x)) * sh.up_proj(x)
-    if stats is not None:
-        stats.mlp_input(xf)
-        stats.down_input(inter_s.reshape(-1, inter_s.shape[-1]))
-        if stats.all_experts and stats.hessians:
-            for s in range(0, E, EXPERT_BATCH):
-                es = range(s, min(s + EXPERT_BATCH, E))
-                stats.experts_down(es, _expert_inter(experts, es, xf))  # (e, T, I)
-    return out.view(*shape) + sh.down_proj(inter_s)
-
-
-def dense_forward(mlp: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = None) -> torch.Tensor:
-    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))` (GLM / Llama MLP), feeding `stats`."""
-    inter = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
-    if stats is not None:
-        stats.mlp_input(x.reshape(-1, x.shape[-1]))
-        stats.down_input(inter.reshape(-1, inter.shape[-1]))
-    return mlp.down_proj(inter)
-
-
-# ---------------------------------------------------------------------------------------------
-# Running a layer over the calibration activations
-
-
-@dataclass
-class LayerInputs:
-    """What every decoder layer takes besides the hidden states (shared by all layers)."""
-
-    position_ids: torch.Tensor  # (1, S)
-    position_embeddings: tuple[torch.Tensor, torch.Tensor]
-    masks: dict[int, torch.Tensor | None]  # batch size -> causal mask
-
-
-def layer_inputs(skeleton, seq_len: int, device: torch.device, dtype: torch.dtype) -> LayerInputs:
-    rotary = type(skeleton.model.rotary_emb)(config=skeleton.config).to(device)
-    pos = torch.arange(seq_len, device=device).unsqueeze(0)
-    probe = torch.zeros(1, seq_len, 1, device=device, dtype=dtype)
-    return LayerInputs(pos, rotary(probe, pos), {})
-
-
-def _mask(skeleton, inputs: LayerInputs, h: torch.Tensor) -> torch.Tensor | None:
-    from transformers.masking_utils import create_causal_mask
-
-    b = h.shape[0]
-    if b not in inputs.masks:
-        inputs.masks[b] = create_causal_mask(config=skeleton.config, inputs_embeds=h,
-                                             attention_mask=None, past_key_values=None,
-                                             position_ids=inputs.position_ids.expand(b, -1),
-                                             allow_is_causal_skip=False)
-    return inputs.masks[b]
-
-
-def run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Tensor,
-              topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One decoder layer on (b, S, H); returns the output and the DSA top-k indices it carries."""
-    kwargs = {}
-    if "prev_topk_indices" in inspect.signature(layer.forward).parameters:
-        kwargs["prev_topk_indices"] = topk
-    b = h.shape[0]
-    out = layer(h, attention_mask=_mask(skeleton, inputs, h),
-                position_ids=inputs.position_ids.expand(b, -1),
-                position_embeddings=inputs.position_embeddings, **kwargs)
-    if isinstance(out, tuple):
-        return out[0], (out[1] if len(out) > 1 and torch.is_tensor(out[1]) else topk)
-    return out, topk
-
 
 # ---------------------------------------------------------------------------------------------
 # Quantizing one layer's MLP from its statistics
@@ -592,45 +169,6 @@ class LayerWeights:
         if name in self.row:
             w = fold_into_linear_rows(w, self.row[name])
         return w
-
-
-class _ReadAhead:
-    """get(name) for names used in a known order, computed `depth` ahead on worker threads:
-    the disk reads, host-to-device copies and FP8 dequantization of the next tensors overlap
-    the work on the current ones (each read releases the GIL). A name out of order, or one
-    not listed, is read on the spot."""
-
-    def __init__(self, get: Callable[[str], torch.Tensor], names: list[str], depth: int,
-                 workers: int = 4) -> None:
-        self.get, self.names, self.depth = get, list(names), max(1, depth)
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="quantize-read")
-        self.ahead: dict[str, Future] = {}
-        self.i = 0
-        self._fill()
-
-    def _fill(self) -> None:
-        while self.i < len(self.names) and len(self.ahead) < self.depth:
-            n = self.names[self.i]
-            self.ahead[n] = self.pool.submit(self.get, n)
-            self.i += 1
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        f = self.ahead.pop(name, None)
-        t = f.result() if f is not None else self.get(name)
-        self._fill()
-        return t
-
-    def close(self) -> None:
-        for f in self.ahead.values():
-            f.cancel()
-        self.ahead.clear()
-        self.pool.shutdown(wait=True)
-
-    def __enter__(self) -> _ReadAhead:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class _Clock:
@@ -799,7 +337,7 @@ class Calibrator:
         known only once their layer ran."""
         L = layer_of(unit.source)
         return unit.action == "quantize" and L is not None and L < self.num_layers and \
-            _mlp_target(unit.source)
+            mlp_target(unit.source)
 
     def result(self, unit: Unit) -> list[torch.Tensor] | torch.Tensor | None:
         L = layer_of(unit.source)
@@ -1103,7 +641,7 @@ class Calibrator:
                             f"an MoE block of {', '.join(MOE_CLASSES)} or a gate/up/down MLP",
                             "use --method rtn for this model")
                     for L, layer in enumerate(self.skeleton.model.layers)
-                    if _mlp_kind(layer.mlp) == "unsupported"
+                    if mlp_kind(layer.mlp) == "unsupported"
                     and any(t.quantize for t in self._targets(L, layer).values())]
         if problems:
             raise QuantizeError("calibration does not know this MLP", problems[:3])
@@ -1122,7 +660,7 @@ class Calibrator:
             self._embed()
         layer = load_layer(self.skeleton, self.ckpt, self.units, L, self.device, self.dtype)
         self._warm(L + 1)  # the next layer's bytes into the page cache while this one runs
-        kind = _mlp_kind(layer.mlp)
+        kind = mlp_kind(layer.mlp)
         targets = self._targets(L, layer)
         active = any(t.quantize for t in targets.values())
         entry: dict = {"layer": L, "mlp": kind}
@@ -1291,7 +829,7 @@ class Calibrator:
 
         quant = [n for n, t in targets.items() if t.quantize]
         if "gptq" not in method:
-            with _ReadAhead(W.__getitem__, quant, depth=32) as R:
+            with ReadAhead(W.__getitem__, quant, depth=32) as R:
                 for n in quant:
                     done(n, quantize_rtn(R[n], o.group_size, o.symmetric))
         else:
@@ -1307,7 +845,7 @@ class Calibrator:
             order = [f"{p}experts.{e}.{proj}.weight" for c in range(0, len(routed), nb)
                      for proj in ("gate_proj", "up_proj", "down_proj") for e in routed[c: c + nb]]
             # the next reads overlap the solves
-            with _ReadAhead(W.__getitem__, order, depth=min(2 * nb, 64)) as R:
+            with ReadAhead(W.__getitem__, order, depth=min(2 * nb, 64)) as R:
                 for c in range(0, len(routed), nb):
                     self._check_stop()
                     es = routed[c: c + nb]
@@ -1430,7 +968,7 @@ class Calibrator:
         g = self.opts.group_size
         order = [name(e, proj) for c in range(0, len(mine), nb)
                  for proj in ("gate_proj", "up_proj", "down_proj") for e in mine[c: c + nb]]
-        with _ReadAhead(W.__getitem__, order, depth=min(2 * nb, 64)) as R:
+        with ReadAhead(W.__getitem__, order, depth=min(2 * nb, 64)) as R:
             for j in range(steps):
                 H_gu = H_dn = None  # this rank's batch, summed over every rank's tokens
                 for o in range(d.world):

@@ -51,7 +51,10 @@ from quantize.calib_data import (
     tokenize_documents,
     window_starts,
 )
-from quantize.calibrate import (
+from quantize.checkpoint import Checkpoint, TensorInfo, open_checkpoint, read_tensor_table
+from quantize.errors import Problem, QuantizeError
+from quantize.int4 import Int4Weight, dequantize, unpack_int4
+from quantize.layers import (
     HiddenStates,
     build_skeleton,
     chunk_tokens,
@@ -60,9 +63,6 @@ from quantize.calibrate import (
     load_layer,
     run_layer,
 )
-from quantize.checkpoint import Checkpoint, TensorInfo, open_checkpoint, read_tensor_table
-from quantize.errors import Problem, QuantizeError
-from quantize.int4 import Int4Weight, dequantize, unpack_int4
 from quantize.manifest import finished_manifest
 from quantize.options import ConvertOptions
 from quantize.plan import Unit, make_plan

@@ -45,7 +45,7 @@ def sync():
     if dev.type == "cuda": torch.cuda.synchronize()
 for depth, workers in ((32, 4), (32, 8), (8, 2)):
     sync(); t = time.perf_counter()
-    R = Cm._ReadAhead(W.__getitem__, names, depth=depth, workers=workers)
+    R = Cm.ReadAhead(W.__getitem__, names, depth=depth, workers=workers)
     for n in names: R[n]
     R.close(); sync()
     res[f"readahead_d{depth}_w{workers}_s"] = round(time.perf_counter() - t, 3)

@@ -9,18 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantize.calibrate import (
-    CALIB_REPORT,
-    Calibrator,
-    HiddenStates,
-    MLPStats,
-    awq_expected,
-    build_skeleton,
-    load_layer,
-    moe_forward,
-)
+from quantize.calibrate import CALIB_REPORT, Calibrator, awq_expected
+from quantize.capture import MLPStats, moe_forward
 from quantize.checkpoint import open_checkpoint
 from quantize.errors import QuantizeError
+from quantize.layers import HiddenStates, build_skeleton, load_layer
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.plan import make_plan

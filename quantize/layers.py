@@ -1,0 +1,312 @@
+"""Decoder layers for the calibration: built from transformers' own classes, filled from
+the checkpoint, run over the calibration activations.
+
+    skeleton = build_skeleton(config)                  the whole model on the meta device
+    layer    = load_layer(skeleton, ckpt, units, L, device, dtype)    filled, FP8 dequantized
+    out, topk = run_layer(skeleton, layer, inputs, h, topk)           one forward of (b, S, H)
+    free_layer(layer)
+
+The model's own classes give the attention (GQA, MLA, the DSA indexer and its shared top-k)
+for free. The activations between layers are `HiddenStates`: chunks of CHUNK_TOKENS tokens,
+kept on the compute device while twice their size fits in half its free memory, else in host
+memory, else in files (GLM-5.2 at 512 x 2048 tokens: 12.9 GB of bf16 hidden states, plus the
+DSA top-k indices, 8.6 GB of int32, which the layers pass on).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantize.checkpoint import Checkpoint
+from quantize.errors import Problem, QuantizeError
+from quantize.plan import Unit
+
+__all__ = ["CHUNK_TOKENS", "MOE_CLASSES", "HiddenStates", "LayerInputs", "ReadAhead", "build_skeleton",
+           "chunk_tokens", "free_layer", "layer_inputs", "load_layer", "mlp_kind", "mlp_target",
+           "run_layer"]
+
+# Tokens per layer forward: on a GPU enough that each of 256 experts gets ~500 routed tokens
+# per chunk (the expert loop's per-expert launches are paid per chunk); small on the CPU.
+CHUNK_TOKENS = {"cuda": 16384, "cpu": 8192}
+
+
+def chunk_tokens(device: torch.device) -> int:
+    return CHUNK_TOKENS.get(torch.device(device).type, CHUNK_TOKENS["cpu"])
+
+# ---------------------------------------------------------------------------------------------
+# Hidden states
+
+
+class HiddenStates:
+    """The calibration activations between layers: a list of (b, S, H) chunks, kept `where`
+    `placement` says: on the compute device when they fit, else in host memory (a GPU run
+    copies each chunk in for its forward), else one file per chunk in a temporary folder.
+    A chunk is replaced by `put`, never modified in place (a checkpoint may hold the old one)."""
+
+    def __init__(self, chunks: list[torch.Tensor], device: torch.device, where: str) -> None:
+        self.device, self.where = device, where
+        self._dir = tempfile.TemporaryDirectory(prefix="calib-hidden-") if where == "disk" else None
+        self._chunks: list[torch.Tensor | None] = []
+        for c in chunks:
+            self.append(c)
+
+    @property
+    def on_disk(self) -> bool:
+        return self._dir is not None
+
+    def append(self, t: torch.Tensor) -> None:
+        self._chunks.append(None)
+        self.put(len(self._chunks) - 1, t)
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def _path(self, i: int) -> Path:
+        return Path(self._dir.name) / f"{i:06d}.pt"
+
+    def get(self, i: int) -> torch.Tensor:
+        """Chunk i where it is kept (`to(device)` brings a host chunk in)."""
+        if self._dir is None:
+            return self._chunks[i]
+        return torch.load(self._path(i), map_location=self.device)
+
+    def on_device(self, i: int) -> torch.Tensor:
+        return self.get(i).to(self.device)
+
+    def put(self, i: int, t: torch.Tensor) -> None:
+        if self.where == "device":
+            self._chunks[i] = t.to(self.device)
+        elif self.where == "host":
+            self._chunks[i] = t.to("cpu")
+        else:
+            torch.save(t.cpu(), self._path(i))
+
+    @staticmethod
+    def should_spill(nbytes: int, device: torch.device) -> bool:
+        """Whether `nbytes` more would take over half of the device's free memory."""
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        else:
+            free = _host_free()
+        return nbytes > free // 2
+
+    @staticmethod
+    def placement(nbytes: int, device: torch.device) -> str:
+        """Where hidden states of `nbytes` are kept: "device" while twice that fits in half of
+        its free memory (a layer's pass 2 holds old and new chunks), else "host" while twice
+        that fits in half of the free host memory, else "disk"."""
+        if not HiddenStates.should_spill(2 * nbytes, device):
+            return "device"
+        if device.type == "cuda" and 2 * nbytes <= _host_free() // 2:
+            return "host"
+        return "disk"
+
+
+def _host_free() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+# ---------------------------------------------------------------------------------------------
+# The layer, from transformers' classes and the checkpoint
+
+
+def build_skeleton(config: dict):
+    """The whole model on the meta device (no memory): its layer classes, rotary and config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {k: v for k, v in config.items() if k != "quantization_config"}
+    model_type = cfg.pop("model_type", None)
+    try:
+        hf_config = AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError) as e:
+        raise QuantizeError("calibration needs a model transformers knows", [Problem(
+            "config.json", None, f"model_type {model_type!r} ({e})",
+            "a decoder-only architecture of the installed transformers",
+            "use --method rtn, which needs no forward pass")]) from None
+    with torch.device("meta"):
+        # trust_remote_code=False: a config.json auto_map naming the checkpoint's own Python
+        # is never imported (only the installed transformers' classes are built)
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa",
+                                                 trust_remote_code=False)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not hasattr(model.model, "rotary_emb"):
+        raise QuantizeError("calibration supports decoder-only models with model.model.layers", [
+            Problem("config.json", None, f"{type(model).__name__} has no model.model.layers / rotary_emb",
+                    "a Llama-like decoder (GLM-4.x, GLM-5.x, Llama, Qwen, ...)",
+                    "use --method rtn")])
+    return model
+
+
+# MoE blocks whose forward `moe_forward` mirrors (router -> fused experts -> + shared experts).
+MOE_CLASSES = ("GlmMoeDsaMoE", "Glm4MoeMoE", "DeepseekV3MoE")
+
+
+def mlp_target(name: str) -> bool:
+    """A Linear weight of a layer's MLP (what the calibration rounds)."""
+    return ".mlp." in name and name.endswith("_proj.weight")
+
+
+def mlp_kind(mlp: torch.nn.Module) -> str:
+    if type(mlp).__name__ in MOE_CLASSES:
+        return "moe"
+    if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        return "dense"
+    return "unsupported"
+
+
+def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit] | None, L: int,
+               device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Layer L of `skeleton` filled from the checkpoint, in `dtype` on `device` (router and
+    fp32-kept modules stay float32). `units`: the plan's, so FP8 weights are dequantized with
+    their scales; None reads every tensor as `ckpt.read` gives it (eval's INT4 view)."""
+    from quantize.pipeline import _nonfinite, source_weight
+
+    layer = skeleton.model.layers[L]
+    prefix = f"model.layers.{L}."
+    E = getattr(getattr(layer.mlp, "experts", None), "num_experts", 0)
+
+    def names(key: str) -> list[str]:  # checkpoint tensors behind one module parameter
+        if key.endswith("experts.gate_up_proj"):
+            m = prefix + key[: -len("gate_up_proj")]
+            return [f"{m}{e}.{k}_proj.weight" for e in range(E) for k in ("gate", "up")]
+        if key.endswith("experts.down_proj"):
+            m = prefix + key[: -len("down_proj")]
+            return [f"{m}{e}.down_proj.weight" for e in range(E)]
+        return [prefix + key]
+
+    have = units if units is not None else ckpt.tensors
+    missing = [n for key in layer.state_dict() for n in names(key) if n not in have]
+    if missing:
+        raise QuantizeError("the checkpoint lacks tensors the layer class needs", [Problem(
+            "model.safetensors.index.json", n, "missing", "every parameter of the transformers layer",
+            "the config and weights disagree; re-download the checkpoint") for n in missing])
+    layer.to(dtype)  # on the meta device: free
+    keep32 = list(getattr(skeleton, "_keep_in_fp32_modules", None) or []) + \
+        list(getattr(skeleton, "_keep_in_fp32_modules_strict", None) or [])
+    for name, mod in layer.named_modules():
+        if any(k in name.split(".") or name.endswith(k) for k in keep32):
+            mod.float()
+    if mlp_kind(layer.mlp) == "moe":
+        layer.mlp.gate.float()  # routing in float32, as transformers keeps it
+    layer.to_empty(device=device)
+
+    def get(n: str) -> torch.Tensor:
+        return source_weight(ckpt, units[n], device) if units is not None else ckpt.read(n, device).float()
+
+    params = layer.state_dict()  # views of the parameters: filled in place
+    order = [(key, i, n) for key, t in params.items() for i, n in enumerate(names(key))]
+    finite = []  # one flag per tensor, read once at the end: no device sync per tensor
+    with torch.no_grad(), ReadAhead(get, [n for _, _, n in order], depth=16) as R:
+        for key, i, n in order:
+            w, t = R[n], params[key]
+            finite.append(torch.isfinite(w).all())
+            if key.endswith("experts.gate_up_proj"):  # (E, 2I, H): gate rows, then up rows
+                half = t.shape[1] // 2
+                t[i // 2, (i % 2) * half:(i % 2 + 1) * half].copy_(w)
+            elif key.endswith("experts.down_proj"):  # (E, H, I)
+                t[i].copy_(w)
+            else:
+                t.copy_(w)
+        del w
+    if finite and not bool(torch.stack(finite).all()):
+        n = next(n for (_, _, n), ok in zip(order, finite) if not ok)
+        raise _nonfinite(ckpt, n, get(n))
+    layer.eval()
+    return layer
+
+
+def free_layer(layer: torch.nn.Module) -> None:
+    layer.to_empty(device="meta")
+
+# ---------------------------------------------------------------------------------------------
+# Running a layer over the calibration activations
+
+
+@dataclass
+class LayerInputs:
+    """What every decoder layer takes besides the hidden states (shared by all layers)."""
+
+    position_ids: torch.Tensor  # (1, S)
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    masks: dict[int, torch.Tensor | None]  # batch size -> causal mask
+
+
+def layer_inputs(skeleton, seq_len: int, device: torch.device, dtype: torch.dtype) -> LayerInputs:
+    rotary = type(skeleton.model.rotary_emb)(config=skeleton.config).to(device)
+    pos = torch.arange(seq_len, device=device).unsqueeze(0)
+    probe = torch.zeros(1, seq_len, 1, device=device, dtype=dtype)
+    return LayerInputs(pos, rotary(probe, pos), {})
+
+
+def _mask(skeleton, inputs: LayerInputs, h: torch.Tensor) -> torch.Tensor | None:
+    from transformers.masking_utils import create_causal_mask
+
+    b = h.shape[0]
+    if b not in inputs.masks:
+        inputs.masks[b] = create_causal_mask(config=skeleton.config, inputs_embeds=h,
+                                             attention_mask=None, past_key_values=None,
+                                             position_ids=inputs.position_ids.expand(b, -1),
+                                             allow_is_causal_skip=False)
+    return inputs.masks[b]
+
+
+def run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Tensor,
+              topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One decoder layer on (b, S, H); returns the output and the DSA top-k indices it carries."""
+    kwargs = {}
+    if "prev_topk_indices" in inspect.signature(layer.forward).parameters:
+        kwargs["prev_topk_indices"] = topk
+    b = h.shape[0]
+    out = layer(h, attention_mask=_mask(skeleton, inputs, h),
+                position_ids=inputs.position_ids.expand(b, -1),
+                position_embeddings=inputs.position_embeddings, **kwargs)
+    if isinstance(out, tuple):
+        return out[0], (out[1] if len(out) > 1 and torch.is_tensor(out[1]) else topk)
+    return out, topk
+
+
+
+class ReadAhead:
+    """get(name) for names used in a known order, computed `depth` ahead on worker threads:
+    the disk reads, host-to-device copies and FP8 dequantization of the next tensors overlap
+    the work on the current ones (each read releases the GIL). A name out of order, or one
+    not listed, is read on the spot."""
+
+    def __init__(self, get: Callable[[str], torch.Tensor], names: list[str], depth: int,
+                 workers: int = 4) -> None:
+        self.get, self.names, self.depth = get, list(names), max(1, depth)
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="quantize-read")
+        self.ahead: dict[str, Future] = {}
+        self.i = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while self.i < len(self.names) and len(self.ahead) < self.depth:
+            n = self.names[self.i]
+            self.ahead[n] = self.pool.submit(self.get, n)
+            self.i += 1
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        f = self.ahead.pop(name, None)
+        t = f.result() if f is not None else self.get(name)
+        self._fill()
+        return t
+
+    def close(self) -> None:
+        for f in self.ahead.values():
+            f.cancel()
+        self.ahead.clear()
+        self.pool.shutdown(wait=True)
+
+    def __enter__(self) -> ReadAhead:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
