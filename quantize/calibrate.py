@@ -237,6 +237,9 @@ class Calibrator:
             raise QuantizeError("calibration sequences longer than the model's context", [Problem(
                 "config.json", None, f"--seq-len {opts.seq_len}",
                 f"at most max_position_embeddings {limit}", f"pass --seq-len {min(limit, 2048)}")])
+        self.skeleton = build_skeleton(ckpt.config)  # the config first: it names the problem
+        self.num_layers = len(self.skeleton.model.layers)
+        self._check_mlps()
         self.calib = calib or self._load_calibration()
         c = self.calib
         # this rank's samples (all of them in one process)
@@ -246,13 +249,13 @@ class Calibrator:
             self.log(f"warning: {Path(c.source).name} holds {c.stream_tokens:,} tokens, fewer than "
                      f"--num-samples {n} x --seq-len {L} = {n * L:,}: the windows overlap, so some "
                      "text is counted more than once; add data or lower --num-samples")
-        self.skeleton = build_skeleton(ckpt.config)
-        self.num_layers = len(self.skeleton.model.layers)
-        self._check_mlps()
         self.inputs = layer_inputs(self.skeleton, self.calib.tokens.shape[1], device, self.dtype)
         self.next_layer = 0
         self.last_layer = max((min(L, self.num_layers) for u in plan.units
                                if (L := layer_of(u.source)) is not None), default=-1)
+        # the MTP layer's own skeleton, built now: a config it cannot take fails before output
+        self._mtp_skeleton = build_skeleton(self._mtp_config(self.num_layers)) \
+            if self.last_layer == self.num_layers and self._mtp_runnable(self.num_layers) else None
         # after these layers a resume can start: a shard's first layer, minus one
         self._save_after = {L - 1 for s in plan.shards if (L := self._first_layer(s)) is not None}
         self._save_after.add(self.last_layer)
@@ -600,16 +603,10 @@ class Calibrator:
         the first S-1 positions (the last has no next token)."""
         ck, dev, dt = self.ckpt, self.device, self.dtype
         p = f"model.layers.{L}."
-        need = [p + n + ".weight" for n in ("eh_proj", "enorm", "hnorm")]
-        if any(n not in ck.tensors for n in need) or self.calib.tokens.shape[1] < 2:
+        if self._mtp_skeleton is None:
             self._mtp_skip[L] = "no eh_proj / enorm / hnorm in the checkpoint: rounded to nearest"
             return
-        cfg = dict(ck.config, num_hidden_layers=L + 1)
-        if ck.model_type == "glm_moe_dsa":  # which layers carry their own DSA indexer
-            cfg["indexer_types"] = ["full" if f"model.layers.{i}.self_attn.indexer.wq_b.weight"
-                                    in ck.tensors else "shared" for i in range(L + 1)]
-            cfg.pop("mlp_layer_types", None)
-        skeleton = build_skeleton(cfg)
+        cfg, skeleton = self._mtp_config(L), self._mtp_skeleton
         H = cfg["hidden_size"]
         norm_cls = type(skeleton.model.norm)
         eps = cfg.get("rms_norm_eps", 1e-6)
@@ -633,6 +630,26 @@ class Calibrator:
         self.inputs = layer_inputs(skeleton, S - 1, dev, dt)
         self._run(L)
         self.layers[-1]["mtp"] = True
+
+    def _mtp_runnable(self, L: int) -> bool:
+        need = [f"model.layers.{L}.{n}.weight" for n in ("eh_proj", "enorm", "hnorm")]
+        return all(n in self.ckpt.tensors for n in need) and self.calib.tokens.shape[1] >= 2
+
+    def _mtp_config(self, L: int) -> dict:
+        """config.json for a model of L+1 decoder layers, the MTP layer L the last: every
+        per-layer list (`layer_types`, `mlp_layer_types`, ... as transformers writes them)
+        extended by its last entry, DSA `indexer_types` from the tensors (which layers have
+        their own indexer)."""
+        ck = self.ckpt
+        n = ck.num_hidden_layers
+        cfg = dict(ck.config, num_hidden_layers=L + 1)
+        for k, v in ck.config.items():
+            if isinstance(v, list) and v and len(v) == n and k.endswith("_types"):
+                cfg[k] = list(v) + [v[-1]] * (L + 1 - n)
+        if ck.model_type == "glm_moe_dsa":
+            cfg["indexer_types"] = ["full" if f"model.layers.{i}.self_attn.indexer.wq_b.weight"
+                                    in ck.tensors else "shared" for i in range(L + 1)]
+        return cfg
 
     def _check_mlps(self) -> None:
         """Refuse, before any output exists, a layer whose MLP has INT4 targets but a class

@@ -215,12 +215,24 @@ def read_safetensors_header(path: Path, shown_name: str) -> tuple[dict[str, dict
         if n > MAX_HEADER or n > size - 8:
             raise bad(f"header length {n} in a {size}-byte file", "a header that fits in the file")
         raw = f.read(n)
+    twice: list[str] = []
+
+    def unique(pairs: list[tuple[str, object]]) -> dict:  # json.loads would keep the last silently
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                twice.append(k)
+            seen.add(k)
+        return dict(pairs)
+
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=unique)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad(f"header is not valid JSON ({e.__class__.__name__}: {e})", "a JSON header") from None
     if not isinstance(header, dict):
         raise bad(f"header is a {type(header).__name__}", "a JSON object")
+    if twice:
+        raise bad(f"the header names {twice[0]} twice", "each name once (as safetensors requires)")
     data_start = 8 + n
     for name, entry in header.items():
         if name == "__metadata__":
@@ -250,7 +262,31 @@ def read_safetensors_header(path: Path, shown_name: str) -> tuple[dict[str, dict
                 shown_name, name, f"data ends at byte {data_start + end} but the file has {size}",
                 "the whole tensor inside the file",
                 "re-download this shard (the download or copy was cut short)")])
+    _check_layout(header, size - data_start, shown_name)
     return header, data_start
+
+
+def _check_layout(header: dict, data_bytes: int, shown_name: str) -> None:
+    """The entries' byte ranges tile the data section exactly, in order: none shares bytes with
+    another (two names reading the same weights), no hole, nothing after the last one, as the
+    safetensors format requires (its own reader refuses such a file)."""
+    spans = sorted((e["data_offsets"][0], e["data_offsets"][1], k) for k, e in header.items()
+                   if k != "__metadata__")
+    at, prev = 0, None
+    for begin, end, name in spans:
+        if begin < at:
+            raise QuantizeError("corrupt safetensors header", [Problem(
+                shown_name, name, f"data_offsets {begin}..{end} overlap {prev}'s bytes (up to {at})",
+                "tensors that share no bytes", "re-download this shard")])
+        if begin > at:
+            raise QuantizeError("corrupt safetensors header", [Problem(
+                shown_name, name, f"data starts at {begin}, after {begin - at} bytes no tensor uses",
+                "tensors packed back to back from byte 0 of the data", "re-download this shard")])
+        at, prev = end, name
+    if at != data_bytes:
+        raise QuantizeError("corrupt safetensors file", [Problem(
+            shown_name, prev, f"{data_bytes - at} bytes after the last tensor",
+            "a file that ends with its last tensor", "re-download this shard")])
 
 
 def link_roots(root: Path) -> tuple[Path, ...]:
@@ -592,6 +628,22 @@ def read_tensor_table(root: Path) -> tuple[dict[str, TensorInfo], list[str], dic
                                    data_start + begin, end - begin)
     if problems:
         raise QuantizeError("tensors listed in the index are missing from their shards", problems)
+    for fname, (header, _) in headers.items():  # and the other way round
+        for name in header:
+            listed = weight_map.get(name)
+            if name == "__metadata__" or listed == fname:
+                continue
+            if listed is None:
+                problems.append(Problem(fname, name, "in this shard but not in the index",
+                                        f"every tensor of every shard listed in {INDEX_NAME}",
+                                        "the index is stale or was edited: restore the release's "
+                                        "index (a tensor it does not list would be left out)"))
+            else:
+                problems.append(Problem(fname, name, f"also in {listed}, where the index places it",
+                                        "each tensor in one shard",
+                                        "the shards come from different revisions: re-download"))
+    if problems:
+        raise QuantizeError("the index and the shard headers disagree", problems[:20])
     return tensors, files, sizes
 
 

@@ -123,18 +123,31 @@ def build_skeleton(config: dict):
 
     cfg = {k: v for k, v in config.items() if k != "quantization_config"}
     model_type = cfg.pop("model_type", None)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise QuantizeError("calibration needs a model transformers knows", [Problem(
+            "config.json", None, f"model_type {model_type!r}",
+            "a decoder-only architecture of the installed transformers",
+            "use --method rtn, which needs no forward pass")])
     try:
         hf_config = AutoConfig.for_model(model_type, **cfg)
-    except (ValueError, KeyError) as e:
-        raise QuantizeError("calibration needs a model transformers knows", [Problem(
-            "config.json", None, f"model_type {model_type!r} ({e})",
-            "a decoder-only architecture of the installed transformers",
-            "use --method rtn, which needs no forward pass")]) from None
-    with torch.device("meta"):
-        # trust_remote_code=False: a config.json auto_map naming the checkpoint's own Python
-        # is never imported (only the installed transformers' classes are built)
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa",
-                                                 trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - the config class's own validation, said before any output
+        raise QuantizeError("calibration cannot build this model's layers", [Problem(
+            "config.json", None, f"transformers {model_type} config: {type(e).__name__}: {e}",
+            "a config the installed transformers' config class accepts",
+            "check config.json against the release, or use --method rtn")]) from None
+    try:
+        with torch.device("meta"):
+            # trust_remote_code=False: a config.json auto_map naming the checkpoint's own Python
+            # is never imported (only the installed transformers' classes are built)
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa",
+                                                     trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - whatever the model class raises, said before any output
+        raise QuantizeError("calibration cannot build this model's layers", [Problem(
+            "config.json", None, f"transformers {model_type} raised {type(e).__name__}: {e}",
+            "a config the installed transformers' model class accepts",
+            "check config.json against the release, or use --method rtn")]) from None
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not hasattr(model.model, "rotary_emb"):
         raise QuantizeError("calibration supports decoder-only models with model.model.layers", [

@@ -239,28 +239,43 @@ def _check_out_path(src: Path, out: Path, resume: bool, overwrite: bool) -> None
             str(out), None, "an existing file", "a new or empty folder", "choose another path")])
 
 
-def _prepare_out(out: Path, overwrite: bool) -> dict | None:
+def _our_partials(plan: Plan, aux: list[Path]) -> set[str]:
+    """The `.partial` names a conversion of `plan` writes in its output folder: its shards,
+    index, config, manifest, model card, report, and the copied files, each plus PARTIAL."""
+    from quantize.readme import EVAL_JSON
+    from quantize.verify import VERIFY_JSON
+
+    names = [s.file for s in plan.shards] + [p.name for p in aux] + [
+        INDEX_NAME, "config.json", MANIFEST, "README.md", "calibration-report.json", VERIFY_JSON,
+        EVAL_JSON]
+    return {n + PARTIAL for n in names}
+
+
+def _prepare_out(out: Path, overwrite: bool, partials: set[str]) -> dict | None:
     """Empty or resume the (locked) output folder; return the previous manifest when resuming.
 
     A folder holding a manifest is resumed whether or not --resume was given (re-running the
     same command continues it; `Manifest.resume` refuses other options or a changed source).
-    Any other non-empty folder is refused unless --overwrite. Leftover `.partial` files are
-    ours: a killed run's half-written files, deleted before we start.
+    Any other non-empty folder is refused unless --overwrite (which deletes its contents).
+    Half-written files of a killed run are deleted before we start: only files whose names are
+    in `partials` (`_our_partials`: what this conversion writes, + `.partial`); any other
+    `*.partial` entry is the user's and counts as content like any other file.
     """
     previous = None if overwrite else read_manifest(out)
-    ours = [p for p in out.iterdir() if not p.name.endswith(PARTIAL)]
-    if ours and overwrite:
-        for p in ours:
+    mine = [p for p in out.iterdir() if p.name in partials and p.is_file() and not p.is_symlink()]
+    other = [p for p in out.iterdir() if p not in mine]
+    if other and overwrite:
+        for p in other:
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)
             else:
                 p.unlink()
-    elif ours and previous is None:
+    elif other and previous is None:
         raise QuantizeError("the output folder is not empty", [Problem(
-            str(out), None, f"{len(ours)} existing file(s), no {MANIFEST}",
+            str(out), None, f"{len(other)} existing file(s) (e.g. {min(other).name}), no {MANIFEST}",
             "an empty or new folder, or one holding an earlier conversion's manifest",
             "choose a new folder, or pass --overwrite to delete its contents")])
-    for p in out.glob(f"*{PARTIAL}"):
+    for p in mine:
         p.unlink()  # half-written files of an interrupted run (the lock says it is not running)
     return previous
 
@@ -337,7 +352,7 @@ def convert(
                            checkpoint_interval=checkpoint_interval, dist=dist)
     try:
         with folder_lock(out):  # one conversion per output folder at a time
-            previous = _prepare_out(out, overwrite)
+            previous = _prepare_out(out, overwrite, _our_partials(plan, aux))
             check_disk(out, plan, previous, dev,
                        checkpoint_interval if dist is None else math.inf)  # (none under torchrun)
             return _write(ckpt, plan, out, previous, aux, opts, dev, on_unit,

@@ -3,8 +3,10 @@
     quantize push ./GLM-5.2-INT4 my-org/GLM-5.2-INT4 [--private] [--revision main] [--dry-run]
 
 1. refuse what is not publishable: the manifest must be `complete` and every file it lists
-   present with its recorded size (no override: an unfinished conversion is never published);
-   verify.json must say `ok` and be newer than the manifest (override: --skip-verify-check)
+   present with its recorded size and sha256 (every byte re-hashed: ~1 GB/s, minutes for
+   GLM-5.2, against hours of upload; no override: an unfinished or altered conversion is never
+   published); verify.json must say `ok`, name this manifest's sha256 (a report copied from
+   another folder does not count) and be newer than the manifest (override: --skip-verify-check)
 2. refresh README.md (the model card) with the repo id
 3. the upload list is exactly: the manifest's files, README.md, verify.json, the manifest
    itself. Nothing else in the folder (half-written `.partial` files, scratch) is sent
@@ -32,6 +34,7 @@ from quantize import __version__
 from quantize.errors import Problem, QuantizeError
 from quantize.manifest import MANIFEST, finished_manifest
 from quantize.readme import CARD, EVAL_JSON, card_text, write_readme
+from quantize.shards import sha256_file
 from quantize.verify import VERIFY_JSON
 
 __all__ = ["PushPlan", "UploadFile", "prepare_push", "upload"]
@@ -69,7 +72,7 @@ def _check_publishable(dst: Path, repo_id: str, skip_verify_check: bool) -> dict
     manifest = finished_manifest(dst, ": refusing to publish it", "finish it with `quantize "
                                  "convert SRC DST --resume`, then `quantize verify SRC DST`")
     problems = []
-    for name, rec in sorted(manifest["files"].items()):
+    for name, rec in sorted(manifest["files"].items()):  # every byte, as it would be uploaded
         p = dst / name
         if not p.is_file():
             problems.append(Problem(str(p), None, "missing", f"{rec['bytes']} bytes",
@@ -78,6 +81,11 @@ def _check_publishable(dst: Path, repo_id: str, skip_verify_check: bool) -> dict
             problems.append(Problem(str(p), None, f"{p.stat().st_size} bytes",
                                     f"{rec['bytes']} bytes as converted",
                                     "the file changed after conversion; convert again with --overwrite"))
+        elif sha256_file(p) != rec["sha256"]:
+            problems.append(Problem(str(p), None, "sha256 differs from the manifest's",
+                                    f"{rec['sha256'][:16]}... as converted",
+                                    "the file changed after conversion (a disk or copy error?): "
+                                    "convert again with --overwrite"))
     if problems:
         raise QuantizeError("the folder does not match its manifest: refusing to publish it", problems)
     if skip_verify_check:
@@ -87,11 +95,17 @@ def _check_publishable(dst: Path, repo_id: str, skip_verify_check: bool) -> dict
     if not vpath.is_file():
         raise QuantizeError("not verified: refusing to publish it", [Problem(
             str(vpath), None, "missing", "a passing verify report", fix)])
-    summary = json.loads(vpath.read_text()).get("summary", {})
+    report = json.loads(vpath.read_text())
+    summary = report.get("summary", {})
     if summary.get("ok") is not True:
         raise QuantizeError("verify failed: refusing to publish it", [Problem(
             str(vpath), None, f"ok={summary.get('ok')}, problems={summary.get('problems', [])[:3]}, "
             f"failed={summary.get('failed', [])[:3]}", "ok=true", fix)])
+    if report.get("manifest_sha256") != sha256_file(dst / MANIFEST):
+        raise QuantizeError("verify.json is not a report of this conversion: refusing to publish it",
+                            [Problem(str(vpath), None, "written for another manifest (another "
+                                     "folder, or this one before it changed)",
+                                     f"the sha256 of {MANIFEST} as it is now", fix)])
     if vpath.stat().st_mtime_ns < (dst / MANIFEST).stat().st_mtime_ns:
         raise QuantizeError("verify.json is older than the conversion: refusing to publish it", [Problem(
             str(vpath), None, "written before the manifest's last change", "a report of this conversion",

@@ -35,7 +35,7 @@ import torch
 
 from quantize.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor_table
 from quantize.int4 import Int4Weight, dequantize, unpack_int4
-from quantize.manifest import finished_manifest
+from quantize.manifest import MANIFEST, finished_manifest
 from quantize.options import ConvertOptions
 from quantize.pipeline import WEIGHT_SUFFIXES, quantization_config, source_weight
 from quantize.plan import Unit, make_plan
@@ -44,6 +44,7 @@ from quantize.shards import sha256_file
 __all__ = ["TensorCheck", "VerifyReport", "verify"]
 
 VERIFY_JSON = "verify.json"
+_ABSENT = object()  # a config field one side does not have
 AWQ_SCALES = "calibration/awq-scales.safetensors"  # = quantize.calibrate.AWQ_SCALES (no torch
 # model imports here: verify must not pull in transformers for RTN checkpoints)
 CALIB_STATE = "calibration/state"  # = quantize.calib_state.CALIB_STATE: layer checkpoints of an
@@ -222,6 +223,14 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = 12.0, device: 
         expect_qc.pop(k, None)
     if got_qc != expect_qc:
         report.problems.append("config.json: quantization_config differs from the one the plan implies")
+    # every other field is the source's, as convert copies it (an edited routed_scaling_factor
+    # or rms_norm_eps would change what the engines compute, with every weight intact)
+    want = {**src_ckpt.config, "torch_dtype": src_ckpt.config.get("torch_dtype", "bfloat16")}
+    for k in sorted((set(want) | set(config)) - {"quantization_config"}):
+        if config.get(k, _ABSENT) != want.get(k, _ABSENT):
+            shown = [repr(v) if v is not _ABSENT else "(absent)"
+                     for v in (config.get(k, _ABSENT), want.get(k, _ABSENT))]
+            report.problems.append(f"config.json: {k} = {shown[0][:80]}, the source has {shown[1][:80]}")
     if report.problems:
         return _finish(report, dst, write)
 
@@ -257,7 +266,12 @@ def _unlisted_weights(dst: Path, listed: dict) -> list[str]:
 def _finish(report: VerifyReport, dst: Path, write: bool) -> VerifyReport:
     if write:
         # Not through the manifest: verify.json is a report about the checkpoint, not part of it.
-        (dst / VERIFY_JSON).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        # It names the manifest it checked (its sha256: every file's sha256 is in it), so `push`
+        # can tell a report of this conversion from one copied from another folder.
+        data = report.to_json()
+        if (dst / MANIFEST).is_file():
+            data["manifest_sha256"] = sha256_file(dst / MANIFEST)
+        (dst / VERIFY_JSON).write_text(json.dumps(data, indent=2) + "\n")
         from quantize.readme import refresh_readme  # local: readme imports this module
 
         refresh_readme(dst)  # the card shows these results

@@ -284,19 +284,24 @@ def test_dtype_the_format_does_not_allow(src, tmp_path, case):
 
 @pytest.mark.parametrize("case", ["layer_missing", "tensor_missing", "layer_beyond_config"])
 def test_layers_that_do_not_match_the_config(src, tmp_path, case):
-    """A layer dropped from the index, one tensor of a layer dropped, or more layers on disk
+    """A layer dropped from the checkpoint, one tensor of a layer dropped, or more layers on disk
     than config.json declares: refused before writing (each would load wrong or not at all)."""
     idx = index(src)
-    if case == "layer_missing":
-        idx["weight_map"] = {k: v for k, v in idx["weight_map"].items()
-                             if not k.startswith("model.layers.2.")}
+
+    def drop(names: set[str]) -> None:  # from the shards and the index alike
+        for fname in sorted({idx["weight_map"][n] for n in names}):
+            tensors = load_file(src / fname)
+            save_file({k: v for k, v in tensors.items() if k not in names}, src / fname,
+                      metadata={"format": "pt"})
+        idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if k not in names}
         set_index(src, idx)
+
+    if case == "layer_missing":
+        drop({k for k in idx["weight_map"] if k.startswith("model.layers.2.")})
         must = ("no tensors for layer(s) 2", "layers 0..2 (num_hidden_layers 3)")
     elif case == "tensor_missing":
         gone = "model.layers.2.self_attn.o_proj.weight"
-        for k in (gone, gone + "_scale_inv"):
-            del idx["weight_map"][k]
-        set_index(src, idx)
+        drop({gone, gone + "_scale_inv"})
         must = ("model.layers.2.self_attn.o_proj.weight", "layer 2 lacks 2 tensor(s)")
     else:
         set_config(src, num_hidden_layers=2)
@@ -633,3 +638,71 @@ def test_damaged_output_manifest(dsa_fp8, tmp_path, text):
     assert r.exit_code == 2 and "the output's manifest is unreadable" in r.output
     r = convert(dsa_fp8, out, "--overwrite")
     assert r.exit_code == 0, r.output
+
+
+def header_of(path: Path) -> tuple[dict, bytes]:
+    """A shard's header and its data section."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def write_shard(path: Path, header: dict | str, body: bytes) -> None:
+    """A shard of `header` (or that JSON text, as is) and the data section `body`."""
+    text = (header if isinstance(header, str) else json.dumps(header, separators=(",", ":"))).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + body)
+
+
+@pytest.mark.parametrize("case", ["overlap", "gap", "trailing", "duplicate"])
+def test_shard_data_that_overlaps_or_leaves_holes(src, tmp_path, case):
+    """Two entries sharing bytes, a hole between them, bytes after the last one, or one name
+    twice: the safetensors library refuses such a file, and so does the reader."""
+    fname = index(src)["weight_map"][EXPERT]
+    p = src / fname
+    header, body = header_of(p)
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    a = names[0]
+    if case == "overlap":  # b's entry points at a's bytes (a same-shape pair)
+        same = [k for k in names
+                if (header[k]["shape"], header[k]["dtype"]) == (header[a]["shape"], header[a]["dtype"])]
+        a, b = same[0], same[1]
+        header[b]["data_offsets"] = list(header[a]["data_offsets"])
+        says = "overlap"
+    elif case == "gap":  # 64 unused bytes before the last tensor
+        last = names[-1]
+        begin = header[last]["data_offsets"][0]
+        body = body[:begin] + b"\0" * 64 + body[begin:]
+        header[last]["data_offsets"] = [o + 64 for o in header[last]["data_offsets"]]
+        says = "64 bytes no tensor uses"
+    elif case == "trailing":
+        body += b"\0" * 16
+        says = "16 bytes after the last tensor"
+    else:  # the same name twice: one more entry in the JSON text, pointing at a's bytes
+        text = json.dumps(header, separators=(",", ":"))
+        header = text[:-1] + "," + json.dumps({a: header[a]}, separators=(",", ":"))[1:-1] + "}"
+        says = f"names {a} twice"
+    write_shard(p, header, body)
+    assert_clear_error(convert(src, tmp_path / "out"), fname, says, "re-download this shard")
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("case", ["unlisted", "two_shards"])
+def test_index_and_shard_headers_must_agree(src, tmp_path, case):
+    """A tensor a shard holds but the index does not list would be dropped from the output;
+    a tensor two shards hold would be taken from one of them silently. Both are refused."""
+    idx = index(src)
+    if case == "unlisted":
+        fname = idx["weight_map"].pop(NORM)
+        set_index(src, idx)
+        says = [f"{fname} :: {NORM}", "in this shard but not in the index"]
+    else:
+        other = next(f for f in sorted(set(idx["weight_map"].values())) if f != idx["weight_map"][NORM])
+        norm = load_file(src / idx["weight_map"][NORM])[NORM]
+        tensors = load_file(src / other)
+        tensors[NORM] = norm.clone()
+        save_file(tensors, src / other, metadata={"format": "pt"})
+        says = [f"{other} :: {NORM}", f"also in {idx['weight_map'][NORM]}"]
+    assert_clear_error(convert(src, tmp_path / "out"), "the index and the shard headers disagree",
+                       *says)
+    assert_nothing_written(tmp_path / "out")

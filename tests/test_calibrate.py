@@ -419,3 +419,37 @@ def test_layer_thread_runs_one_layer_ahead(ckpt_dir):
         assert c._done == L + 1 and c.next_layer == L + 2
         assert max(c._published) == L + 1 and len([k for k in c._published if k >= L]) == 2
     assert not c._runner.is_alive()
+
+
+def test_gptq_on_a_config_as_transformers_writes_it(tmp_path):
+    """A GLM-5 config.json saved by transformers carries every per-layer list (`layer_types`,
+    `mlp_layer_types`, `indexer_types`) for the decoder layers; the MTP layer's model needs them
+    one longer. The run calibrates the MTP layer instead of failing at it (as it did at 73 %)."""
+    from transformers import AutoConfig
+
+    cfg = tiny_config("glm_moe_dsa")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-block")
+    write_tokenizer(src, cfg["vocab_size"])
+    on_disk = json.loads((src / "config.json").read_text())
+    written = AutoConfig.for_model("glm_moe_dsa", **{k: v for k, v in on_disk.items()
+                                                      if k not in ("model_type", "quantization_config")})
+    saved = {**written.to_dict(), "quantization_config": on_disk["quantization_config"]}
+    n = cfg["num_hidden_layers"]
+    assert len(saved["layer_types"]) == len(saved["mlp_layer_types"]) == len(saved["indexer_types"]) == n
+    (src / "config.json").write_text(json.dumps(saved, indent=2))
+    res = convert(src, tmp_path / "out", ConvertOptions(method="gptq", **CALIB), device="cpu")
+    mtp = [lay for lay in res.calibration["layers"] if lay["layer"] == n]
+    assert mtp and mtp[0].get("mtp") and mtp[0]["quantized"] > 0, res.calibration["layers"]
+
+
+def test_a_layer_class_that_refuses_the_config_fails_before_any_output(tmp_path):
+    """Any error transformers raises building the layers is a message, before the folder exists."""
+    cfg = tiny_config("glm_moe_dsa")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-block")
+    write_tokenizer(src, cfg["vocab_size"])
+    on_disk = json.loads((src / "config.json").read_text())
+    on_disk["layer_types"] = ["indexed_attention"] * (cfg["num_hidden_layers"] - 1)  # one short
+    (src / "config.json").write_text(json.dumps(on_disk))
+    with pytest.raises(QuantizeError, match="calibration cannot build this model's layers"):
+        convert(src, tmp_path / "out", ConvertOptions(method="gptq", **CALIB), device="cpu")
+    assert not (tmp_path / "out").exists()

@@ -212,3 +212,32 @@ def test_deterministic_bytes(dsa_fp8, tmp_path):
     convert(dsa_fp8, b, ConvertOptions(max_shard_size=400_000), device="cpu")
     for f in sorted(p.name for p in a.glob("*.safetensors")):
         assert (a / f).read_bytes() == (b / f).read_bytes()
+
+
+@pytest.mark.parametrize("change", ["routed_scaling_factor", "rms_norm_eps", "added", "removed"])
+def test_verify_compares_every_config_field_with_the_source(dsa_fp8, dsa_out, tmp_path, change):
+    """config.json edited in the output (and the manifest's checksum updated to match): the
+    weights are intact but the engines would compute something else; verify names the field."""
+    import shutil
+
+    from quantize.shards import sha256_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(dsa_out, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    if change == "added":
+        cfg["rope_scaling"] = {"type": "yarn", "factor": 4.0}
+    elif change == "removed":
+        del cfg["num_experts_per_tok"]
+    else:
+        cfg[change] = cfg[change] * 2
+    (bad / "config.json").write_text(json.dumps(cfg, indent=2))
+    man = json.loads((bad / "quantize-manifest.json").read_text())
+    man["files"]["config.json"] = {"bytes": (bad / "config.json").stat().st_size,
+                                   "sha256": sha256_file(bad / "config.json")}
+    (bad / "quantize-manifest.json").write_text(json.dumps(man))
+    rep = verify(dsa_fp8, bad)
+    field = {"added": "rope_scaling", "removed": "num_experts_per_tok"}.get(change, change)
+    assert not rep.ok and any(p.startswith(f"config.json: {field} = ") for p in rep.problems), rep.problems
+    assert len([p for p in rep.problems if p.startswith("config.json")]) == 1
+    assert verify(dsa_fp8, dsa_out).ok  # the untouched output still passes

@@ -197,3 +197,34 @@ def test_push_to_branch_and_nothing_to_do_twice(converted, tmp_path):
     assert denied.returncode == 2 and "upload to org/denied failed" in denied.stderr
     for p in (r, r2, bad, denied):
         assert TOKEN not in p.stdout + p.stderr
+
+
+def test_a_flipped_bit_or_a_borrowed_verify_report_is_refused(converted, tmp_path):
+    """push re-hashes every file against the manifest (a bit flipped after verify passed is
+    caught, size and time unchanged), and verify.json must name this folder's manifest."""
+    _, dst = converted
+    bad = tmp_path / "out"
+    bad.mkdir()
+    for p in dst.iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    os.utime(bad / VERIFY_JSON)
+    prepare_push(bad, "org/ok", write_card=False)
+
+    shard = min(bad.glob("*.safetensors"))
+    st = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last tensor's data
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(Exception, match="does not match its manifest") as e:
+        prepare_push(bad, "org/x", write_card=False)
+    assert shard.name in str(e.value) and "sha256 differs" in str(e.value)
+    with pytest.raises(Exception, match="does not match its manifest"):  # no override for this
+        prepare_push(bad, "org/x", skip_verify_check=True, write_card=False)
+    shard.write_bytes((dst / shard.name).read_bytes())
+
+    report = json.loads((bad / VERIFY_JSON).read_text())
+    report["manifest_sha256"] = "0" * 64  # a passing report of some other conversion
+    (bad / VERIFY_JSON).write_text(json.dumps(report))
+    with pytest.raises(Exception, match="not a report of this conversion"):
+        prepare_push(bad, "org/x", write_card=False)

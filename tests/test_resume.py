@@ -352,3 +352,24 @@ def test_verify_in_process_refuses_in_progress(dsa_fp8, tmp_path):
     run_cli(*cli_args(dsa_fp8, out), stall="unit:3")
     with pytest.raises(QuantizeError, match="not a finished conversion"):
         verify(dsa_fp8, out)
+
+
+def test_partial_files_that_are_not_ours_are_never_deleted(dsa_fp8, tmp_path):
+    """`thesis.partial` (a file) or `data.partial` (a folder) of the user's: a folder holding one
+    is not empty (refused, untouched); beside a finished conversion run again, it stays."""
+    for name, make in (("thesis.partial", lambda p: p.write_text("chapter 1")),
+                       ("data.partial", lambda p: (p.mkdir(), (p / "x").write_text("1")))):
+        out = tmp_path / name.split(".")[0] / "out"
+        out.mkdir(parents=True)
+        make(out / name)
+        r = runner.invoke(app, cli_args(dsa_fp8, out))
+        assert r.exit_code == 2 and "the output folder is not empty" in r.output, r.output
+        assert name in r.output and sorted(p.name for p in out.iterdir()) == [name]
+        (out / name).rename(out.parent / name)  # out of the way: convert, then put it back
+        assert runner.invoke(app, cli_args(dsa_fp8, out)).exit_code == 0
+        (out.parent / name).rename(out / name)
+        r = runner.invoke(app, cli_args(dsa_fp8, out))  # the finished conversion, run again
+        assert r.exit_code == 0, r.output
+        assert (out / name).exists()
+        if name == "thesis.partial":
+            assert (out / name).read_text() == "chapter 1"
