@@ -102,6 +102,10 @@ __all__ = ["AWQ_SCALES", "CALIB_REPORT", "Calibrator", "LayerWeights", "Target",
 # and a larger batch only adds memory (~0.5 GB per expert).
 GPTQ_BATCH = 32
 CALIB_REPORT = "calibration-report.json"
+# Per layer: wall-clock seconds and peak GPU memory (a report beside the output, like
+# verify.json: not in the manifest, so that the same inputs give the same checksummed bytes)
+CALIB_TIMINGS = "calibration/timings.json"
+TIMING_KEYS = ("seconds", "timing_s", "peak_gpu_gib", "peak_gpu_gib_by_phase")
 # The AWQ scales as applied, for `verify` (a subfolder: engines never load it as weights):
 #   model.layers.L.mlp.awq_input_scale (H,): the post-attention norm's output is divided by it,
 #       so written norm = norm / s, and every reader of it (experts' and shared gate/up, dense
@@ -303,18 +307,24 @@ class Calibrator:
         self._wait_for(self.last_layer)
         if self._saver is not None:
             self._saver.wait()
-        write_json_atomic(out / CALIB_REPORT, self.report())
-        if not self.awq_scales:
-            return [CALIB_REPORT]
-        path = out / AWQ_SCALES
+        # the report in the manifest holds what the same inputs always give; the wall-clock
+        # times and memory peaks go beside it, into a report that is not checksummed (last)
+        full = self.report()
+        write_json_atomic(out / CALIB_REPORT, {**full, "layers": [
+            {k: v for k, v in lay.items() if k not in TIMING_KEYS} for lay in full["layers"]]})
+        names = [CALIB_REPORT]
         try:
-            path.parent.mkdir(exist_ok=True)
+            (out / AWQ_SCALES).parent.mkdir(exist_ok=True)  # (calibration/, also the timings')
         except OSError as e:
-            raise write_failed(path.parent, e) from None
-        # serialized in memory (a few floats per channel), written like every other output:
-        # atomically, and a full disk is the same clean error
-        write_bytes_atomic(path, save(self.awq_scales, metadata={"format": "pt"}))
-        return [CALIB_REPORT, AWQ_SCALES]
+            raise write_failed((out / AWQ_SCALES).parent, e) from None
+        if self.awq_scales:
+            # serialized in memory (a few floats per channel), written like every other output:
+            # atomically, and a full disk is the same clean error
+            write_bytes_atomic(out / AWQ_SCALES, save(self.awq_scales, metadata={"format": "pt"}))
+            names.append(AWQ_SCALES)
+        write_json_atomic(out / CALIB_TIMINGS, {"layers": [
+            {k: lay[k] for k in ("layer", *TIMING_KEYS) if k in lay} for lay in full["layers"]]})
+        return names
 
     def _load_calibration(self) -> CalibrationSet:
         from transformers import AutoTokenizer

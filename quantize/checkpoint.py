@@ -342,6 +342,42 @@ def _safe_member(root: Path, name: str, index_file: str, tensor: str | None = No
         "this checkpoint is malformed or hostile; do not use it, or fix the index by hand")])
 
 
+# config.json fields the tool reads, each an integer in a range (absent is fine): a value of
+# another type or out of range is refused before it is used (a string, 0 or 10**10 crashed or
+# exhausted memory before). Upper bounds far above any release (GLM-5.2: 78 layers, 256
+# experts, hidden 6144, vocab 154,880).
+CONFIG_INTS = {
+    "num_hidden_layers": (1, 10_000), "num_nextn_predict_layers": (0, 64),
+    "n_routed_experts": (1, 1 << 16), "num_experts_per_tok": (1, 1 << 16),
+    "n_shared_experts": (0, 1 << 10), "first_k_dense_replace": (0, 10_000),
+    "hidden_size": (1, 1 << 20), "intermediate_size": (1, 1 << 22),
+    "moe_intermediate_size": (1, 1 << 22), "vocab_size": (1, 1 << 24),
+    "num_attention_heads": (1, 1 << 16), "num_key_value_heads": (1, 1 << 16),
+    "index_topk": (0, 1 << 24), "max_position_embeddings": (1, 1 << 30),
+}
+
+
+def _validate_config(config: dict, shown: str) -> None:
+    problems = []
+    for k, (lo, hi) in CONFIG_INTS.items():
+        v = config.get(k)
+        if v is None:
+            continue
+        if type(v) is not int or not lo <= v <= hi:
+            problems.append(Problem(shown, k, f"{k} = {json.dumps(v)[:60]}",
+                                    f"an integer in {lo}..{hi:,}", "restore the release's config.json"))
+    qc = config.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == "fp8" and "weight_block_size" in qc:
+        b = qc["weight_block_size"]
+        if not (isinstance(b, list) and len(b) == 2 and all(type(x) is int and 1 <= x <= 1 << 16 for x in b)):
+            problems.append(Problem(shown, "quantization_config.weight_block_size",
+                                    f"weight_block_size = {json.dumps(b)[:60]}",
+                                    "two positive integers, e.g. [128, 128]",
+                                    "restore the release's config.json"))
+    if problems:
+        raise QuantizeError("config.json has values the tool cannot use", problems)
+
+
 def _detect_format(config: dict, tensors: dict[str, TensorInfo]) -> tuple[str, tuple[int, int] | None]:
     qc = config.get("quantization_config")
     has_fp8 = any(t.dtype.startswith("F8") for t in tensors.values())
@@ -674,6 +710,7 @@ def open_checkpoint(src: str | Path) -> Checkpoint:
             str(config_path), None, "a JSON value that is not {key: value} (or a quantization_config "
             "that is not)", "a JSON object", "restore the release's config.json")])
 
+    _validate_config(config, str(config_path))
     tensors, files, sizes = read_tensor_table(root)
     fmt, block = _detect_format(config, tensors)
     ckpt = Checkpoint(root, str(src), config, tensors, files, sizes, fmt, block)
@@ -694,6 +731,7 @@ def checkpoint_from_headers(name: str, config: dict, headers: dict[str, dict]) -
                       e["data_offsets"][1] - e["data_offsets"][0])
         for fname, h in headers.items() for t, e in h.items() if t != "__metadata__"
     }
+    _validate_config(config, f"{name}/config.json")
     fmt, block = _detect_format(config, tensors)
     sizes = {f: sum(e["data_offsets"][1] - e["data_offsets"][0] for t, e in h.items()
                     if t != "__metadata__") for f, h in headers.items()}

@@ -284,6 +284,11 @@ def _calibration_summary(rep: dict, dst: Path) -> None:
     from rich.table import Table
 
     c = rep["calibration"]
+    try:  # the times are beside the report (calibrate.CALIB_TIMINGS), not in it
+        seconds = {lay["layer"]: lay.get("seconds", 0) for lay in json.loads(
+            (dst / "calibration" / "timings.json").read_text())["layers"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        seconds = {}
     t = Table(title=f"calibration: {rep['method']}, {c['num_samples']} x {c['seq_len']} tokens "
                     f"from {c['source']}, experts {rep['expert_calibration']}")
     for col in ("layer", "MLP", "Linears", "expert tokens min/median/max", "fallback experts", "s"):
@@ -294,7 +299,7 @@ def _calibration_summary(rep: dict, dst: Path) -> None:
         fb = lay.get("fallback") or []
         t.add_row(str(lay["layer"]), str(lay.get("mlp", "-")), str(lay.get("quantized", 0)), spread,
                   (", ".join(str(f["expert"]) for f in fb[:12]) + (" ..." if len(fb) > 12 else ""))
-                  if fb else "-", f"{lay.get('seconds', 0):.1f}")
+                  if fb else "-", f"{seconds.get(lay['layer'], 0):.1f}")
     out.print(t)
     if c.get("overlapping"):
         err.print(f"[yellow]note:[/] the {c['num_samples']} calibration windows overlap: "

@@ -482,7 +482,7 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
             report = json.loads((out / CALIB_REPORT).read_text())
         else:
             names += calib.write_outputs(out)  # calibration-report.json, AWQ scales
-            report = calib.report()
+            report = json.loads((out / CALIB_REPORT).read_text())
     for name in [INDEX_NAME, "config.json", *names]:
         manifest.data["files"][name] = {"bytes": (out / name).stat().st_size,
                                         "sha256": sha256_file(out / name)}

@@ -15,7 +15,7 @@ with `sync; echo 3 > /proc/sys/vm/drop_caches` before it (needs root; recorded i
 From the process: wall time, peak host RSS (wait4); from its stderr (each line time-stamped
 by the CLI): the time of every `layer N: ..., X s` line, so a layer's wall time is the gap
 between its line and the previous one, against X, its own compute time; from
-calibration-report.json: peak GPU memory per layer. The disk's cold read rate and fsynced
+calibration/timings.json: peak GPU memory per layer. The disk's cold read rate and fsynced
 write rate are measured once (for scripts/project_glm52.py).
 """
 
@@ -110,7 +110,7 @@ def run_convert(src: Path, dst: Path, n: int, seq_len: int, device: str, extra: 
     res = {"command": " ".join(cmd), "tokens": [n, seq_len], "exit": os.waitstatus_to_exitcode(status),
            "wall_s": round(wall, 2), "peak_rss_gib": round(usage.ru_maxrss * 1024 / 2**30, 2),
            "cold_cache": cold, **parse_log(text, start)}
-    rep = dst / "calibration-report.json"
+    rep = dst / "calibration" / "timings.json"  # (calibration-report.json holds no timings)
     if rep.exists():
         r = json.loads(rep.read_text())
         peaks = {e["layer"]: e.get("peak_gpu_gib") for e in r["layers"] if "peak_gpu_gib" in e}

@@ -706,3 +706,30 @@ def test_index_and_shard_headers_must_agree(src, tmp_path, case):
     assert_clear_error(convert(src, tmp_path / "out"), "the index and the shard headers disagree",
                        *says)
     assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("num_nextn_predict_layers", "x"), ("num_hidden_layers", 10**10), ("num_hidden_layers", 0),
+    ("n_routed_experts", None), ("hidden_size", 6144.0), ("weight_block_size", [0, 0]),
+    ("weight_block_size", ["a", "b"]), ("num_experts_per_tok", True)])
+def test_config_values_that_cannot_be_used(src, tmp_path, field, value):
+    """A string, 0, a float, a bool or 10**10 where an integer belongs (or a block size of 0):
+    exit 2 naming config.json, the field, the value and what was expected, before anything is
+    read or allocated (inspect included), never a traceback."""
+    if field == "weight_block_size":
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["quantization_config"]["weight_block_size"] = value
+        (src / "config.json").write_text(json.dumps(cfg))
+        shown = "quantization_config.weight_block_size"
+    else:
+        set_config(src, **{field: value})
+        shown = field
+    if value is None:  # null: as if absent, and the experts' own checks apply
+        assert runner.invoke(app, ["inspect", str(src)]).exit_code == 0
+        return
+    for cmd in (["inspect", str(src)], ["plan", str(src)]):
+        assert_clear_error(runner.invoke(app, cmd), "config.json has values the tool cannot use",
+                           f"config.json :: {shown}", json.dumps(value), "an integer" if
+                           field != "weight_block_size" else "two positive integers")
+    assert_clear_error(convert(src, tmp_path / "out"), "config.json has values the tool cannot use")
+    assert_nothing_written(tmp_path / "out")

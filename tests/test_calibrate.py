@@ -453,3 +453,19 @@ def test_a_layer_class_that_refuses_the_config_fails_before_any_output(tmp_path)
     with pytest.raises(QuantizeError, match="calibration cannot build this model's layers"):
         convert(src, tmp_path / "out", ConvertOptions(method="gptq", **CALIB), device="cpu")
     assert not (tmp_path / "out").exists()
+
+
+def test_two_identical_calibrated_runs_write_identical_checksummed_files(ckpt_dir, tmp_path):
+    """Wall-clock times differ from run to run: they go to calibration/timings.json (a report,
+    not in the manifest), so the manifest and every file it lists are the same bytes."""
+    opts = ConvertOptions(method="gptq", **CALIB)
+    a, b = tmp_path / "a", tmp_path / "b"
+    convert(ckpt_dir, a, opts, device="cpu")
+    convert(ckpt_dir, b, opts, device="cpu")
+    ma, mb = (json.loads((d / "quantize-manifest.json").read_text()) for d in (a, b))
+    assert ma["files"] == mb["files"] and "calibration-report.json" in ma["files"]
+    assert "calibration/timings.json" not in ma["files"]
+    timings = json.loads((a / "calibration" / "timings.json").read_text())["layers"]
+    assert timings and all(lay["seconds"] > 0 for lay in timings)
+    rep = json.loads((a / "calibration-report.json").read_text())
+    assert not any("seconds" in lay or "timing_s" in lay for lay in rep["layers"])
