@@ -193,12 +193,14 @@ class StateDir:
                 if keep is not None and c < keep:
                     shutil.rmtree(self.path(c))
 
-    def remove(self) -> None:
-        """Delete every checkpoint (the conversion is complete)."""
-        if self.root.is_dir():
-            shutil.rmtree(self.root)
-        if self.root.parent.is_dir() and not any(self.root.parent.iterdir()):
-            self.root.parent.rmdir()  # `calibration/` held only the state (no AWQ scales)
+    def remove(self, siblings: bool = False) -> None:
+        """Delete every checkpoint (the conversion is complete); `siblings`: the folder above
+        too, with the other ranks' (torchrun: `.../state/rank-R-of-W/`)."""
+        root = self.root.parent if siblings else self.root
+        if root.is_dir():
+            shutil.rmtree(root)
+        if root.parent.is_dir() and not any(root.parent.iterdir()):
+            root.parent.rmdir()  # `calibration/` held only the state
 
 
 class Checkpointer:

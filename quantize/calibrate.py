@@ -265,6 +265,7 @@ class Calibrator:
         self._save_after.add(self.last_layer)
         self.state: StateDir | None = None
         self._saver: Checkpointer | None = None
+        self._jump_to = -1  # several ranks: the layer rank 0's writer may resume after
         self.checkpoint_interval = checkpoint_interval
         self._keep_after = -1  # the last layer a resume can start after (older: deletable)
         # per written name: packed INT4 outputs (a list, or its Future while on its way to the
@@ -303,8 +304,12 @@ class Calibrator:
 
         self._keep_after = self.last_layer
         if self._runner is None:  # a resume whose every shard was kept: the last checkpoint
-            self._jump(self.last_layer)
+            if self.dist is None:
+                self._jump(self.last_layer)
+            else:
+                self._jump_to = self.last_layer
         self._wait_for(self.last_layer)
+        self._join_runner()  # (its checkpoint after the last layer comes after publishing it)
         if self._saver is not None:
             self._saver.wait()
         # the report in the manifest holds what the same inputs always give; the wall-clock
@@ -370,6 +375,15 @@ class Calibrator:
         """Run every layer (a rank other than 0: its share of the calibration, nothing written)."""
         if self.last_layer >= 0:
             self._wait_for(self.last_layer)
+            self._join_runner()
+
+    def _join_runner(self) -> None:
+        """Until the layer thread has finished its last layer's checkpoint and exited (its
+        collectives done too); re-raises its error."""
+        if self._runner is not None:
+            self._runner.join()
+        if self._failed is not None:
+            raise self._failed
 
     def _wait_for(self, L: int) -> None:
         """Until layer L's results are published (the layer thread is started if needed)."""
@@ -391,6 +405,8 @@ class Calibrator:
         try:
             if self.device.type == "cuda" and self.device.index is not None:
                 torch.cuda.set_device(self.device)  # (the thread's current device: cuda:N)
+            if self.dist is not None and self.state is not None:
+                self._jump_together()
             while True:
                 with self._cv:
                     while not self._stop and self.next_layer > self._want + 1:
@@ -460,11 +476,13 @@ class Calibrator:
         "calibration"); the library versions are added to the fingerprint."""
         import transformers
 
-        if self.dist is not None:  # (each rank holds other samples: not written yet)
-            self.log("note: no resume checkpoints under torchrun: a resumed run keeps the finished "
-                     "shards and runs the calibration again from layer 0")
-            return
+        d = self.dist
+        if d is not None:  # every rank checkpoints its own samples, in its own folder
+            run = d.broadcast_object(run if d.leader else None)  # (rank 0 holds the manifest)
+            root = root / f"rank-{d.rank}-of-{d.world}"
         fp = {"run": run, "torch": torch.__version__, "transformers": transformers.__version__}
+        if d is not None:
+            fp["rank"] = [d.rank, d.world]
         self.state = StateDir(root, hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest())
         self._saver = Checkpointer(self.state, self.checkpoint_interval, lambda: self._keep_after)
 
@@ -477,14 +495,31 @@ class Calibrator:
             return
         self._keep_after = L - 1
         if self._runner is None:  # (once running, the layer thread is ahead of every shard)
-            self._jump(L - 1)
+            if self.dist is None:
+                self._jump(L - 1)
+            else:  # every rank must start from the same layer: agreed on the layer thread
+                self._jump_to = L - 1
         self.state.prune(self._keep_after)
 
     def discard_state(self) -> None:
-        """Delete the checkpoints: the conversion is complete."""
+        """Delete the checkpoints: the conversion is complete (several ranks: once every rank
+        has written its last one, rank 0 deletes them all)."""
+        if self.state is None:
+            return
+        self._saver.wait()
+        if self.dist is None:
+            self.state.remove()
+            return
+        self.dist.barrier()  # (the other ranks wait here in `finish_rank`)
+        if self.dist.leader:
+            self.state.remove(siblings=True)
+
+    def finish_rank(self) -> None:
+        """A rank other than 0, its layers done: its last checkpoint written, then wait for
+        rank 0 to finish the output (`discard_state`)."""
         if self.state is not None:
             self._saver.wait()
-            self.state.remove()
+            self.dist.barrier()
 
     def _first_layer(self, shard: Shard) -> int | None:
         return next((min(L, self.num_layers) for u in shard.units
@@ -504,6 +539,25 @@ class Calibrator:
             return
         if self.next_layer == 0 and upto >= 0:  # a resumed run with nothing to start from
             self.log(f"no usable calibration checkpoint before layer {upto + 1}: "
+                     "computing from layer 0")
+
+    def _jump_together(self) -> None:
+        """Several ranks: rank 0 says up to which layer a resume may jump (the writer's first
+        unfinished shard), every rank says which of its checkpoints up to there are usable,
+        and all load the newest layer every rank has (or none: from layer 0)."""
+        d = self.dist
+        upto = d.broadcast_object(self._jump_to if d.leader else None)
+        usable = [c for c in self.state.layers() if self.next_layer <= c <= upto
+                  and self.state.problem(c) is None]
+        everyone = d.all_gather_object(usable)
+        common = set(everyone[0]).intersection(*everyone[1:])
+        if common:
+            c = max(common)
+            self._load(c)
+            self.log(f"resuming calibration at layer {c + 1} from {self.state.path(c)} "
+                     f"(and the other ranks' checkpoints of that layer)")
+        elif upto >= 0:
+            self.log(f"no calibration checkpoint before layer {upto + 1} that every rank has: "
                      "computing from layer 0")
 
     def _load(self, c: int) -> None:
@@ -546,9 +600,13 @@ class Calibrator:
                 self._published[M] = self.results
                 self._done = M
                 self._cv.notify_all()
-            if self.state is not None and M in self._save_after and \
-                    (M == self.last_layer or self._saver.due()):
-                self._save(M)
+            if self.state is not None and M in self._save_after:
+                save = M == self.last_layer or self._saver.due()
+                if self.dist is not None:  # rank 0's clock and writer decide for every rank
+                    save, self._keep_after = self.dist.broadcast_object(
+                        (save, self._keep_after) if self.dist.leader else None)
+                if save:
+                    self._save(M)
 
     def _before_overwrite(self) -> None:
         """Before the hidden states are replaced: a checkpoint in flight has its host copy."""

@@ -17,6 +17,8 @@ ranks share in a calibrated conversion (quantize/calibrate.py):
     the rest   statistics of the dense / shared MLP are summed on every rank (`all_reduce`), so
                their GPTQ runs everywhere on the same numbers and gives the same integers
     output     rank 0 alone writes the output folder (shards, manifest, report): each file once
+    resume     each rank checkpoints its own samples (calib_state, `state/rank-R-of-W/`) when
+               rank 0 says so; a resumed run loads the newest layer that every rank has
 
 GLM-5.2 at W = 8: 32 experts per rank, one GPTQ batch; the Hessians reduced per layer are
 256 x (6144^2 + 2048^2) x 4 B = 43 GB, over NVLink well under a second.
@@ -82,6 +84,11 @@ class Dist:
         box = [obj]
         self._dist().broadcast_object_list(box, src, device=self._collective_device())
         return box[0]
+
+    def all_gather_object(self, obj) -> list:
+        out = [None] * self.world
+        self._dist().all_gather_object(out, obj)
+        return out
 
     def barrier(self) -> None:
         if self.backend == "nccl":

@@ -336,8 +336,11 @@ def convert(
         if opts.method != "rtn":  # RTN is rank 0's alone: it is bound by the disk
             from quantize.calibrate import Calibrator
 
-            with Calibrator(ckpt, plan, opts, dev, dist=dist) as calib:
+            with Calibrator(ckpt, plan, opts, dev, dist=dist,
+                            checkpoint_interval=checkpoint_interval) as calib:
+                calib.use_state(out / CALIB_STATE, None)  # rank 0's manifest identity, received
                 calib.run_all()
+                calib.finish_rank()
         return None
     if dev.type == "cuda":  # the driver's start-up (~0.4 s on an H200) overlaps the checks below
         threading.Thread(target=_init_cuda, args=(dev,), daemon=True).start()
@@ -353,8 +356,7 @@ def convert(
     try:
         with folder_lock(out):  # one conversion per output folder at a time
             previous = _prepare_out(out, overwrite, _our_partials(plan, aux))
-            check_disk(out, plan, previous, dev,
-                       checkpoint_interval if dist is None else math.inf)  # (none under torchrun)
+            check_disk(out, plan, previous, dev, checkpoint_interval)
             return _write(ckpt, plan, out, previous, aux, opts, dev, on_unit,
                           {"command": command, "source_format": ckpt.source_format,
                            "model_type": ckpt.model_type, "tp": tp}, calib)

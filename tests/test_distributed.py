@@ -11,6 +11,7 @@ change experts there). The output must pass `verify`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -50,6 +51,22 @@ def torchrun(src: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
            "-m", "quantize", "convert", str(src), str(out), "--device", "cpu", "--tp", "1",
            "--max-shard-size", "1MB", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), children first."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parent[int(stat.parent.name)] = int(fields[1])
+    out, todo = [], [pid]
+    while todo:
+        cur = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == cur]
+        out += kids
+        todo += kids
+    return out
 
 
 def folder_bytes(d: Path) -> dict[str, bytes]:
@@ -119,3 +136,52 @@ def test_ranks_split_samples_and_experts_and_refuse_awq(src):
                       (ConvertOptions(method="gptq", num_samples=2, seq_len=64), "--num-samples 3")):
         with pytest.raises(QuantizeError, match=msg):
             Calibrator(ck, make_plan(ck, opts), opts, torch.device("cpu"), dist=d[0])
+
+
+def test_a_killed_torchrun_run_resumes_from_every_ranks_checkpoint(src, tmp_path):
+    """Two ranks, a checkpoint after every layer (each rank its own samples' hidden states),
+    the whole group SIGKILLed after rank 0's 14th shard (of 20): the same command resumes from a layer
+    both ranks have, and the finished folder equals an uninterrupted two-rank run's."""
+    import signal
+    import time
+
+    from quantize.shards import STALL_ENV
+
+    args = ("--method", "gptq", *CALIB, "--max-shard-size", "200KB", "--checkpoint-interval", "0")
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    r = torchrun(src, ref, *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not (ref / "calibration" / "state").exists()
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "QUANTIZE_DIST_TIMEOUT_MIN": "3", STALL_ENV: "shard:14"}
+    log = tmp_path / "killed.stderr"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "quantize", "convert", str(src), str(out), "--device", "cpu", "--tp", "1", *args]
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=f, start_new_session=True)
+    deadline = time.monotonic() + 240
+    try:
+        while "QUANTIZE_TEST_STALLED" not in log.read_text():
+            assert p.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "never reached the stall point"
+            time.sleep(0.1)
+    finally:
+        for pid in [p.pid, *descendants(p.pid)]:  # torchrun and both ranks (own sessions)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        time.sleep(0.5)  # the ranks' deaths (and their folder lock) reach the kernel
+    state = out / "calibration" / "state"
+    ranks = sorted(d.name for d in state.iterdir())
+    assert ranks == ["rank-0-of-2", "rank-1-of-2"], ranks
+
+    r = torchrun(src, out, *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming calibration at layer" in r.stderr and "other ranks' checkpoints" in r.stderr, \
+        r.stderr[-3000:]
+    assert not state.exists()
+    manifest = json.loads((ref / "quantize-manifest.json").read_text())
+    for name in manifest["files"]:
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    assert (out / "quantize-manifest.json").read_bytes() == (ref / "quantize-manifest.json").read_bytes()
