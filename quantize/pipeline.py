@@ -381,8 +381,8 @@ def disk_needed(plan: Plan, device: torch.device | str, previous: dict | None = 
         itemsize = 2 if torch.device(device).type == "cuda" else 4
         one = checkpoint_bytes(o.num_samples, o.seq_len, plan.hidden_size, itemsize,
                                plan.index_topk)
-    return {"shards": shards, "checkpoint": one, "checkpoints": MAX_CHECKPOINTS * one,
-            "total": shards + MAX_CHECKPOINTS * one}
+    return {"shards": shards, "checkpoint": one, "at_once": MAX_CHECKPOINTS,
+            "checkpoints": MAX_CHECKPOINTS * one, "total": shards + MAX_CHECKPOINTS * one}
 
 
 def check_disk(out: Path, plan: Plan, previous: dict | None, device: torch.device,
@@ -396,8 +396,8 @@ def check_disk(out: Path, plan: Plan, previous: dict | None, device: torch.devic
         return
     parts = f"{fmt_bytes(need['shards'])} of shards"
     if need["checkpoints"]:
-        parts += (f" + {fmt_bytes(need['checkpoints'])} of calibration checkpoints (up to 3 at "
-                  f"once, {fmt_bytes(need['checkpoint'])} each)")
+        parts += (f" + {fmt_bytes(need['checkpoints'])} of calibration checkpoints (up to "
+                  f"{need['at_once']} at once, {fmt_bytes(need['checkpoint'])} each)")
     raise QuantizeError("not enough free disk space for the output", [Problem(
         str(out), None, f"{fmt_bytes(free)} free", f"{fmt_bytes(need['total'])}: {parts}",
         "free space or choose an output folder on a larger disk"

@@ -122,7 +122,7 @@ def plan_tables(d: dict) -> list[Table]:
     disk = d.get("disk") or {}
     if disk.get("checkpoint"):
         t.add_row(f"+ calibration checkpoints ({o['num_samples']} x {o['seq_len']} tokens, GPU)", "",
-                  f"up to 3 x {fmt_bytes(disk['checkpoint'])}")
+                  f"up to {disk['at_once']} x {fmt_bytes(disk['checkpoint'])}")
         t.add_row("disk needed at most", "", fmt_bytes(disk["total"]))
     r = Table(title="bytes by role")
     for c in ("role", "source", "output"):
