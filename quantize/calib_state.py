@@ -70,10 +70,14 @@ MAX_CHECKPOINTS = 3
 
 def checkpoint_bytes(num_samples: int, seq_len: int, hidden: int, itemsize: int,
                      index_topk: int = 0) -> int:
-    """Bytes of one checkpoint: the hidden states, and a DSA model's top-k key indices (int32,
-    min(index_topk, seq_len) per token); the rest is a few KB. GLM-5.2 at 512 x 2048 on a GPU:
-    12.9 GB of hidden states + 8.6 GB of top-k = 21.5 GB."""
-    return num_samples * seq_len * (hidden * itemsize + min(index_topk, seq_len) * 4)
+    """Bytes of one checkpoint: the hidden states, and a DSA model's top-k key indices
+    (min(index_topk, seq_len) per token, kept as `layers.topk_dtype` says: int16 up to 32,768
+    positions); the rest is a few KB. GLM-5.2 at 512 x 2048 on a GPU: 12.9 GB of hidden states
+    + 4.3 GB of top-k = 17.2 GB."""
+    from quantize.layers import topk_dtype
+
+    k = min(index_topk, seq_len) * topk_dtype(seq_len).itemsize
+    return num_samples * seq_len * (hidden * itemsize + k)
 
 
 @dataclass

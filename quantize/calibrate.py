@@ -31,11 +31,18 @@ experts. The scales as applied are written to AWQ_SCALES (`awq_expected` re-appl
 GPTQ runs batched over experts (quantize/gptq.py): gate and up of an expert share its Hessian,
 so one (2I, H) solve per expert, up to GPTQ_BATCH experts at once (fewer when a quarter of the
 free GPU memory does not hold them). Routed gate/up Hessians are built per batch from the
-layer's MLP inputs, kept once, and each expert's routed rows (`MLPStats.expert_H_in`).
-GLM-5.2 worked number, routed statistics at 64 x 2048 tokens: kept inputs 1.6 GB (256 gate/up
-Hessians held at once would be 6144^2 float32 x 256 = 38.6 GB), down Hessians 4.3 GB, the
-layer's BF16 experts 19.3 GB, a batch of 32 solves ~16 GB. Under torchrun each rank solves its
-block of experts, their Hessians summed onto it from every rank (`_gptq_routed_ranks`).
+layer's MLP inputs and each expert's routed rows (`MLPStats.experts_H_in`); the inputs are
+recomputed per batch from the hidden states (a norm of the residual stream after the attention,
+which pass 1 leaves there) instead of kept. GLM-5.2 worked number, routed statistics at 512 x
+2048 tokens: hidden states 12.9 GB (bf16) + DSA top-k 4.3 GB (int16), down Hessians 4.3 GB, the
+layer's BF16 experts 19.3 GB, a batch of 32 solves ~16 GB; 256 gate/up Hessians held at once
+would be 6144^2 float32 x 256 = 38.6 GB. Under torchrun each rank solves its block of experts,
+their Hessians summed onto it from every rank (`_gptq_routed_ranks`).
+
+Passes: a layer's attention runs once (`SplitLayer`, proved bit for bit on chunk 0 of every
+layer, else whole-layer forwards): pass 1 computes h1 = h + attention(h) per chunk, replaces the
+chunk by it and runs the MLP's statistics forward on groups of chunks (MLP_GROUP_TOKENS, no
+outputs); pass 2 runs only the MLP half, through the rounded weights, from h1.
 
 The MTP layer (index num_hidden_layers, dropped by transformers on load) is run too, on its
 real inputs: eh_proj([enorm(embed(token i+1)), hnorm(h_i)]) from the last layer's outputs h,
@@ -82,11 +89,15 @@ from quantize.layers import (
     MOE_CLASSES,
     HiddenStates,
     ReadAhead,
+    SplitLayer,
     build_skeleton,
     chunk_tokens,
+    device_free,
     free_layer,
     layer_inputs,
+    limit_gpu_memory,
     load_layer,
+    mlp_group_tokens,
     mlp_kind,
     mlp_target,
     run_layer,
@@ -217,12 +228,16 @@ class Calibrator:
 
     def __init__(self, ckpt: Checkpoint, plan: Plan, opts: ConvertOptions, device: torch.device,
                  log: Callable[[str], None] | None = None, calib: CalibrationSet | None = None,
-                 checkpoint_interval: float = 300.0, dist: Dist | None = None) -> None:
+                 checkpoint_interval: float = 300.0, dist: Dist | None = None,
+                 max_gpu_memory: int | None = None) -> None:
         """`calib`: token ids to use instead of loading `opts.calib` (benchmarks);
         `checkpoint_interval`: seconds between resume checkpoints at least (0: every layer a
         resume can start after); `dist`: this rank of several (quantize/distributed.py): its
-        share of the samples, the experts it owns."""
+        share of the samples, the experts it owns; `max_gpu_memory`: bytes this process may
+        hold on its GPU (`layers.limit_gpu_memory`; None: all of it)."""
         self.ckpt, self.plan, self.opts, self.device = ckpt, plan, opts, device
+        if max_gpu_memory is not None and device.type == "cuda":
+            limit_gpu_memory(device, max_gpu_memory)
         self.dist = dist
         if dist is not None and "awq" in opts.method:
             raise QuantizeError("AWQ runs in one process", [Problem(
@@ -659,7 +674,7 @@ class Calibrator:
             return min(EXPERT_BATCH, E)
         I, K = shape
         per_expert = (2 * K * K + 4 * I * K) * 4
-        free, _ = torch.cuda.mem_get_info(self.device)
+        free = device_free(self.device)
         nb = max(1, min(E, GPTQ_BATCH, free // 4 // per_expert))
         if self.dist is not None:  # every rank the same (its collectives follow the batches)
             nb = int(self.dist.all_reduce(torch.tensor([nb]), op="min").item())
@@ -685,12 +700,15 @@ class Calibrator:
             eh = ck.read(p + "eh_proj.weight", dev).to(dt)  # (H, 2H)
             emb = ck.read("model.embed_tokens.weight", dev)  # (V, H)
             S = self.calib.tokens.shape[1]
-            b = max(1, chunk_tokens(dev) // S)  # samples per chunk, as in _embed
             self.topk = [None] * len(self.hidden)  # the MTP layer computes its own top-k
             self._before_overwrite()
+            first = 0  # the chunk's first sample (chunks as _embed, or a checkpoint, made them)
             for i in range(len(self.hidden)):  # each chunk replaced in turn: no second copy
-                t = self.tokens[i * b:(i + 1) * b, 1:].to(dev)  # (b, S-1) next tokens
-                x = torch.cat([enorm(emb[t].to(dt)), hnorm(self.hidden.on_device(i)[:, :-1])], -1)
+                h = self.hidden.on_device(i)
+                t = self.tokens[first:first + h.shape[0], 1:].to(dev)  # (b, S-1) next tokens
+                first += h.shape[0]
+                x = torch.cat([enorm(emb[t].to(dt)), hnorm(h[:, :-1])], -1)
+                del h
                 self.hidden.put(i, F.linear(x, eh))  # (b, S-1, H)
                 del x
         del emb
@@ -787,16 +805,8 @@ class Calibrator:
         stats = MLPStats(kind, hessians="gptq" in method, samples="awq" in method,
                          all_experts=o.expert_calibration == "all", num_experts=E,
                          store_tokens=not self.spilled and not HiddenStates.should_spill(2 * kept, self.device))
-        fwd = moe_forward if kind == "moe" else dense_forward
         clock = _Clock(self.device)
-        mlp.forward = lambda x: fwd(mlp, x, stats)  # pass 1: the same output, statistics on
-        ref0 = None
-        for i in range(len(self.hidden)):
-            self._check_stop()
-            out, _ = run_layer(self.skeleton, layer, self.inputs, self.hidden.on_device(i), self.topk[i])
-            if i == 0:
-                ref0 = out
-        del mlp.forward  # back to the class's forward
+        ref0, h0, halves = self._pass1(L, layer, kind, stats)
         clock.lap("pass1_forward_statistics")
         self._reduce_stats(stats)  # several ranks: counts and shared statistics summed
 
@@ -941,15 +951,15 @@ class Calibrator:
                         w = Int4Weight(*(None if t is None else t.reshape(len(es), -1, t.shape[-1])
                                          for t in w))
                     else:  # gate and up of an expert share its routed-token Hessian, built
-                        # here for this batch only (MLPStats.expert_H_in), into one stacked tensor
+                        # here for this batch only (MLPStats.experts_H_in), into one stacked tensor
                         K = Ws.shape[-1]
                         Hb = torch.empty(len(es), K, K, device=Ws.device)  # (e, H, H)
+                        have = stats.experts_H_in(es, Hb, skip=fb)
                         for j, e in enumerate(es):
-                            H = stats.expert_H_in(e, out=Hb[j]) if e not in fb else None
-                            if H is None:  # a starved expert: all-token statistics (scaled)
+                            if not have[j]:  # a starved expert: all-token statistics (scaled)
                                 Hb[j] = H_in
                             elif s_in is not None:
-                                Hb[j] = H_scaled(H, s_in)
+                                Hb[j] = H_scaled(Hb[j], s_in)
                         w = gptq(Ws, Hb)
                         del Hb
                     del Ws
@@ -994,15 +1004,9 @@ class Calibrator:
 
         clock.lap("rounding")
         # ---- pass 2: the next layer's inputs through the quantized layer
-        self._before_overwrite()
-        for i in range(len(self.hidden)):
-            self._check_stop()
-            h = self.hidden.on_device(i)
-            out, self.topk[i] = run_layer(self.skeleton, layer, self.inputs, h, self.topk[i])
-            if i == 0:
-                h0 = h
-                report["output_rel_error"] = _relerr(out - h0, ref0 - h0)
-            self.hidden.put(i, out)
+        out0 = self._pass2(layer, halves)
+        report["output_rel_error"] = _relerr(out0 - h0, ref0 - h0)
+        report["attention_once"] = halves is not None
         clock.lap("pass2_forward")
         report["timing_s"] = clock.laps
         if clock.peaks:
@@ -1010,6 +1014,98 @@ class Calibrator:
         report["quantized"] = nq
         report["modified_bf16"] = sorted(mods)
         return report
+
+    def _pass1(self, L: int, layer, kind: str, stats: MLPStats
+               ) -> tuple[torch.Tensor, torch.Tensor, SplitLayer | None]:
+        """Pass 1: the layer over every chunk, the MLP's statistics on. Where the layer splits
+        into its halves (`SplitLayer.check` on chunk 0, bit for bit), the attention runs once
+        per chunk, its output h1 replaces the chunk (pass 2 starts there), and the statistics
+        forward runs on groups of chunks without computing outputs nobody reads; else whole
+        layers. Returns (chunk 0's output through the unrounded layer, chunk 0's input, the
+        split or None)."""
+        fwd = moe_forward if kind == "moe" else dense_forward
+        mlp = layer.mlp
+        h0 = self.hidden.on_device(0)
+        halves = SplitLayer(self.skeleton, layer, self.inputs)
+        ok, ref0, h1, topk1, x0 = halves.check(h0, self.topk[0])
+        if not ok:
+            self.log(f"layer {L}: its forward is not attention + MLP on one residual, bit for "
+                     "bit: whole-layer forwards in both passes")
+            mlp.forward = lambda x: fwd(mlp, x, stats)  # the same output, statistics on
+            try:
+                for i in range(len(self.hidden)):
+                    self._check_stop()
+                    run_layer(self.skeleton, layer, self.inputs, self.hidden.on_device(i), self.topk[i])
+            finally:
+                del mlp.forward  # back to the class's forward
+            return ref0, h0, None
+        # several chunks per statistics call (all-expert mode: one, its (e, T, I) activations
+        # grow with T); the routed Hessians recompute a call's MLP inputs from the hidden
+        # states (h1 after this pass) instead of keeping a copy of them
+        group = 0 if stats.all_experts else mlp_group_tokens(self.device)
+        calls: list[list[int]] = []  # the chunks of each statistics call
+        pending: list[torch.Tensor] = []
+        if stats.routed_hessians and kind == "moe":
+            stats.store_tokens = True
+            stats.x_of = lambda c: torch.cat([halves.mlp_input(self.hidden.on_device(i)).flatten(0, -2)
+                                              for i in calls[c]])
+
+        def flush(upto: int) -> None:
+            if pending:
+                x = pending[0] if len(pending) == 1 else torch.cat(pending)
+                start = calls[-1][-1] + 1 if calls else 0
+                calls.append(list(range(start, upto + 1)))
+                pending.clear()
+                fwd(mlp, x, stats, outputs=False)
+
+        def take(x: torch.Tensor) -> None:
+            pending.append(x.reshape(-1, x.shape[-1]))
+
+        self._before_overwrite()
+        for i in range(len(self.hidden)):
+            self._check_stop()
+            if i == 0:
+                take(x0)
+                h1_i, topk_i = h1, topk1
+            else:
+                h1_i, topk_i = halves.attention(self.hidden.on_device(i), self.topk[i], take)
+            self.topk[i] = topk_i  # what the layer passes on (pass 2 does not recompute it)
+            self.hidden.put(i, h1_i)
+            if sum(p.shape[0] for p in pending) >= group:
+                flush(i)
+        flush(len(self.hidden) - 1)
+        return ref0, h0, halves
+
+    def _pass2(self, layer, halves: SplitLayer | None) -> torch.Tensor:
+        """Pass 2: every chunk through the rounded layer, replaced by the output (the next
+        layer's input); from h1 through the MLP half, several chunks at once, when split.
+        Returns chunk 0's output."""
+        self._before_overwrite()
+        out0 = None
+        if halves is None:
+            for i in range(len(self.hidden)):
+                self._check_stop()
+                out, self.topk[i] = run_layer(self.skeleton, layer, self.inputs,
+                                              self.hidden.on_device(i), self.topk[i])
+                out0 = out if i == 0 else out0
+                self.hidden.put(i, out)
+            return out0
+        group, start = mlp_group_tokens(self.device), 0
+        while start < len(self.hidden):
+            self._check_stop()
+            hs = [self.hidden.on_device(start)]
+            while start + len(hs) < len(self.hidden) and \
+                    sum(h.shape[0] * h.shape[1] for h in hs) < group:
+                hs.append(self.hidden.on_device(start + len(hs)))
+            out = halves.mlp(hs[0] if len(hs) == 1 else torch.cat(hs))
+            # a chunk of its own (a checkpoint saves each chunk: never a view of the group)
+            parts = [out] if len(hs) == 1 else [o.clone() for o in out.split([h.shape[0] for h in hs])]
+            del out, hs
+            for j, o in enumerate(parts):
+                self.hidden.put(start + j, o)
+            out0 = parts[0] if start == 0 else out0
+            start += len(parts)
+        return out0
 
     def _reduce_stats(self, stats: MLPStats) -> None:
         """Several ranks: token counts summed on every rank, the all-token and dense / shared
@@ -1061,10 +1157,8 @@ class Calibrator:
                     if not es:
                         continue
                     if not stats.all_experts:  # (all-expert gate/up share H_in)
-                        Hb = torch.zeros(len(es), K, K, device=self.device)  # (e, H, H)
-                        for i, e in enumerate(es):
-                            if e not in fb:
-                                stats.expert_H_in(e, out=Hb[i])  # this rank's share, or 0
+                        Hb = torch.empty(len(es), K, K, device=self.device)  # (e, H, H)
+                        stats.experts_H_in(es, Hb, skip=fb)  # this rank's share, or 0
                         d.reduce_to(Hb, o)
                         H_gu = Hb if o == d.rank else H_gu
                     Hd = torch.zeros(len(es), I, I, device=self.device)  # (e, I, I)

@@ -16,6 +16,7 @@ MoE statistics (`expert_calibration`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,11 +39,13 @@ class MLPStats:
     """What pass 1 collects for one layer's MLP; which parts are filled depends on the method.
 
     A routed expert's gate/up Hessian 2 XᵀX / n is built when its GPTQ batch is solved
-    (`expert_H_in`), from the layer's MLP inputs kept once (`x_store`) and the rows routed to
-    it, instead of 256 float32 (H, H) running sums held through the whole pass: GLM-5.2 at
-    64 x 2048 tokens keeps 1.6 GB of bf16 inputs instead of 38.7 GB of sums. With
-    `store_tokens` off (the hidden states were spilled: they do not fit the device) the sums
-    are kept instead, a size that does not grow with the calibration set.
+    (`experts_H_in`), from the layer's MLP inputs and the rows routed to it, instead of 256
+    float32 (H, H) running sums held through the whole pass (GLM-5.2: 38.7 GB). The inputs are
+    either kept (`x_store`: GLM-5.2 at 512 x 2048 tokens, 12.9 GB of bf16) or, with `x_of`,
+    recomputed per statistics call c when a batch needs them (the calibration's hidden states
+    hold the layer's residual stream after the attention: x is its norm, a cheap pass). With
+    `store_tokens` off the sums are kept instead, a size that does not grow with the
+    calibration set.
     """
 
     kind: str  # "moe" | "dense"
@@ -50,7 +53,8 @@ class MLPStats:
     samples: bool  # AWQ needs activation samples
     all_experts: bool  # expert_calibration == "all"
     num_experts: int = 0
-    store_tokens: bool = True  # routed gate/up Hessians from kept inputs (else running sums)
+    store_tokens: bool = True  # routed gate/up Hessians from the inputs (else running sums)
+    x_of: Callable[[int], torch.Tensor] | None = None  # call c's MLP inputs, recomputed (not kept)
     tokens: int = 0
     H_in: torch.Tensor | None = None  # (H, H) all MLP-input tokens
     H_down: torch.Tensor | None = None  # dense / shared down_proj (I, I)
@@ -85,7 +89,8 @@ class MLPStats:
             self.H_in, _ = accumulate_hessian(self._zeros(self.H_in, x.shape[-1], x), x,
                                               self.tokens - x.shape[0])
         if self.kind == "moe" and self.routed_hessians and self.store_tokens:
-            self.x_store.append(x)  # chunk index len(x_store) - 1, as routed() recorded
+            # call index len(x_store) - 1, as routed() recorded; None: `x_of` recomputes it
+            self.x_store.append(x if self.x_of is None else None)
         self._keep(self.x_sample, x, SAMPLE_TOKENS)
 
     def down_input(self, inter: torch.Tensor) -> None:  # dense / shared (T, I)
@@ -125,17 +130,43 @@ class MLPStats:
     def expert_H_in(self, e: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """2 XᵀX / n over the tokens routed to expert e (None if it got none); its statistics
         are released. `out`: a (H, H) float32 tensor to write it into."""
-        n = self.expert_tokens[e]
-        if self.store_tokens:
-            rows = self.rows_e.pop(e, None)
-            if not rows:
-                return None
-            S = xtx(torch.cat([self.x_store[c].index_select(0, r) for c, r in rows]))
-        else:
-            S = self.S_in_e.pop(e, None)
-            if S is None:
-                return None
-        return torch.mul(S, 2.0 / n, out=out)
+        K = self.H_in.shape[-1]
+        buf = torch.empty(1, K, K, device=self.H_in.device) if out is None else out[None]
+        return buf[0] if self.experts_H_in([e], buf)[0] else None
+
+    def experts_H_in(self, es: list[int], out: torch.Tensor, skip: set[int] = frozenset()
+                     ) -> list[bool]:
+        """2 XᵀX / n over the tokens routed to each expert es[j], into out[j] ((H, H) float32;
+        zeros where it got none or is in `skip`); which got any. Their statistics are released.
+        Each call's inputs are read (or recomputed) once for the whole batch."""
+        have = [False] * len(es)
+        want = {e: j for j, e in enumerate(es) if e not in skip}
+        if not self.store_tokens:
+            for e, j in want.items():
+                S = self.S_in_e.pop(e, None)
+                if S is None:
+                    out[j].zero_()
+                else:
+                    torch.mul(S, 2.0 / self.expert_tokens[e], out=out[j])
+                    have[j] = True
+            return have
+        by_call: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for e in es:
+            for c, r in self.rows_e.pop(e, None) or []:
+                if e in want:
+                    by_call.setdefault(c, []).append((want[e], r))
+        for j in range(len(es)):
+            out[j].zero_()
+        for c in sorted(by_call):
+            x = self.x_store[c] if self.x_store[c] is not None else self.x_of(c)
+            for j, r in by_call[c]:
+                xtx(x.index_select(0, r), acc=out[j])
+                have[j] = True
+            del x
+        for e, j in want.items():
+            if have[j]:
+                out[j].mul_(2.0 / self.expert_tokens[e])
+        return have
 
     def expert_H_down(self, e: int) -> torch.Tensor | None:
         """2 XᵀX / n of expert e's down_proj inputs (None if it got none), released."""
@@ -156,15 +187,17 @@ def expert_inter(experts: torch.nn.Module, es: range, x: torch.Tensor) -> torch.
     return experts.act_fn(gate) * up
 
 
-def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = None) -> torch.Tensor:
+def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = None,
+                outputs: bool = True) -> torch.Tensor | None:
     """`GlmMoeDsaMoE.forward` / `Glm4MoeMoE.forward`, op for op, exposing each expert's routed
-    tokens (and, with `stats.all_experts`, every expert's activations on every token)."""
+    tokens (and, with `stats.all_experts`, every expert's activations on every token).
+    `outputs=False`: statistics only, returns None (no down projections, no sum)."""
     shape = x.shape
     _, topk_weights, topk_indices = moe.gate(x)  # (T, k) each
     xf = x.reshape(-1, shape[-1])  # (T, H)
     experts = moe.experts
     E = experts.num_experts
-    out = torch.zeros_like(xf)
+    out = torch.zeros_like(xf) if outputs else None
     # Each expert's (top-k slot, token) pairs in the order transformers' loop visits them
     # (torch.where over its (k, T) one-hot mask: slot-major), found with one stable sort of
     # the (k, T) expert ids and one host read of the counts, instead of a mask of (E+1, k, T)
@@ -183,8 +216,9 @@ def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = 
         current = xf[token_idx]
         gate, up = F.linear(current, experts.gate_up_proj[e]).chunk(2, dim=-1)
         inter = experts.act_fn(gate) * up
-        y = F.linear(inter, experts.down_proj[e]) * topk_weights[token_idx, top_k_pos, None]
-        out.index_add_(0, token_idx, y.to(out.dtype))
+        if outputs:
+            y = F.linear(inter, experts.down_proj[e]) * topk_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
         if stats is not None:
             stats.routed(e, current, inter, token_idx)
     sh = moe.shared_experts
@@ -196,13 +230,14 @@ def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = 
             for s in range(0, E, EXPERT_BATCH):
                 es = range(s, min(s + EXPERT_BATCH, E))
                 stats.experts_down(es, expert_inter(experts, es, xf))  # (e, T, I)
-    return out.view(*shape) + sh.down_proj(inter_s)
+    return out.view(*shape) + sh.down_proj(inter_s) if outputs else None
 
 
-def dense_forward(mlp: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = None) -> torch.Tensor:
+def dense_forward(mlp: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = None,
+                  outputs: bool = True) -> torch.Tensor | None:
     """`down_proj(act_fn(gate_proj(x)) * up_proj(x))` (GLM / Llama MLP), feeding `stats`."""
     inter = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
     if stats is not None:
         stats.mlp_input(x.reshape(-1, x.shape[-1]))
         stats.down_input(inter.reshape(-1, inter.shape[-1]))
-    return mlp.down_proj(inter)
+    return mlp.down_proj(inter) if outputs else None

@@ -177,6 +177,11 @@ def convert(
              "background; a crash repeats about this much work; 0: after every layer; inf: "
              "none, a crash restarts the calibration).",
         rich_help_panel="Calibration (gptq, awq)")] = 300.0,
+    max_gpu_memory: Annotated[float | None, typer.Option(
+        help="GiB of GPU memory the calibration may hold (default: all of it): hidden states "
+             "move to host memory and GPTQ solves fewer experts at once to stay under it; "
+             "beyond it torch raises out-of-memory instead of exceeding it. 75 runs a GLM-5.2 "
+             "calibration as on an 80 GB GPU.", rich_help_panel="Calibration (gptq, awq)")] = None,
     device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
     resume: Annotated[bool, typer.Option(
         help="Continue an interrupted conversion in DST (also automatic when DST has a manifest).")] = False,
@@ -252,7 +257,9 @@ def convert(
                 raise ValueError("--checkpoint-interval must be >= 0 seconds")
             res = run_convert(local, dst, opts, device=device, resume=resume, overwrite=overwrite,
                               on_unit=step, command=command, log=line, tp=tp,
-                              checkpoint_interval=checkpoint_interval, dist=d)
+                              checkpoint_interval=checkpoint_interval, dist=d,
+                              max_gpu_memory=None if max_gpu_memory is None
+                              else int(max_gpu_memory * 2**30))
     except (QuantizeError, ValueError) as e:
         from quantize.manifest import output_state
 

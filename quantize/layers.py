@@ -10,7 +10,7 @@ The model's own classes give the attention (GQA, MLA, the DSA indexer and its sh
 for free. The activations between layers are `HiddenStates`: chunks of CHUNK_TOKENS tokens,
 kept on the compute device while twice their size fits in half its free memory, else in host
 memory, else in files (GLM-5.2 at 512 x 2048 tokens: 12.9 GB of bf16 hidden states, plus the
-DSA top-k indices, 8.6 GB of int32, which the layers pass on).
+DSA top-k indices, 4.3 GB as int16, which the layers pass on).
 """
 
 from __future__ import annotations
@@ -29,17 +29,29 @@ from quantize.checkpoint import Checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.plan import Unit
 
-__all__ = ["CHUNK_TOKENS", "MOE_CLASSES", "HiddenStates", "LayerInputs", "ReadAhead", "build_skeleton",
-           "chunk_tokens", "free_layer", "layer_inputs", "load_layer", "mlp_kind", "mlp_target",
-           "run_layer"]
+__all__ = ["CHUNK_TOKENS", "MLP_GROUP_TOKENS", "MOE_CLASSES", "HiddenStates", "LayerInputs",
+           "ReadAhead", "SplitLayer", "build_skeleton", "chunk_tokens", "free_layer", "layer_inputs",
+           "device_free", "limit_gpu_memory", "load_layer", "mlp_group_tokens", "mlp_kind", "mlp_target",
+           "run_layer", "topk_dtype"]
 
-# Tokens per layer forward: on a GPU enough that each of 256 experts gets ~500 routed tokens
-# per chunk (the expert loop's per-expert launches are paid per chunk); small on the CPU.
-CHUNK_TOKENS = {"cuda": 16384, "cpu": 8192}
+# Tokens per attention forward (a chunk of the hidden states): GLM-5.2's DSA indexer holds
+# (b, S, 32 heads, S) float32 scores, ~6.4 GB of scratch at 8192 tokens. The MLP, once split
+# off (`SplitLayer`), takes several chunks per call (MLP_GROUP_TOKENS).
+CHUNK_TOKENS = {"cuda": 8192, "cpu": 8192}
 
 
 def chunk_tokens(device: torch.device) -> int:
     return CHUNK_TOKENS.get(torch.device(device).type, CHUNK_TOKENS["cpu"])
+
+
+# Tokens per MLP forward once the attention is split off (`SplitLayer`): the MLP alone needs no
+# (b, heads, S, S) scratch, so several chunks go through it at once (GLM-5.2: ~2,000 routed
+# tokens per expert per call instead of ~500, a quarter of the per-expert launches).
+MLP_GROUP_TOKENS = {"cuda": 65536, "cpu": 16384}
+
+
+def mlp_group_tokens(device: torch.device) -> int:
+    return MLP_GROUP_TOKENS.get(torch.device(device).type, MLP_GROUP_TOKENS["cpu"])
 
 # ---------------------------------------------------------------------------------------------
 # Hidden states
@@ -92,11 +104,7 @@ class HiddenStates:
     @staticmethod
     def should_spill(nbytes: int, device: torch.device) -> bool:
         """Whether `nbytes` more would take over half of the device's free memory."""
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-        else:
-            free = _host_free()
-        return nbytes > free // 2
+        return nbytes > (device_free(device) if device.type == "cuda" else _host_free()) // 2
 
     @staticmethod
     def placement(nbytes: int, device: torch.device) -> str:
@@ -112,6 +120,40 @@ class HiddenStates:
 
 def _host_free() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+_GPU_LIMIT: dict[int, int] = {}  # device index -> bytes this process may hold (limit_gpu_memory)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def limit_gpu_memory(device: torch.device, nbytes: int) -> None:
+    """Keep this process's memory on a GPU under `nbytes` (`convert --max-gpu-memory`): torch's
+    caching allocator refuses to reserve more (an out-of-memory error, never a silent excess),
+    and every size decision of the calibration (`device_free`: where the hidden states live,
+    experts per GPTQ solve) counts only what is left under it. An H200 run with 80 GiB behaves
+    as on an 80 GB GPU."""
+    i = _index(device)
+    total = torch.cuda.get_device_properties(i).total_memory
+    if not 0 < nbytes <= total:
+        raise QuantizeError("--max-gpu-memory does not fit the GPU", [Problem(
+            "--max-gpu-memory", None, f"{nbytes / 2**30:.1f} GiB",
+            f"more than 0 and at most the GPU's {total / 2**30:.1f} GiB",
+            f"pass --max-gpu-memory {int(total // 2**30)} or less, or leave it out (all of it)")])
+    torch.cuda.set_per_process_memory_fraction(nbytes / total, i)
+    _GPU_LIMIT[i] = nbytes
+
+
+def device_free(device: torch.device) -> int:
+    """Bytes this process can still get on `device` (a GPU): the driver's free memory, and
+    at most what `limit_gpu_memory` leaves above what torch has reserved."""
+    free, _ = torch.cuda.mem_get_info(device)
+    limit = _GPU_LIMIT.get(_index(device))
+    if limit is not None:
+        free = min(free, max(0, limit - torch.cuda.memory_reserved(device)))
+    return free
 
 # ---------------------------------------------------------------------------------------------
 # The layer, from transformers' classes and the checkpoint
@@ -270,20 +312,117 @@ def _mask(skeleton, inputs: LayerInputs, h: torch.Tensor) -> torch.Tensor | None
     return inputs.masks[b]
 
 
+def topk_dtype(seq_len: int) -> torch.dtype:
+    """How the DSA top-k key positions (< seq_len) are kept between layers: int16 while they
+    fit (GLM-5.2 at 512 x 2048: 4.3 GB instead of the model's int32 8.6 GB), else int32."""
+    return torch.int16 if seq_len <= 2**15 else torch.int32
+
+
 def run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Tensor,
               topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One decoder layer on (b, S, H); returns the output and the DSA top-k indices it carries."""
+    """One decoder layer on (b, S, H); returns the output and the DSA top-k indices it carries
+    (as `topk_dtype`: the layer gets them back as the int32 it returns, the same values)."""
     kwargs = {}
     if "prev_topk_indices" in inspect.signature(layer.forward).parameters:
-        kwargs["prev_topk_indices"] = topk
+        kwargs["prev_topk_indices"] = None if topk is None else topk.to(torch.int32)
     b = h.shape[0]
     out = layer(h, attention_mask=_mask(skeleton, inputs, h),
                 position_ids=inputs.position_ids.expand(b, -1),
                 position_embeddings=inputs.position_embeddings, **kwargs)
     if isinstance(out, tuple):
-        return out[0], (out[1] if len(out) > 1 and torch.is_tensor(out[1]) else topk)
+        if len(out) > 1 and torch.is_tensor(out[1]):
+            t = out[1]
+            return out[0], t.to(topk_dtype(h.shape[1])) if not t.is_floating_point() else t
+        return out[0], topk
     return out, topk
 
+
+
+class SplitLayer:
+    """A decoder layer's forward in its two halves, through the layer's own forward:
+
+        h1, topk = split.attention(h, topk, mlp_input)   the MLP answers 0: out = h1 + g(0) = h1
+        out      = split.mlp(h1)                         the attention answers 0: h1 + g(0) = h1
+
+    A calibration changes only the MLP, so the attention half runs once per layer (pass 1) and
+    the second forward through the rounded MLP (pass 2) starts from h1 instead of running the
+    attention again (GLM-5.2 at 512 x 2048 tokens: ~4 s of ~7 per pass 2), and the MLP half can
+    take several chunks at once. It holds when the layer adds each half's (normed) output to
+    its residual, g(0) = 0 (RMSNorm, identity) and x + 0 == x: every pre-norm decoder
+    (Llama, Qwen, GLM, DeepSeek; Gemma's post-norms too). `check` proves it bit for bit on
+    real inputs before it is used; where it does not hold the caller runs whole layers."""
+
+    def __init__(self, skeleton, layer: torch.nn.Module, inputs: LayerInputs) -> None:
+        self.skeleton, self.layer, self.inputs = skeleton, layer, inputs
+        self._arity: int | None = None  # what the attention returns: a tuple of n, or a tensor (0)
+
+    def attention(self, h: torch.Tensor, topk: torch.Tensor | None,
+                  mlp_input: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h1 (the residual stream after the attention) and the top-k the layer passes on;
+        `mlp_input(x)` receives the MLP's input."""
+        mlp, attn = self.layer.mlp, self.layer.self_attn
+        real = attn.forward
+
+        def answer_zero(x: torch.Tensor) -> torch.Tensor:
+            mlp_input(x)
+            return torch.zeros_like(x)
+
+        def record(*a, **k):
+            r = real(*a, **k)
+            self._arity = len(r) if isinstance(r, tuple) else 0
+            return r
+
+        mlp.forward, attn.forward = answer_zero, record
+        try:
+            return run_layer(self.skeleton, self.layer, self.inputs, h, topk)
+        finally:
+            del mlp.forward, attn.forward
+
+    def _zero_attention(self, *a, **k):
+        x = k["hidden_states"] if "hidden_states" in k else a[0]
+        z = torch.zeros_like(x)
+        return (z, *[None] * (self._arity - 1)) if self._arity else z
+
+    def mlp(self, h1: torch.Tensor) -> torch.Tensor:
+        """The layer's output from h1, its attention answering 0 (its top-k is not needed)."""
+        if self._arity is None:
+            raise RuntimeError("SplitLayer.mlp before SplitLayer.attention")
+        attn = self.layer.self_attn
+        attn.forward = self._zero_attention
+        try:
+            return run_layer(self.skeleton, self.layer, self.inputs, h1, None)[0]
+        finally:
+            del attn.forward
+
+    def mlp_input(self, h1: torch.Tensor) -> torch.Tensor:
+        """The MLP's input on h1 (the layer's own norm of it), nothing else computed."""
+        if self._arity is None:
+            raise RuntimeError("SplitLayer.mlp_input before SplitLayer.attention")
+        xs: list[torch.Tensor] = []
+        mlp, attn = self.layer.mlp, self.layer.self_attn
+
+        def answer_zero(x: torch.Tensor) -> torch.Tensor:
+            xs.append(x)
+            return torch.zeros_like(x)
+
+        mlp.forward, attn.forward = answer_zero, self._zero_attention
+        try:
+            run_layer(self.skeleton, self.layer, self.inputs, h1, None)
+        finally:
+            del mlp.forward, attn.forward
+        return xs[0]
+
+    def check(self, h: torch.Tensor, topk: torch.Tensor | None
+              ) -> tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Whether the halves give the whole forward bit for bit on h; returns (ok, the whole
+        forward's output, h1, top-k, the MLP's input)."""
+        whole, topk_w = run_layer(self.skeleton, self.layer, self.inputs, h, topk)
+        xs: list[torch.Tensor] = []
+        h1, topk_s = self.attention(h, topk, xs.append)
+        ok = len(xs) == 1 and torch.equal(self.mlp(h1), whole) and \
+            torch.equal(self.mlp_input(h1), xs[0]) and \
+            (topk_w is None) == (topk_s is None) and (topk_w is None or torch.equal(topk_w, topk_s))
+        return ok, whole, h1, topk_s, xs[0] if xs else None
 
 
 class ReadAhead:

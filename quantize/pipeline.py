@@ -321,13 +321,15 @@ def convert(
     tp: int = 8,
     checkpoint_interval: float = 300.0,
     dist: Dist | None = None,
+    max_gpu_memory: int | None = None,
 ) -> ConvertResult | None:
     """`tp`: the tensor-parallel size the output is meant to be served at: the plan's checks
     use it and the manifest records it for the model card's serving commands.
     `checkpoint_interval`: calibrated runs save their resume state at most this often
     (seconds; 0: after every layer a resume can start from). `dist`: this process's rank
     under torchrun (quantize/distributed.py): rank 0 converts and writes, the other ranks
-    take their share of the calibration and write nothing (None is returned on them)."""
+    take their share of the calibration and write nothing (None is returned on them).
+    `max_gpu_memory`: bytes the calibration may hold on its GPU (None: all of it)."""
     src, out = Path(src), Path(out)
     ckpt = open_checkpoint(src)
     plan = make_plan(ckpt, opts, tp)
@@ -336,7 +338,7 @@ def convert(
         if opts.method != "rtn":  # RTN is rank 0's alone: it is bound by the disk
             from quantize.calibrate import Calibrator
 
-            with Calibrator(ckpt, plan, opts, dev, dist=dist,
+            with Calibrator(ckpt, plan, opts, dev, dist=dist, max_gpu_memory=max_gpu_memory,
                             checkpoint_interval=checkpoint_interval) as calib:
                 calib.use_state(out / CALIB_STATE, None)  # rank 0's manifest identity, received
                 calib.run_all()
@@ -352,7 +354,8 @@ def convert(
         from quantize.calibrate import Calibrator
 
         calib = Calibrator(ckpt, plan, opts, dev, log=log,  # log: one line per layer
-                           checkpoint_interval=checkpoint_interval, dist=dist)
+                           checkpoint_interval=checkpoint_interval, dist=dist,
+                           max_gpu_memory=max_gpu_memory)
     try:
         with folder_lock(out):  # one conversion per output folder at a time
             previous = _prepare_out(out, overwrite, _our_partials(plan, aux))

@@ -116,9 +116,11 @@ def run_convert(src: Path, dst: Path, n: int, seq_len: int, device: str, extra: 
         peaks = {e["layer"]: e.get("peak_gpu_gib") for e in r["layers"] if "peak_gpu_gib" in e}
         for lay in res["layers"]:
             lay["peak_gpu_gib"] = peaks.get(lay["layer"])
-            timing = next((e.get("timing_s") for e in r["layers"] if e["layer"] == lay["layer"]), None)
-            if timing:
-                lay["phases_s"] = timing
+            entry = next((e for e in r["layers"] if e["layer"] == lay["layer"]), {})
+            if entry.get("timing_s"):
+                lay["phases_s"] = entry["timing_s"]
+            if entry.get("peak_gpu_gib_by_phase"):
+                lay["peak_gpu_gib_by_phase"] = entry["peak_gpu_gib_by_phase"]
         res["peak_gpu_gib"] = max([v for v in peaks.values() if v is not None], default=None)
     if res["exit"] != 0:
         res["stderr_tail"] = text[-3000:]
@@ -134,6 +136,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2, help="decoder layers (0 dense, the rest MoE), + MTP")
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--extra", default="", help="more convert flags, e.g. '--checkpoint-interval 0'")
+    ap.add_argument("--run", action="append", default=[], metavar="N:FLAGS",
+                    help="one more run after --tokens: N samples with these extra flags, e.g. "
+                         "'512:--max-gpu-memory 75' (repeatable)")
     ap.add_argument("--wrap", default="", help="a command the convert runs under, e.g. "
                     "'py-spy record --format raw --threads -o prof.txt --'")
     ap.add_argument("--keep-output", action="store_true", help="keep each run's output folder")
@@ -164,13 +169,16 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     res["disk"] = disk_rates(src, args.workdir, min(res["source_bytes"] // 4, 4 * 10**9))
     print(json.dumps(res["disk"]), flush=True)
-    for n in [int(x) for x in args.tokens.split(",") if x]:
+    runs = [(int(x), "") for x in args.tokens.split(",") if x] + \
+        [(int(r.split(":", 1)[0]), r.split(":", 1)[1] if ":" in r else "") for r in args.run]
+    for k, (n, flags) in enumerate(runs):
         if args.smoke:
             n = min(n, 8)
         dst = args.workdir / f"out-{n}"
-        log = args.out.with_name(args.out.stem + f"-{n}x{args.seq_len}.log")
+        tag = f"-{n}x{args.seq_len}" + (f"-run{k}" if flags else "")
+        log = args.out.with_name(args.out.stem + tag + ".log")
         wrap = args.wrap.replace("{n}", str(n)).split()
-        r = run_convert(src, dst, n, args.seq_len, device, args.extra.split(), log, wrap)
+        r = run_convert(src, dst, n, args.seq_len, device, args.extra.split() + flags.split(), log, wrap)
         if not args.keep_output:
             subprocess.run(["rm", "-rf", str(dst)], check=False)
         res["runs"].append(r)

@@ -469,3 +469,138 @@ def test_two_identical_calibrated_runs_write_identical_checksummed_files(ckpt_di
     assert timings and all(lay["seconds"] > 0 for lay in timings)
     rep = json.loads((a / "calibration-report.json").read_text())
     assert not any("seconds" in lay or "timing_s" in lay for lay in rep["layers"])
+
+
+def _random_layer(cfg: dict, L: int):
+    """Layer L of a model built from `cfg` by transformers, random weights, float32 on the CPU."""
+    from quantize.layers import layer_inputs
+
+    skeleton = build_skeleton(cfg)
+    layer = skeleton.model.layers[L]
+    layer.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(L)
+    with torch.no_grad():
+        for n, p in layer.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen) if "norm" in n
+                    else 0.05 * torch.randn(p.shape, generator=gen))
+    return skeleton, layer.float().eval(), layer_inputs(skeleton, 32, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "glm4_moe", "llama", "cohere"])
+def test_split_layer_reproduces_the_whole_forward_or_says_not(model_type):
+    """The attention half then the MLP half equal the layer's own forward bit for bit on
+    pre-norm decoders (GLM-5 MoE with its DSA top-k, GLM-4 MoE, Llama); Cohere's parallel
+    block (attention and MLP both read the layer input) does not split, and `check` says so
+    instead of giving wrong hidden states."""
+    from quantize.layers import SplitLayer, run_layer
+
+    if model_type in ("glm_moe_dsa", "glm4_moe"):
+        cfg, L = tiny_config(model_type), 1
+    else:
+        cfg, L = {"model_type": model_type, "vocab_size": 256, "hidden_size": 64,
+                  "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2}, 0
+    skeleton, layer, inputs = _random_layer(cfg, L)
+    gen = torch.Generator().manual_seed(7)
+    h = torch.randn(2, 32, cfg["hidden_size"], generator=gen)
+    split = SplitLayer(skeleton, layer, inputs)
+    with torch.no_grad():
+        ok, whole, h1, topk, x = split.check(h, None)
+        ref, ref_topk = run_layer(skeleton, layer, inputs, h, None)
+        assert torch.equal(whole, ref)
+        if model_type == "cohere":
+            assert not ok
+            assert not torch.equal(split.mlp(h1), ref)  # what a blind split would have given
+            return
+        assert ok
+        assert torch.equal(x, layer.post_attention_layernorm(h1))  # the MLP's real input
+        assert (topk is None) == (ref_topk is None)
+        if model_type == "glm_moe_dsa":
+            assert topk is not None and torch.equal(topk, ref_topk)
+        # the MLP half over two chunks at once: each row is its own chunk's output
+        both = split.mlp(torch.cat([h1, h1.flip(0)]))
+        torch.testing.assert_close(both[:2], ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(both[2:], ref.flip(0), rtol=1e-5, atol=1e-5)
+
+
+def test_whole_layer_fallback_gives_the_split_result(ckpt_dir, monkeypatch):
+    """A layer whose halves do not check out runs whole-layer forwards in both passes; on a
+    layer where they do, both ways give the same calibration (same statistics, same
+    rounding, the same pass-2 output bit for bit)."""
+    from quantize.layers import SplitLayer
+
+    split = _calibrate(ckpt_dir, method="gptq")
+    real = SplitLayer.check
+
+    def refuse(self, h, topk):
+        return (False, *real(self, h, topk)[1:])
+
+    monkeypatch.setattr(SplitLayer, "check", refuse)
+    whole = _calibrate(ckpt_dir, method="gptq")
+    strip = ("seconds", "timing_s", "attention_once")
+    assert all(lay.get("attention_once") is True for lay in split["layers"] if lay.get("quantized"))
+    assert all(lay.get("attention_once") is False for lay in whole["layers"] if lay.get("quantized"))
+    assert [{k: v for k, v in lay.items() if k not in strip} for lay in split["layers"]] == \
+        [{k: v for k, v in lay.items() if k not in strip} for lay in whole["layers"]]
+
+
+def _calibrate_results(src, **kw) -> tuple[dict, dict]:
+    ck = open_checkpoint(src)
+    opts = ConvertOptions(**{**CALIB, **kw})
+    c = Calibrator(ck, make_plan(ck, opts), opts, torch.device("cpu"))
+    out = {u.source: c.result(u) for u in c.plan.units}
+    return c.report(), {n: [t.clone() for t in r] for n, r in out.items() if isinstance(r, list)}
+
+
+def test_grouped_mlp_passes_match_one_chunk_at_a_time(ckpt_dir, monkeypatch):
+    """Several chunks per MLP statistics call and per pass-2 call (the GPU default) give the
+    calibration of one chunk per call: on the first calibrated layer (same inputs) the same
+    routed token counts and the same statistics up to float summation order, so nearly the
+    same codes (GPTQ's error feedback turns a flipped tie into a few more) and output error;
+    the later layers see inputs that differ by that rounding."""
+    import quantize.layers as layers_mod
+
+    monkeypatch.setitem(layers_mod.CHUNK_TOKENS, "cpu", 128)  # 8 x 64 tokens: 4 chunks
+    monkeypatch.setitem(layers_mod.MLP_GROUP_TOKENS, "cpu", 1)  # each chunk alone
+    rep1, out1 = _calibrate_results(ckpt_dir, method="gptq")
+    monkeypatch.setitem(layers_mod.MLP_GROUP_TOKENS, "cpu", 300)  # 3 chunks, then 1
+    rep3, out3 = _calibrate_results(ckpt_dir, method="gptq")
+    assert sorted(out1) == sorted(out3) and out1
+    a, b = (next(lay for lay in r["layers"] if lay.get("quantized")) for r in (rep1, rep3))
+    assert b["attention_once"] and a["expert_tokens"] == b["expert_tokens"]
+    assert a["output_rel_error"] == pytest.approx(b["output_rel_error"], rel=0.01)
+    first = [n for n in out1 if n.startswith(f"model.layers.{a['layer']}.")]
+    same = sum(int((out1[n][0] == out3[n][0]).sum()) for n in first)
+    total = sum(out1[n][0].numel() for n in first)
+    assert same / total > 0.95, f"{same}/{total} packed words equal"
+    for a, b in zip(rep1["layers"], rep3["layers"]):  # every layer: same order of magnitude
+        if a.get("quantized"):
+            assert a["output_rel_error"] == pytest.approx(b["output_rel_error"], rel=0.1)
+
+
+def test_grouped_statistics_equal_per_chunk_statistics(ckpt_dir):
+    """MLPStats fed one call per chunk or one call for two chunks: every expert's routed
+    gate/up and down Hessians agree to float32 summation order (the rows each expert was
+    routed are found in the grouped token store)."""
+    from quantize.capture import moe_forward
+
+    ck, layer = _moe_layer(ckpt_dir)
+    H = ck.config["hidden_size"]
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(40, H, generator=gen), torch.randn(56, H, generator=gen)]
+    E = layer.mlp.experts.num_experts
+    one, two = (MLPStats("moe", hessians=True, samples=False, all_experts=False, num_experts=E)
+                for _ in range(2))
+    with torch.no_grad():
+        for x in xs:
+            moe_forward(layer.mlp, x, one, outputs=False)
+        moe_forward(layer.mlp, torch.cat(xs), two, outputs=False)
+        assert one.expert_tokens == two.expert_tokens and sum(one.expert_tokens) > 0
+        torch.testing.assert_close(one.H_in, two.H_in, rtol=1e-5, atol=1e-6)
+        for e in range(E):
+            a, b = one.expert_H_in(e), two.expert_H_in(e)
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(one.expert_H_down(e), two.expert_H_down(e),
+                                           rtol=1e-5, atol=1e-6)
