@@ -60,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -69,6 +70,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from quantize.awq import (
     AWQConfig,
@@ -112,6 +114,8 @@ __all__ = ["AWQ_SCALES", "CALIB_REPORT", "Calibrator", "LayerWeights", "Target",
 # rows each) already keep an H200 busy (measured: a batch of 32 takes 0.78 s, 24 ms/expert),
 # and a larger batch only adds memory (~0.5 GB per expert).
 GPTQ_BATCH = 32
+# a folder: the first calibrated layer runs under torch.profiler, its tables written there
+PROFILE_ENV = "QUANTIZE_TORCH_PROFILE"
 CALIB_REPORT = "calibration-report.json"
 # Per layer: wall-clock seconds and peak GPU memory (a report beside the output, like
 # verify.json: not in the manifest, so that the same inputs give the same checksummed bytes)
@@ -301,6 +305,7 @@ class Calibrator:
             if (L := layer_of(u.source)) is not None:
                 self._layer_sources.setdefault(min(L, self.num_layers), []).extend(
                     [u.source] + ([u.scale] if u.scale else []))
+        self._profiled = False
         self.layers: list[dict] = []
         self._mtp_skip: dict[int, str] = {}  # MTP layers not calibrated, and why
         self.awq_scales: dict[str, torch.Tensor] = {}  # AWQ_SCALES, float32 on the host
@@ -775,6 +780,18 @@ class Calibrator:
                                             self.topk[i])
                 self.hidden.put(i, h)
             entry["quantized"] = 0
+        elif (pdir := os.environ.get(PROFILE_ENV)) and not self._profiled:
+            self._profiled = True  # the first calibrated layer, under torch.profiler
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                entry.update(self._calibrate(L, layer, kind, targets))
+            Path(pdir).mkdir(parents=True, exist_ok=True)
+            for key in ("cuda_time_total", "cpu_time_total"):
+                if key.startswith("cpu") or self.device.type == "cuda":
+                    (Path(pdir) / f"layer{L}-{key}.txt").write_text(
+                        prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=70))
         else:
             entry.update(self._calibrate(L, layer, kind, targets))
         free_layer(layer)
@@ -945,7 +962,8 @@ class Calibrator:
                     self._check_stop()
                     es = routed[c: c + nb]
                     gu = [(f"{p}experts.{e}.gate_proj.weight", f"{p}experts.{e}.up_proj.weight") for e in es]
-                    Ws = torch.stack([torch.cat([R[g], R[u]]) for g, u in gu])  # (e, 2I, H)
+                    with record_function("calib.read_weights"):
+                        Ws = torch.stack([torch.cat([R[g], R[u]]) for g, u in gu])  # (e, 2I, H)
                     if stats.all_experts:  # one Hessian for every expert: one solve of e*2I rows
                         w = gptq(Ws.reshape(-1, Ws.shape[-1]), H_in)
                         w = Int4Weight(*(None if t is None else t.reshape(len(es), -1, t.shape[-1])
@@ -954,19 +972,22 @@ class Calibrator:
                         # here for this batch only (MLPStats.experts_H_in), into one stacked tensor
                         K = Ws.shape[-1]
                         Hb = torch.empty(len(es), K, K, device=Ws.device)  # (e, H, H)
-                        have = stats.experts_H_in(es, Hb, skip=fb)
+                        with record_function("calib.routed_hessians"):
+                            have = stats.experts_H_in(es, Hb, skip=fb)
                         for j, e in enumerate(es):
                             if not have[j]:  # a starved expert: all-token statistics (scaled)
                                 Hb[j] = H_in
                             elif s_in is not None:
                                 Hb[j] = H_scaled(Hb[j], s_in)
-                        w = gptq(Ws, Hb)
+                        with record_function("calib.gptq_gate_up"):
+                            w = gptq(Ws, Hb)
                         del Hb
                     del Ws
                     half = w.q.shape[1] // 2
-                    for i, (g, u) in enumerate(gu):
-                        done(g, split(w, i, slice(0, half)))
-                        done(u, split(w, i, slice(half, None)))
+                    with record_function("calib.publish"):
+                        for i, (g, u) in enumerate(gu):
+                            done(g, split(w, i, slice(0, half)))
+                            done(u, split(w, i, slice(half, None)))
                     downs = [f"{p}experts.{e}.down_proj.weight" for e in es]
                     Hs = []
                     for e, n in zip(es, downs):
@@ -977,9 +998,11 @@ class Calibrator:
                                                                   device=self.device),
                                                       expert_inter_sample(e), 0)
                         Hs.append(H_scaled(H, W.col.get(n)))
-                    w = gptq(torch.stack([R[n] for n in downs]), torch.stack(Hs))  # (e, H, I)
-                    for i, n in enumerate(downs):
-                        done(n, split(w, i))
+                    with record_function("calib.gptq_down"):
+                        w = gptq(torch.stack([R[n] for n in downs]), torch.stack(Hs))  # (e, H, I)
+                    with record_function("calib.publish"):
+                        for i, n in enumerate(downs):
+                            done(n, split(w, i))
             rest = [n for n in quant if ".experts." not in n]  # shared experts / dense MLP
             gu = [n for n in rest if n.endswith(("gate_proj.weight", "up_proj.weight"))]
             if gu:
@@ -1090,7 +1113,7 @@ class Calibrator:
                 out0 = out if i == 0 else out0
                 self.hidden.put(i, out)
             return out0
-        group, start = mlp_group_tokens(self.device), 0
+        group, start = mlp_group_tokens(self.device, pass2=True), 0
         while start < len(self.hidden):
             self._check_stop()
             hs = [self.hidden.on_device(start)]

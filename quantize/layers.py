@@ -29,7 +29,7 @@ from quantize.checkpoint import Checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.plan import Unit
 
-__all__ = ["CHUNK_TOKENS", "MLP_GROUP_TOKENS", "MOE_CLASSES", "HiddenStates", "LayerInputs",
+__all__ = ["CHUNK_TOKENS", "MLP_GROUP_TOKENS", "MOE_CLASSES", "PASS2_GROUP_TOKENS", "HiddenStates", "LayerInputs",
            "ReadAhead", "SplitLayer", "build_skeleton", "chunk_tokens", "free_layer", "layer_inputs",
            "device_free", "limit_gpu_memory", "load_layer", "mlp_group_tokens", "mlp_kind", "mlp_target",
            "run_layer", "topk_dtype"]
@@ -47,11 +47,15 @@ def chunk_tokens(device: torch.device) -> int:
 # Tokens per MLP forward once the attention is split off (`SplitLayer`): the MLP alone needs no
 # (b, heads, S, S) scratch, so several chunks go through it at once (GLM-5.2: ~2,000 routed
 # tokens per expert per call instead of ~500, a quarter of the per-expert launches).
+# Pass 2 runs the model's own MLP forward, whose fused-experts path (grouped_mm on CUDA) holds
+# (tokens x top-k, hidden) float32 scratch: ~3 GB per 16k GLM-5.2 tokens, so smaller groups.
 MLP_GROUP_TOKENS = {"cuda": 65536, "cpu": 16384}
+PASS2_GROUP_TOKENS = {"cuda": 16384, "cpu": 16384}
 
 
-def mlp_group_tokens(device: torch.device) -> int:
-    return MLP_GROUP_TOKENS.get(torch.device(device).type, MLP_GROUP_TOKENS["cpu"])
+def mlp_group_tokens(device: torch.device, pass2: bool = False) -> int:
+    table = PASS2_GROUP_TOKENS if pass2 else MLP_GROUP_TOKENS
+    return table.get(torch.device(device).type, table["cpu"])
 
 # ---------------------------------------------------------------------------------------------
 # Hidden states

@@ -198,15 +198,15 @@ def _fill(name: str, dtype: str, shape: tuple[int, ...], gen: torch.Generator,
         return {}
     if len(shape) == 1:
         base = 1.0 if name.endswith("norm.weight") else 0.0
-        t = base + 0.02 * torch.randn(shape, generator=gen)
-        return {name: t.to(DTYPES[dtype][0])}
+        t = base + 0.02 * torch.randn(shape, generator=gen, device=gen.device)
+        return {name: t.to(DTYPES[dtype][0]).cpu()}
     n, k = shape
     std = 1.0 if "embed_tokens" in name else k ** -0.5
-    w = torch.randn(shape, generator=gen) * std
+    w = torch.randn(shape, generator=gen, device=gen.device) * std
     if ".experts.0.down_proj" in name and n >= 2 and k >= 32:
         w[1, :32] = 0.0  # one all-zero group: scale must fall back to eps, codes to 0
     if dtype != "F8_E4M3":
-        return {name: w.to(DTYPES[dtype][0])}
+        return {name: w.to(DTYPES[dtype][0]).cpu()}
     stem = name[: -len("weight")]
     if fmt == SourceFormat.FP8_BLOCK:
         nb, kb = math.ceil(n / 128), math.ceil(k / 128)
@@ -214,14 +214,16 @@ def _fill(name: str, dtype: str, shape: tuple[int, ...], gen: torch.Generator,
         amax = wp.reshape(nb, 128, kb, 128).abs().amax(dim=(1, 3)).clamp(min=1e-12)  # (nb, kb)
         s = amax / FP8_MAX
         full = s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-        return {name: (w / full).to(torch.float8_e4m3fn), stem + "weight_scale_inv": s.float()}
+        return {name: (w / full).to(torch.float8_e4m3fn).cpu(), stem + "weight_scale_inv": s.float().cpu()}
     s = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # (n, 1)
-    return {name: (w / s).to(torch.float8_e4m3fn), stem + "weight_scale": s.to(torch.bfloat16)}
+    return {name: (w / s).to(torch.float8_e4m3fn).cpu(), stem + "weight_scale": s.to(torch.bfloat16).cpu()}
 
 
 def write_checkpoint(out: str | Path, cfg: dict, fmt: str = SourceFormat.FP8_BLOCK, seed: int = 0,
-                     shard_bytes: int = 2 * 2**20, sparse: bool = False) -> Path:
+                     shard_bytes: int = 2 * 2**20, sparse: bool = False, device: str = "cpu") -> Path:
     """Write a checkpoint of `cfg` in `fmt` into `out` (several shards + index + config).
+    `device`: where the random values are drawn (a GPU builds a GLM-5.2-sized slice ~10x
+    faster; other values than the CPU's for the same seed).
 
     The scale of the first routed expert's gate_proj is moved to the last shard, as real
     releases sometimes split a weight from its scale.
@@ -246,7 +248,7 @@ def write_checkpoint(out: str | Path, cfg: dict, fmt: str = SourceFormat.FP8_BLO
         size += nb
     total = len(groups)
     weight_map: dict[str, str] = {}
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     pending: dict[str, torch.Tensor] = {}
     for i, group in enumerate(groups):
         fname = f"model-{i + 1:05d}-of-{total:05d}.safetensors"

@@ -161,7 +161,7 @@ def main() -> None:
            "command": " ".join(sys.argv), "runs": []}
     if not (src / "config.json").exists():
         t0 = time.perf_counter()
-        write_checkpoint(src, cfg, "fp8-block", shard_bytes=4 * 10**9)
+        write_checkpoint(src, cfg, "fp8-block", shard_bytes=4 * 10**9, device=device)
         write_tokenizer(src, cfg["vocab_size"])
         res["build_s"] = round(time.perf_counter() - t0, 1)
         print(f"wrote {src} in {res['build_s']} s", flush=True)

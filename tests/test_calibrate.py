@@ -562,8 +562,10 @@ def test_grouped_mlp_passes_match_one_chunk_at_a_time(ckpt_dir, monkeypatch):
 
     monkeypatch.setitem(layers_mod.CHUNK_TOKENS, "cpu", 128)  # 8 x 64 tokens: 4 chunks
     monkeypatch.setitem(layers_mod.MLP_GROUP_TOKENS, "cpu", 1)  # each chunk alone
+    monkeypatch.setitem(layers_mod.PASS2_GROUP_TOKENS, "cpu", 1)
     rep1, out1 = _calibrate_results(ckpt_dir, method="gptq")
     monkeypatch.setitem(layers_mod.MLP_GROUP_TOKENS, "cpu", 300)  # 3 chunks, then 1
+    monkeypatch.setitem(layers_mod.PASS2_GROUP_TOKENS, "cpu", 200)  # 2 and 2
     rep3, out3 = _calibrate_results(ckpt_dir, method="gptq")
     assert sorted(out1) == sorted(out3) and out1
     a, b = (next(lay for lay in r["layers"] if lay.get("quantized")) for r in (rep1, rep3))
