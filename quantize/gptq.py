@@ -238,7 +238,7 @@ def _factor_flipped_inplace(A: torch.Tensor) -> torch.Tensor:
     return torch.cat(oks) & torch.isfinite(A.sum((-2, -1)))
 
 
-CHOL_LEAF = 512  # below this size, the library's Cholesky and triangular solve
+CHOL_LEAF = 256  # up to this size, the library's Cholesky and triangular solve
 FACTOR_BATCH = 8  # experts factored at once: ~3 (K, K) float32 of scratch each
 
 
@@ -318,6 +318,19 @@ def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, percdamp: float, flip
         retries += 1
 
 
+def _propagate(Ww: torch.Tensor, Err1: torch.Tensor, Hinv: torch.Tensor, i1: int, i2: int) -> None:
+    """W[..., i2:] -= Err1 @ Hinv[:, i1:i2, i2:]: the block's errors onto the later columns,
+    (B, N, count) @ (Bh, count, K - i2), as one GEMM accumulating into W (no product tensor
+    and no separate subtraction pass over the rest of W)."""
+    B, N, K = Ww.shape
+    if i2 >= K:
+        return
+    if Hinv.shape[0] == B:
+        Ww[..., i2:].baddbmm_(Err1, Hinv[:, i1:i2, i2:], alpha=-1)
+    else:  # one shared H: every expert's rows against the same block
+        Ww.view(B * N, K)[:, i2:].addmm_(Err1.reshape(B * N, -1), Hinv[0, i1:i2, i2:], alpha=-1)
+
+
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig()
                   ) -> GPTQResult:
     """GPTQ-round W (..., N, K) against H (..., K, K) (or one shared (K, K)); inputs untouched.
@@ -373,7 +386,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig
         W1 = Ww[..., i1:i2].contiguous()  # (B, N, count), a copy
         if fused:  # CUDA: the column loop in one kernel (quantize/gptq_triton.py)
             Err1 = gptq_triton.gptq_block(W1, s1.contiguous(), z1, Hinv, i1, q_perm, QMIN, QMAX)
-            Ww[..., i2:] -= Err1 @ Hinv[:, i1:i2, i2:]
+            _propagate(Ww, Err1, Hinv, i1, i2)
             continue
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[:, i1:i2, i1:i2]  # (Bh, count, count)
@@ -386,7 +399,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig
             err = (w - Q) / d  # (B, N)
             W1[..., i:] -= err[..., None] * Hinv1[:, None, i, i:]
             Err1[..., i] = err
-        Ww[..., i2:] -= Err1 @ Hinv[:, i1:i2, i2:]  # (B, N, count) @ (Bh, count, K - i2)
+        _propagate(Ww, Err1, Hinv, i1, i2)
 
     q = torch.empty_like(q_perm).scatter_(-1, perm[:, None, :].expand(B, N, K), q_perm)
     G = K // g

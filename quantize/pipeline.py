@@ -126,8 +126,10 @@ def read_unit(ckpt: Checkpoint, unit: Unit, device: torch.device | str = "cpu"
 
 def source_weight(ckpt: Checkpoint, unit: Unit, device: torch.device,
                   raw: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """The unit's source weight as float32 on `device` (FP8 dequantized exactly)."""
-    raw = raw if raw is not None else read_unit(ckpt, unit)
+    """The unit's source weight as float32 on `device` (FP8 dequantized exactly). Read
+    straight onto the device (a GPU: through the pinned staging buffers, not a pageable host
+    copy that would also wait for the device's queue)."""
+    raw = raw if raw is not None else read_unit(ckpt, unit, device)
     w = raw[unit.source].to(device)
     if unit.scale is None:
         return w.float()
