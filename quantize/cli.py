@@ -239,10 +239,20 @@ def convert(
         with _progress(disable=quiet) as bar:
             task = bar.add_task("convert", total=total, rate="")
 
+            logged = [0]  # the last 5 % step printed as a line (stderr not a terminal)
+
             def step(unit) -> None:
                 bar.advance(task, unit.source_bytes)
                 done = bar.tasks[0].completed
-                bar.update(task, rate=f"{done / max(time.perf_counter() - t0, 1e-9) / 2**20:,.0f} MiB/s")
+                spent = max(time.perf_counter() - t0, 1e-9)
+                bar.update(task, rate=f"{done / spent / 2**20:,.0f} MiB/s")
+                pct = int(100 * done / max(total, 1))
+                if not err.is_terminal and pct // 5 > logged[0] // 5:  # nohup, Slurm, CI logs
+                    logged[0] = pct
+                    left = spent * (total - done) / max(done, 1)
+                    line(f"{pct}% converted: {fmt_bytes(done)} of {fmt_bytes(total)} read, "
+                         f"{done / spent / 2**20:,.0f} MiB/s, {spent / 60:.1f} min so far, "
+                         f"~{left / 60:.1f} min left")
 
             def line(text: str) -> None:  # timestamped: per-layer wall times read off the log
                 if quiet:

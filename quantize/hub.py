@@ -34,7 +34,7 @@ from pathlib import Path
 from quantize.checkpoint import Checkpoint, checkpoint_from_headers, open_checkpoint
 from quantize.errors import Problem, QuantizeError
 
-__all__ = ["is_repo_id", "resolve_source"]
+__all__ = ["is_repo_id", "local_path_problem", "resolve_source"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 # Formats in source repos that the tool never reads (it reads safetensors + config + tokenizer).
@@ -43,14 +43,48 @@ _SKIP_DOWNLOAD = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.msgpack", "*.
 
 
 def is_repo_id(src: str) -> bool:
-    """`org/name` with no local folder of that name."""
-    return bool(_REPO_ID.match(src)) and not Path(src).exists()
+    """A Hub repo id: `org/name` as huggingface_hub validates it, with no local file or folder
+    of that name, not written as a path (`./x/y`, `/x/y`, `~/x`, a trailing `/`), and whose
+    `org` is not a local folder (`demo/GLM-tiny-FP9` beside a `demo/` folder is a mistyped
+    path, `local_path_problem` says so)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not _REPO_ID.match(src) or Path(src).exists() or src.startswith((".", "/", "~")):
+        return False
+    try:
+        validate_repo_id(src)
+    except HFValidationError:
+        return False
+    return not Path(src.split("/", 1)[0]).is_dir()
+
+
+def local_path_problem(src: str) -> QuantizeError | None:
+    """For a SRC that is not a Hub repo id and does not exist: the error, naming the closest
+    existing folder beside it (a typo caught before any network request)."""
+    import difflib
+
+    p = Path(src).expanduser()
+    if p.exists():
+        return None
+    parent = p.parent if str(p.parent) else Path(".")
+    near = []
+    if parent.is_dir():
+        near = difflib.get_close_matches(p.name, [c.name for c in parent.iterdir() if c.is_dir()], n=3)
+    fix = (f"did you mean {', '.join(str(parent / n) for n in near)}?" if near else
+           "pass a local checkpoint folder, or a Hub repo id org/name (no local folder named org)")
+    where = f"{parent}/ exists" if parent.is_dir() and str(parent) != "." else \
+        ("no such parent folder" if not parent.is_dir() else "")
+    return QuantizeError("source not found", [Problem(
+        src, None, "no such folder" + (f" ({where})" if where else ""),
+        "a folder with config.json and *.safetensors", fix)])
 
 
 def resolve_source(src: str, revision: str | None, headers_only: bool) -> Checkpoint | Path:
     """A local folder or a Hub repo id -> a header-only Checkpoint (`headers_only`) or a local
     folder holding the checkpoint (downloading it when SRC is a repo id)."""
     if not is_repo_id(src):
+        if (e := local_path_problem(src)) is not None:
+            raise e
         if revision is not None:
             raise QuantizeError("--revision only applies to Hub sources", [Problem(
                 src, None, "a local folder", "a Hub repo id org/name", "drop --revision")])
@@ -75,9 +109,15 @@ def resolve_source(src: str, revision: str | None, headers_only: bool) -> Checkp
             shown, None, "neither model.safetensors nor model.safetensors.index.json",
             "a safetensors checkpoint", "pick the repo's safetensors release (e.g. the -FP8 one)")]) from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
+        from huggingface_hub import constants
+
+        offline = constants.HF_HUB_OFFLINE
         raise QuantizeError("the Hub cannot be reached and nothing is cached", [Problem(
-            shown, None, type(e).__name__, "network access or a cached snapshot",
-            "check the network (and HF_ENDPOINT), or unset HF_HUB_OFFLINE")]) from None
+            shown, None, type(e).__name__ + (" (HF_HUB_OFFLINE is set)" if offline else ""),
+            "network access or a cached snapshot",
+            "unset HF_HUB_OFFLINE to download it" if offline else
+            "check the network (and HF_ENDPOINT), or the repo id if it was meant as a local "
+            "folder")]) from None
     except HfHubHTTPError as e:
         status = e.response.status_code if e.response is not None else None
         fix = {401: "log in: set HF_TOKEN (read access) or run `hf auth login`",

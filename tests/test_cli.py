@@ -66,3 +66,28 @@ def test_bad_options_are_one_line_errors(dsa_fp8, tmp_path):
     r = runner.invoke(app, ["convert", str(dsa_fp8), str(tmp_path / "o"), "--max-shard-size", "5XB"])
     assert r.exit_code == 2 and "--max-shard-size '5XB'" in r.output and "512MiB" in r.output
     assert not (tmp_path / "o").exists()
+
+
+def test_progress_lines_when_stderr_is_a_log_file(dsa_fp8, tmp_path):
+    """Under nohup / Slurm / CI (stderr a file, not a terminal) the run says what it does as it
+    goes: a start line (source, destination, bytes, method), then time-stamped lines every 5 %
+    of the bytes with rate and time left, then the summary."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    log = tmp_path / "convert.log"
+    root = Path(__file__).resolve().parents[1]
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, "-m", "quantize", "convert", str(dsa_fp8), str(tmp_path / "o"),
+                            "--device", "cpu", "--tp", "1"], stdout=f, stderr=subprocess.STDOUT,
+                           cwd=root, timeout=300, check=False)
+    text = log.read_text()
+    assert r.returncode == 0, text
+    stamp = r"\d\d:\d\d:\d\d\.\d{3}"
+    assert re.search(rf"^{stamp} convert {re.escape(str(dsa_fp8))} -> .*to read, .* method rtn", text, re.M)
+    pcts = [int(m) for m in re.findall(rf"^{stamp} (\d+)% converted: .* MiB/s, .* min left$", text, re.M)]
+    assert len(pcts) >= 5 and pcts == sorted(pcts) and pcts[-1] == 100, text
+    assert all(b // 5 > a // 5 for a, b in zip(pcts, pcts[1:]))  # one line per 5 % step at most
+    assert "done" in text.split(f"{pcts[-1]}% converted")[-1]

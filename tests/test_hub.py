@@ -33,11 +33,11 @@ def hub(tmp_path_factory):
     h.close()
 
 
-def _run(hub: Hub, home: Path, *args: str) -> subprocess.CompletedProcess:
+def _run(hub: Hub, home: Path, *args: str, cwd: Path = ROOT, **extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
     env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_HUB_DISABLE_XET="1",
-               HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", CLI, *args], env=env, cwd=ROOT, check=False,
+               HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    return subprocess.run([sys.executable, "-c", CLI, *args], env=env, cwd=cwd, check=False,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -78,3 +78,27 @@ def test_missing_repo_and_local_revision_are_clear_errors(hub, tmp_path):
     assert r.returncode == 2 and "HTTP 404" in r.stderr and "check the repo id" in r.stderr
     r = _run(hub, tmp_path / "home", "plan", str(hub.src), "--revision", "main")
     assert r.returncode == 2 and "--revision only applies to Hub sources" in r.stderr
+
+
+def test_mistyped_local_path_is_not_sent_to_the_hub(hub, tmp_path):
+    """`demo/GLM-tiny-FP9` beside a `demo/` folder is a typo of a local path: said at once,
+    with the closest folder, and not one request reaches the Hub (it used to spend 34 s on 6
+    requests and then blame HF_HUB_OFFLINE, which was not set). Paths written as paths are
+    never repo ids; a real repo id that cannot be fetched offline names the variable only
+    when it is set."""
+    (tmp_path / "demo" / "GLM-tiny-FP8").mkdir(parents=True)
+    before = len(hub.state.requests)
+    for args in (["inspect", "demo/GLM-tiny-FP9"], ["plan", "demo/GLM-tiny-FP9"],
+                 ["convert", "demo/GLM-tiny-FP9", "out", "--device", "cpu"]):
+        r = _run(hub, tmp_path / "home", *args, cwd=tmp_path)
+        assert r.returncode == 2, r.stderr
+        assert "no such folder (demo/ exists)" in r.stderr and "did you mean demo/GLM-tiny-FP8" in r.stderr
+    for path in ("./nope/model", "/nonexistent-root/model", "nope/model/"):
+        r = _run(hub, tmp_path / "home", "inspect", path, cwd=tmp_path)
+        assert r.returncode == 2 and "no such folder" in r.stderr, r.stderr
+    assert len(hub.state.requests) == before  # nothing went to the Hub
+    assert not (tmp_path / "out").exists()
+    r = _run(hub, tmp_path / "home", "inspect", "zai-org/GLM-tiny-FP8", cwd=tmp_path, HF_HUB_OFFLINE="1")
+    assert r.returncode == 2 and "HF_HUB_OFFLINE is set" in r.stderr and "unset HF_HUB_OFFLINE" in r.stderr
+    r = _run(hub, tmp_path / "home", "inspect", "zai-org/GLM-tiny-FP8", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr  # the same id online: a repo id, read from the Hub
