@@ -7,7 +7,7 @@ QUANTIZE := $(VENV)/bin/quantize
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: help install demo test lint bench clean
+.PHONY: help install demo test test-newest test-lowest test-llmc lint bench clean
 # A bare `make` lists the targets (the included pipeline's first target would demand MODEL).
 .DEFAULT_GOAL := help
 
@@ -21,13 +21,29 @@ help: ## list targets and variables
 	@echo "           MAX_SHARD_SIZE MIN_SQNR REVISION REPO REPO_REVISION PRIVATE DRY_RUN EVAL EVAL_FLAGS"
 	@echo "e.g.  make all MODEL=zai-org/GLM-5.2-FP8 OUT=./GLM-5.2-INT4 METHOD=gptq REPO=my-org/GLM-5.2-INT4"
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first, pinned: takes the local CPU wheel instead of a multi-GB CUDA build
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
-	touch $@
+# A venv with the package (editable) and EXTRAS, every version as CONSTRAINTS says.
+# torch first, pinned: takes the local CPU wheel instead of a multi-GB CUDA build.
+define make_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q torch==2.13.0
+	$(1)/bin/python -m pip install -q -e ".[$(2)]" -c $(3)
+	touch $(1)/.installed
+endef
+
+# the dev install: the newest supported set, reproducible (constraints.txt)
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(call make_venv,$(VENV),test,constraints.txt)
+
+# the lowest supported set (pyproject's lower bounds: constraints-lowest.txt)
+.venv-lowest/.installed: pyproject.toml constraints-lowest.txt
+	$(call make_venv,.venv-lowest,test,constraints-lowest.txt)
+
+# llm-compressor installed beside us (the [llmc] extra, its own pins)
+.venv-llmc/.installed: pyproject.toml constraints-llmc.txt
+	$(call make_venv,.venv-llmc,test$(COMMA)llmc,constraints-llmc.txt)
+
+COMMA := ,
 
 install: $(VENV)/.installed ## create .venv with the package (CLI at .venv/bin/quantize)
 
@@ -41,8 +57,16 @@ demo: install ## tiny GLM-5 FP8 checkpoint: inspect -> plan -> convert (RTN, the
 	    --tp 2 --method awq+gptq --num-samples 16 --seq-len 128
 	$(QUANTIZE) verify demo/GLM-tiny-FP8 demo/GLM-tiny-INT4-awq-gptq
 
-test: install ## run the test suite (CPU only, no network)
+test: test-newest test-lowest test-llmc ## the suite on the newest and lowest supported sets, and llm-compressor's cross-check (CPU, no network)
+
+test-newest: install ## the suite in .venv (constraints.txt)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -x
+
+test-lowest: .venv-lowest/.installed ## the suite on the lowest supported versions (vLLM's compressed-tensors, transformers 5.17)
+	HF_HUB_OFFLINE=1 .venv-lowest/bin/python -m pytest -q -x
+
+test-llmc: .venv-llmc/.installed ## GPTQ against llm-compressor's quantize_weight, installed beside us (never skipped here)
+	HF_HUB_OFFLINE=1 QUANTIZE_REQUIRE_LLMC=1 .venv-llmc/bin/python -m pytest -q -x -rs tests/test_gptq.py
 
 lint: install ## ruff
 	$(VENV)/bin/ruff check quantize tests scripts

@@ -34,7 +34,15 @@ from quantize.shards import sha256_file
 __all__ = ["DEFAULT_CALIB", "CalibrationSet", "data_sha256", "join_documents", "load_calibration",
            "read_documents", "tokenize_documents", "window_starts"]
 
-DEFAULT_CALIB = Path(__file__).resolve().parent.parent / "calib_data" / "default.jsonl"
+def _default_calib() -> Path:
+    """The shipped default set: inside the package in an installed wheel
+    (quantize/_shipped/default.jsonl, pyproject's package-data), calib_data/ in a checkout."""
+    here = Path(__file__).resolve().parent
+    wheel = here / "_shipped" / "default.jsonl"
+    return wheel if wheel.is_file() else here.parent / "calib_data" / "default.jsonl"
+
+
+DEFAULT_CALIB = _default_calib()
 
 
 @dataclass(frozen=True)
@@ -132,8 +140,8 @@ def read_documents(path: str | Path) -> list[str | list[dict]]:
     """The documents of a calibration source: strings, or chat message lists."""
     p = Path(path)
     if not p.exists():
-        fix = ("the default set ships with the source tree (calib_data/): install with "
-               "`pip install -e .` from a checkout, or pass --calib" if p == DEFAULT_CALIB
+        fix = ("the default set ships in the package (quantize/_shipped/default.jsonl): "
+               "reinstall the package, or pass --calib" if p == DEFAULT_CALIB
                else "check the --calib path")
         raise _error(str(p), "no such file or folder", "a .jsonl, .txt, .parquet file or a "
                      "saved datasets folder", fix)

@@ -25,10 +25,36 @@ app = typer.Typer(
          "quantize convert SRC DST; quantize verify SRC DST",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 out = Console()
 err = Console(stderr=True, soft_wrap=True)  # messages stay one line for logs and grep
+
+
+def _version(value: bool) -> None:
+    if value:
+        import compressed_tensors
+        import torch
+        import transformers
+
+        from quantize import __version__
+
+        typer.echo(f"glm-int4-quantize {__version__} (torch {torch.__version__}, transformers "
+                   f"{transformers.__version__}, compressed-tensors {compressed_tensors.__version__})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option(
+        "--version", "-V", callback=_version, is_eager=True,
+        help="Print the version (and torch / transformers / compressed-tensors) and exit.")] = False,
+          ) -> None:
+    """Stream FP8/BF16 GLM MoE checkpoints into compressed-tensors INT4 (W4A16) checkpoints.
+
+    Typical run:  quantize inspect SRC; quantize plan SRC --tp 8; quantize convert SRC DST;
+    quantize verify SRC DST
+    """
 
 Src = Annotated[str, typer.Argument(
     help="Source checkpoint: a folder (config.json + safetensors) or a Hub repo id org/name.")]

@@ -34,7 +34,21 @@ from pathlib import Path
 from quantize.checkpoint import Checkpoint, checkpoint_from_headers, open_checkpoint
 from quantize.errors import Problem, QuantizeError
 
-__all__ = ["is_repo_id", "local_path_problem", "resolve_source"]
+__all__ = ["http_errors", "is_repo_id", "local_path_problem", "resolve_source"]
+
+
+def http_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP client errors huggingface_hub can raise unwrapped: httpx2's (huggingface_hub
+    2.x) or httpx's (1.x), whichever the installed one brought."""
+    import importlib
+
+    errs = []
+    for mod in ("httpx2", "httpx"):
+        try:
+            errs.append(importlib.import_module(mod).HTTPError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errs)
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 # Formats in source repos that the tool never reads (it reads safetensors + config + tokenizer).
@@ -89,7 +103,6 @@ def resolve_source(src: str, revision: str | None, headers_only: bool) -> Checkp
             raise QuantizeError("--revision only applies to Hub sources", [Problem(
                 src, None, "a local folder", "a Hub repo id org/name", "drop --revision")])
         return open_checkpoint(src) if headers_only else Path(src)
-    import httpx2
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub.errors import (
         HfHubHTTPError,
@@ -125,7 +138,7 @@ def resolve_source(src: str, revision: str | None, headers_only: bool) -> Checkp
                404: "check the repo id and --revision"}.get(status, "retry; the download resumes")
         raise QuantizeError("the Hub refused the request", [Problem(
             shown, None, f"HTTP {status}: {type(e).__name__}", "a readable model repo", fix)]) from None
-    except (OSError, httpx2.HTTPError) as e:
+    except (OSError, *http_errors()) as e:
         raise QuantizeError("the Hub download failed", [Problem(
             shown, None, f"{type(e).__name__}: {e}", "a finished download",
             "check the network and HF_ENDPOINT, then re-run: finished files are not fetched again")]) from None

@@ -29,10 +29,28 @@ from quantize.checkpoint import Checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.plan import Unit
 
-__all__ = ["CHUNK_TOKENS", "MLP_GROUP_TOKENS", "MOE_CLASSES", "PASS2_GROUP_TOKENS", "HiddenStates", "LayerInputs",
-           "ReadAhead", "SplitLayer", "build_skeleton", "chunk_tokens", "free_layer", "layer_inputs",
-           "device_free", "limit_gpu_memory", "load_layer", "mlp_group_tokens", "mlp_kind", "mlp_target",
-           "run_layer", "topk_dtype"]
+__all__ = [
+    "CHUNK_TOKENS",
+    "MLP_GROUP_TOKENS",
+    "MOE_CLASSES",
+    "PASS2_GROUP_TOKENS",
+    "HiddenStates",
+    "LayerInputs",
+    "ReadAhead",
+    "SplitLayer",
+    "build_skeleton",
+    "chunk_tokens",
+    "device_free",
+    "free_layer",
+    "layer_inputs",
+    "limit_gpu_memory",
+    "load_layer",
+    "mlp_group_tokens",
+    "mlp_kind",
+    "mlp_target",
+    "run_layer",
+    "topk_dtype",
+]
 
 # Tokens per attention forward (a chunk of the hidden states): GLM-5.2's DSA indexer holds
 # (b, S, 32 heads, S) float32 scores, ~6.4 GB of scratch at 8192 tokens. The MLP, once split

@@ -146,8 +146,9 @@ def upload(plan: PushPlan) -> str:
     The only function in the package that writes to the network; tests point it at a loopback
     Hub with HF_ENDPOINT.
     """
-    import httpx2
     from huggingface_hub import HfApi
+
+    from quantize.hub import http_errors
 
     api = HfApi(library_name="glm-int4-quantize", library_version=__version__)
     try:
@@ -162,7 +163,7 @@ def upload(plan: PushPlan) -> str:
             commit_message=f"Upload INT4 checkpoint ({len(plan.files)} files) with glm-int4-quantize "
                            f"{__version__}",
         )
-    except (OSError, httpx2.HTTPError, RuntimeError, ValueError) as e:  # HfHubHTTPError is an OSError
+    except (OSError, *http_errors(), RuntimeError, ValueError) as e:  # HfHubHTTPError is an OSError
         raise QuantizeError(f"upload to {plan.repo_id} failed: {_scrub(str(e))}", [Problem(
             plan.repo_id, None, type(e).__name__, "a finished upload",
             "check HF_TOKEN has write access to the namespace, then re-run the same `quantize push`: "

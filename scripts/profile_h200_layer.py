@@ -58,7 +58,8 @@ def timed(name, fn, reps=1, profile=True):
     sync()
     res[name] = round((time.perf_counter() - t) / reps, 4)
     if profile and dev.type == "cuda":
-        from torch.profiler import ProfilerActivity, profile as prof
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             fn()
             sync()
@@ -119,7 +120,7 @@ timed("moe_block_only", lambda: [layer.mlp(x) for x in xs])
 timed("moe_block_with_stats", lambda: [moe_forward(layer.mlp, x, MLPStats(
     "moe", hessians=True, samples=False, all_experts=False, num_experts=cfg["n_routed_experts"],
     store_tokens=True)) for x in xs])
-del xs
+xs = None  # (freed)
 
 
 def attn():
@@ -136,7 +137,7 @@ try:
 except Exception as e:  # noqa: BLE001 - a signature this script does not know: say so
     res["attention_only"] = f"{type(e).__name__}: {e}"
 res["peak_gpu_gib_forwards"] = round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None
-del hs
+hs = None  # (freed)
 
 # ---- GPTQ of one batch of experts
 nb = args.experts

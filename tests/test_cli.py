@@ -18,6 +18,25 @@ def test_help_lists_commands_with_examples():
     assert "Example" in r.output and "--group-size" in r.output and "--resume" in r.output
 
 
+def test_version_and_short_help():
+    """`--version` / `-V` names the package and the libraries it runs with; `-h` is `--help`
+    on every command (the hf CLI's conventions)."""
+    import compressed_tensors
+    import transformers
+
+    from quantize import __version__
+
+    for flag in ("--version", "-V"):
+        r = runner.invoke(app, [flag])
+        assert r.exit_code == 0
+        assert r.output.strip().startswith(f"glm-int4-quantize {__version__} (torch ")
+        assert f"transformers {transformers.__version__}" in r.output
+        assert f"compressed-tensors {compressed_tensors.__version__}" in r.output
+    for cmd in ([], ["convert"], ["verify"], ["push"]):
+        r = runner.invoke(app, [*cmd, "-h"])
+        assert r.exit_code == 0 and "Usage:" in r.output and "--help" in r.output
+
+
 def test_inspect_json(dsa_fp8):
     r = runner.invoke(app, ["inspect", str(dsa_fp8), "--json"])
     assert r.exit_code == 0, r.output
@@ -72,6 +91,7 @@ def test_progress_lines_when_stderr_is_a_log_file(dsa_fp8, tmp_path):
     """Under nohup / Slurm / CI (stderr a file, not a terminal) the run says what it does as it
     goes: a start line (source, destination, bytes, method), then time-stamped lines every 5 %
     of the bytes with rate and time left, then the summary."""
+    import itertools
     import re
     import subprocess
     import sys
@@ -86,8 +106,8 @@ def test_progress_lines_when_stderr_is_a_log_file(dsa_fp8, tmp_path):
     text = log.read_text()
     assert r.returncode == 0, text
     stamp = r"\d\d:\d\d:\d\d\.\d{3}"
-    assert re.search(rf"^{stamp} convert {re.escape(str(dsa_fp8))} -> .*to read, .* method rtn", text, re.M)
-    pcts = [int(m) for m in re.findall(rf"^{stamp} (\d+)% converted: .* MiB/s, .* min left$", text, re.M)]
+    assert re.search(rf"^{stamp} convert {re.escape(str(dsa_fp8))} -> .*to read, .* method rtn", text, re.MULTILINE)
+    pcts = [int(m) for m in re.findall(rf"^{stamp} (\d+)% converted: .* MiB/s, .* min left$", text, re.MULTILINE)]
     assert len(pcts) >= 5 and pcts == sorted(pcts) and pcts[-1] == 100, text
-    assert all(b // 5 > a // 5 for a, b in zip(pcts, pcts[1:]))  # one line per 5 % step at most
+    assert all(b // 5 > a // 5 for a, b in itertools.pairwise(pcts))  # one line per 5 % step at most
     assert "done" in text.split(f"{pcts[-1]}% converted")[-1]

@@ -1,6 +1,7 @@
 """GPTQ: H = I gives RTN exactly; correlated inputs make it beat RTN; batching changes nothing."""
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -184,8 +185,9 @@ def test_config_and_shape_validation():
         gptq_quantize(torch.randn(3, 4, 64), torch.eye(64).expand(2, 64, 64))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llmcompressor") is None,
-                    reason="llm-compressor not installed (optional; see BENCHMARKS.md)")
+@pytest.mark.skipif(importlib.util.find_spec("llmcompressor") is None
+                    and not os.environ.get("QUANTIZE_REQUIRE_LLMC"),
+                    reason="llm-compressor not installed: `make test-llmc` runs this (the [llmc] extra)")
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("actorder", [True, False])
 def test_matches_llm_compressor_quantize_weight(symmetric, actorder):
