@@ -425,7 +425,10 @@ def _detect_format(config: dict, tensors: dict[str, TensorInfo]) -> tuple[str, t
 
 
 def _validate_scales(ckpt: Checkpoint) -> None:
-    """Every F8 tensor must be a 2-D `.weight` with a scale of the right dtype and shape."""
+    """Every F8 tensor must be a 2-D `.weight` with a scale of the right dtype and shape, and
+    a block-FP8 config's block size the one those shapes imply."""
+    if ckpt.source_format == SourceFormat.FP8_BLOCK and (bp := _block_size_problems(ckpt)):
+        raise QuantizeError("config.json's FP8 block size does not match the scales", bp)
     problems: list[Problem] = []
     for t in ckpt.tensors.values():
         if not t.dtype.startswith("F8"):
@@ -465,6 +468,35 @@ def _validate_scales(ckpt: Checkpoint) -> None:
                                         "static-activation FP8 checkpoints are not supported"))
     if problems:
         raise QuantizeError("the FP8 weights and their scales do not match", problems)
+
+
+def _block_size_problems(ckpt: Checkpoint) -> list[Problem]:
+    """The declared weight_block_size against the block sizes the scales' shapes allow: a
+    weight of n rows with nb scale rows fits blocks b with ceil(n / b) == nb, i.e.
+    ceil(n / nb) <= b <= floor((n - 1) / (nb - 1)); every FP8 weight narrows the range, per
+    axis. A size outside it, or not a power of two (the block-FP8 kernels' and every release's
+    128), would dequantize with the wrong scale boundaries."""
+    lo, hi = [1, 1], [1 << 30, 1 << 30]
+    for t in ckpt.tensors.values():
+        s = ckpt.tensors.get(t.name[: -len("weight")] + "weight_scale_inv")
+        if not t.dtype.startswith("F8") or s is None or len(s.shape) != 2:
+            continue
+        for ax, (n, nb) in enumerate(zip(t.shape, s.shape)):
+            lo[ax] = max(lo[ax], -(-n // nb))
+            if nb > 1:
+                hi[ax] = min(hi[ax], (n - 1) // (nb - 1))
+    b = list(ckpt.block_size)
+    fits = all(lo[i] <= b[i] <= hi[i] for i in range(2))
+    pow2 = all(x & (x - 1) == 0 for x in b)
+    if (fits and pow2) or not all(lo[i] <= hi[i] for i in range(2)):
+        return []  # right, or no one block fits every scale: the per-tensor check names them
+    implied = " x ".join(f"{lo[i]}" if lo[i] == hi[i] else f"{lo[i]}..{min(hi[i], 1 << 16)}"
+                         for i in range(2))
+    guess = [128 if lo[i] <= 128 <= hi[i] else lo[i] for i in range(2)]
+    return [Problem("config.json", "quantization_config.weight_block_size",
+                    f"weight_block_size = {b}" + ("" if pow2 else " (not a power of two)"),
+                    f"the block the scales' shapes imply ({implied} per axis), a power of two",
+                    f"restore the release's config.json (weight_block_size {guess})")]
 
 
 _FLOAT = ("BF16", "F16", "F32")

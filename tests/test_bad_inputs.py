@@ -733,3 +733,22 @@ def test_config_values_that_cannot_be_used(src, tmp_path, field, value):
                            field != "weight_block_size" else "two positive integers")
     assert_clear_error(convert(src, tmp_path / "out"), "config.json has values the tool cannot use")
     assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("block", [[129, 129], [96, 128], [256, 256]])
+def test_block_size_other_than_the_scales_imply_is_refused(src, tmp_path, block):
+    """weight_block_size must be the block the scales were made with: [129, 129] fits every
+    scale shape of this model (ceil(n / 129) == ceil(n / 128) here) but is no power of two and
+    would move 2.5 % of the weights to another block's scale; [96, 128] and [256, 256] give
+    other scale shapes. Refused by plan and convert, naming the field and the implied block."""
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = block
+    (src / "config.json").write_text(json.dumps(cfg))
+    for r in (runner.invoke(app, ["plan", str(src)]), convert(src, tmp_path / "out")):
+        assert_clear_error(r, "config.json :: quantization_config.weight_block_size",
+                           f"weight_block_size = {block}", "the block the scales' shapes imply",
+                           "weight_block_size [128, 128]")
+    assert_nothing_written(tmp_path / "out")
+    cfg["quantization_config"]["weight_block_size"] = [128, 128]  # the release's: accepted
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert runner.invoke(app, ["plan", str(src), "--tp", "1"]).exit_code == 0
