@@ -163,6 +163,14 @@ def _check_quantized(dst: Checkpoint, unit: Unit, opts: ConvertOptions, min_sqnr
         return TensorCheck(unit.source, "quantize", float("nan"), float("-inf"), False, "; ".join(notes))
     Wq = dequantize(Int4Weight(q, scale, zp), torch.float32)
     rel, sq = _error_stats(W, Wq)
+    tiny = torch.finfo(torch.float32).tiny  # 1.2e-38, bf16's smallest normal too
+    if 0 < float(W.abs().max()) < tiny:
+        # every value subnormal: no bf16 group scale can resolve it, INT4 writes 0 (what bf16
+        # products with such a weight give anyway); right when the output is that small too
+        ok = bool((Wq.abs() <= tiny).all())
+        return TensorCheck(unit.source, "quantize", rel, sq, ok,
+                           "subnormal source (every |w| < 1.2e-38): zero codes" if ok else
+                           "subnormal source, but the output is not: wrong scale")
     ok = sq >= min_sqnr
     return TensorCheck(unit.source, "quantize", rel, sq, ok,
                        "" if ok else f"SQNR {sq:.1f} dB below the {min_sqnr} dB floor")

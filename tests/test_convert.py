@@ -241,3 +241,37 @@ def test_verify_compares_every_config_field_with_the_source(dsa_fp8, dsa_out, tm
     assert not rep.ok and any(p.startswith(f"config.json: {field} = ") for p in rep.problems), rep.problems
     assert len([p for p in rep.problems if p.startswith("config.json")]) == 1
     assert verify(dsa_fp8, dsa_out).ok  # the untouched output still passes
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_subnormal_source_weights_convert_and_verify(dsa_bf16, tmp_path, symmetric):
+    """A routed expert whose BF16 weights are all subnormal (|w| ~ 1e-39, below any bf16 group
+    scale's resolution) converts to zero codes with finite scales, and verify, which compares
+    relative errors, accepts exactly that (it rejected the tool's own output before)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(dsa_bf16, src)
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+    idx = json.loads((src / "model.safetensors.index.json").read_text())
+    f = src / idx["weight_map"][name]
+    t = load_file(str(f))
+    gen = torch.Generator().manual_seed(5)
+    t[name] = (torch.randn(t[name].shape, generator=gen) * 1e-39).to(torch.bfloat16)
+    assert t[name].float().abs().max() < torch.finfo(torch.float32).tiny and t[name].float().abs().max() > 0
+    save_file(t, str(f), metadata={"format": "pt"})
+    out = tmp_path / "out"
+    convert(src, out, ConvertOptions(symmetric=symmetric), device="cpu")
+    got = _load_all(out)
+    m = name[: -len(".weight")]
+    N, K = (int(x) for x in got[m + ".weight_shape"])
+    q = unpack_int4(got[m + ".weight_packed"], K)
+    zp = None if symmetric else unpack_int4(got[m + ".weight_zero_point"], N, dim=0)
+    Wq = dequantize(Int4Weight(q, got[m + ".weight_scale"], zp), torch.float32)
+    assert torch.isfinite(got[m + ".weight_scale"].float()).all()
+    assert (Wq.abs() <= torch.finfo(torch.float32).tiny).all()
+    rep = verify(src, out)
+    check = next(c for c in rep.tensors if c.name == name)
+    assert rep.ok and check.ok and "subnormal source" in check.note, (rep.problems, check)
