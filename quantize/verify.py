@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from quantize.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor_table
-from quantize.int4 import Int4Weight, dequantize, unpack_int4
+from quantize.int4 import Int4Weight, dequantize, rtn_qparams, unpack_int4
 from quantize.manifest import MANIFEST, finished_manifest
 from quantize.options import ConvertOptions
 from quantize.pipeline import WEIGHT_SUFFIXES, quantization_config, source_weight
@@ -161,6 +161,9 @@ def _check_quantized(dst: Checkpoint, unit: Unit, opts: ConvertOptions, min_sqnr
         notes.append("non-finite or non-positive scale")
     if notes:
         return TensorCheck(unit.source, "quantize", float("nan"), float("-inf"), False, "; ".join(notes))
+    if (groups := _group_problems(W, scale, zp, opts)) is not None:
+        rel, sq = _error_stats(W, dequantize(Int4Weight(q, scale, zp), torch.float32))
+        return TensorCheck(unit.source, "quantize", rel, sq, False, groups)
     Wq = dequantize(Int4Weight(q, scale, zp), torch.float32)
     rel, sq = _error_stats(W, Wq)
     tiny = torch.finfo(torch.float32).tiny  # 1.2e-38, bf16's smallest normal too
@@ -174,6 +177,27 @@ def _check_quantized(dst: Checkpoint, unit: Unit, opts: ConvertOptions, min_sqnr
     ok = sq >= min_sqnr
     return TensorCheck(unit.source, "quantize", rel, sq, ok,
                        "" if ok else f"SQNR {sq:.1f} dB below the {min_sqnr} dB floor")
+
+
+def _group_problems(W: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None,
+                    opts: ConvertOptions) -> str | None:
+    """Group by group, the written scales (and zero points) against the rule every method
+    uses (static groups: `int4.rtn_qparams` of the reference weight W; `--mse-clip` may only
+    shrink a group's range, to 0.80 of it): a single tampered group fails its tensor, which a
+    tensor-wide SQNR would average away (4 doubled groups of 1,280 kept 12+ dB)."""
+    want_s, want_z = rtn_qparams(W, opts.group_size, opts.symmetric)
+    s, w = scale.float(), want_s.float()
+    # 1 %: one bf16 step (0.8 %) of slack for a reference recomputed on another device
+    bad = (s > w * 1.01) | (s < w * 0.79) if opts.mse_clip else (s - w).abs() > 0.01 * w
+    if zp is not None and want_z is not None and not opts.mse_clip:
+        bad |= (zp.to(torch.int32) - want_z.to(torch.int32)).abs() > 1
+    n = int(bad.sum())
+    if n == 0:
+        return None
+    r, g = (int(i) for i in bad.nonzero()[0])
+    return (f"{n} of {bad.numel():,} group scales{'/zero points' if zp is not None else ''} differ "
+            f"from the rounding rule's (first: row {r}, group {g}: scale {s[r, g].item():.4g}, "
+            f"the rule gives {w[r, g].item():.4g})")
 
 
 def _bytes(ckpt: Checkpoint, name: str) -> torch.Tensor:

@@ -275,3 +275,35 @@ def test_subnormal_source_weights_convert_and_verify(dsa_bf16, tmp_path, symmetr
     rep = verify(src, out)
     check = next(c for c in rep.tensors if c.name == name)
     assert rep.ok and check.ok and "subnormal source" in check.note, (rep.problems, check)
+
+
+def test_verify_catches_a_few_doubled_group_scales(dsa_fp8, dsa_out, tmp_path):
+    """4 groups of one tensor with their scale doubled (manifest updated to match, as a
+    careful tamperer would): the tensor's SQNR stays above the floor, the group check fails
+    it, naming how many groups and the first one."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from quantize.shards import sha256_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(dsa_out, bad)
+    idx = json.loads((bad / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight_scale"
+    shard = bad / idx["weight_map"][name]
+    with safe_open(str(shard), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    s = tensors[name].clone()
+    rows = [3, 17, 40, 71]
+    s[rows, 1] *= 2
+    tensors[name] = s
+    save_file(tensors, str(shard), metadata=meta)
+    man = json.loads((bad / "quantize-manifest.json").read_text())
+    man["files"][shard.name] = {"bytes": shard.stat().st_size, "sha256": sha256_file(shard)}
+    (bad / "quantize-manifest.json").write_text(json.dumps(man))
+    rep = verify(dsa_fp8, bad)
+    failed = [t for t in rep.tensors if not t.ok]
+    assert [t.name for t in failed] == ["model.layers.1.mlp.experts.0.gate_proj.weight"]
+    assert failed[0].sqnr_db > 12  # what the tensor-wide check alone would have passed
+    assert f"4 of {s.numel():,} group scales differ" in failed[0].note and "row 3, group 1" in failed[0].note
