@@ -95,6 +95,7 @@ from quantize.layers import (
     build_skeleton,
     chunk_tokens,
     device_free,
+    embed,
     free_layer,
     layer_inputs,
     limit_gpu_memory,
@@ -662,7 +663,7 @@ class Calibrator:
         emb = self.ckpt.read("model.embed_tokens.weight", self.device)  # (V, H)
         n, S = self.tokens.shape
         b = max(1, chunk_tokens(self.device) // S)
-        chunks = [emb[self.tokens[i: i + b].to(self.device)].to(self.dtype)
+        chunks = [embed(self.skeleton, emb, self.tokens[i: i + b].to(self.device)).to(self.dtype)
                   for i in range(0, n, b)]  # (b, S, H) each
         nbytes = n * S * emb.shape[1] * torch.finfo(self.dtype).bits // 8
         where = HiddenStates.placement(nbytes, self.device)

@@ -58,6 +58,7 @@ from quantize.layers import (
     HiddenStates,
     build_skeleton,
     chunk_tokens,
+    embed,
     free_layer,
     layer_inputs,
     load_layer,
@@ -311,7 +312,7 @@ class Evaluator:
         where = HiddenStates.placement(2 * nbytes, self.device)  # two streams
         for side in SIDES:
             emb = self.read(side, "model.embed_tokens.weight")  # (V, H)
-            chunks = [emb[self.tokens[i: i + self.b].to(self.device)].to(self.dtype)
+            chunks = [embed(self.skeleton, emb, self.tokens[i: i + self.b].to(self.device)).to(self.dtype)
                       for i in range(0, n, self.b)]  # (b, S, H) each
             self.hidden[side] = HiddenStates(chunks, self.device, where)
             self.topk[side] = [None] * len(chunks)

@@ -311,27 +311,60 @@ class LayerInputs:
     """What every decoder layer takes besides the hidden states (shared by all layers)."""
 
     position_ids: torch.Tensor  # (1, S)
-    position_embeddings: tuple[torch.Tensor, torch.Tensor]
-    masks: dict[int, torch.Tensor | None]  # batch size -> causal mask
+    # (cos, sin), or one per layer type where the model's rotary takes one (Gemma3: local and
+    # global rotary embeddings for its sliding / full attention layers)
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | dict[str, tuple[torch.Tensor, torch.Tensor]]
+    masks: dict[tuple[int, str], torch.Tensor | None]  # (batch size, layer type) -> mask
 
 
 def layer_inputs(skeleton, seq_len: int, device: torch.device, dtype: torch.dtype) -> LayerInputs:
     rotary = type(skeleton.model.rotary_emb)(config=skeleton.config).to(device)
     pos = torch.arange(seq_len, device=device).unsqueeze(0)
     probe = torch.zeros(1, seq_len, 1, device=device, dtype=dtype)
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        types = sorted(set(getattr(skeleton.config, "layer_types", None) or ["full_attention"]))
+        return LayerInputs(pos, {t: rotary(probe, pos, t) for t in types}, {})
     return LayerInputs(pos, rotary(probe, pos), {})
 
 
-def _mask(skeleton, inputs: LayerInputs, h: torch.Tensor) -> torch.Tensor | None:
-    from transformers.masking_utils import create_causal_mask
+def layer_type(skeleton, layer: torch.nn.Module) -> str:
+    """The layer's attention type as the model's forward picks its mask and rotary:
+    config.layer_types[i] ("full_attention", "sliding_attention"), else full."""
+    t = getattr(layer, "attention_type", None)
+    if t is None:
+        types = getattr(skeleton.config, "layer_types", None)
+        i = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
+        t = types[i] if types and i is not None and i < len(types) else "full_attention"
+    return t
+
+
+def embed_scale(skeleton) -> float | None:
+    """The factor the model's embedding module multiplies looked-up rows by (Gemma's
+    sqrt(hidden): `scalar_embed_scale`), None for a plain nn.Embedding."""
+    return getattr(skeleton.model.embed_tokens, "scalar_embed_scale", None)
+
+
+def embed(skeleton, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The model's embedding of token ids with the table `weight`, op for op (a scaled
+    embedding multiplies in the table's dtype, as Gemma3TextScaledWordEmbedding)."""
+    rows = weight[ids]
+    s = embed_scale(skeleton)
+    return rows if s is None else rows * torch.tensor(s, dtype=weight.dtype, device=weight.device)
+
+
+def _mask(skeleton, inputs: LayerInputs, h: torch.Tensor, kind: str = "full_attention"
+          ) -> torch.Tensor | None:
+    from transformers import masking_utils
 
     b = h.shape[0]
-    if b not in inputs.masks:
-        inputs.masks[b] = create_causal_mask(config=skeleton.config, inputs_embeds=h,
-                                             attention_mask=None, past_key_values=None,
-                                             position_ids=inputs.position_ids.expand(b, -1),
-                                             allow_is_causal_skip=False)
-    return inputs.masks[b]
+    make = masking_utils.create_sliding_window_causal_mask if kind == "sliding_attention" \
+        else masking_utils.create_causal_mask
+    if (b, kind) not in inputs.masks:
+        inputs.masks[(b, kind)] = make(config=skeleton.config, inputs_embeds=h,
+                                       attention_mask=None, past_key_values=None,
+                                       position_ids=inputs.position_ids.expand(b, -1),
+                                       allow_is_causal_skip=False)
+    return inputs.masks[(b, kind)]
 
 
 def topk_dtype(seq_len: int) -> torch.dtype:
@@ -343,21 +376,24 @@ def topk_dtype(seq_len: int) -> torch.dtype:
 def run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Tensor,
               topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decoder layer on (b, S, H); returns the output and the DSA top-k indices it carries
-    (as `topk_dtype`: the layer gets them back as the int32 it returns, the same values)."""
+    (as `topk_dtype`: the layer gets them back as the int32 it returns, the same values).
+    The mask and rotary embedding are the ones the model's forward gives this layer's type."""
     kwargs = {}
     if "prev_topk_indices" in inspect.signature(layer.forward).parameters:
         kwargs["prev_topk_indices"] = None if topk is None else topk.to(torch.int32)
     b = h.shape[0]
-    out = layer(h, attention_mask=_mask(skeleton, inputs, h),
-                position_ids=inputs.position_ids.expand(b, -1),
-                position_embeddings=inputs.position_embeddings, **kwargs)
+    kind = layer_type(skeleton, layer)
+    pe = inputs.position_embeddings
+    if isinstance(pe, dict):
+        pe = pe[kind]
+    out = layer(h, attention_mask=_mask(skeleton, inputs, h, kind),
+                position_ids=inputs.position_ids.expand(b, -1), position_embeddings=pe, **kwargs)
     if isinstance(out, tuple):
         if len(out) > 1 and torch.is_tensor(out[1]):
             t = out[1]
             return out[0], t.to(topk_dtype(h.shape[1])) if not t.is_floating_point() else t
         return out[0], topk
     return out, topk
-
 
 
 class SplitLayer:
