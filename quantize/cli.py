@@ -376,7 +376,10 @@ def verify(
     from quantize.report import verify_table
     from quantize.verify import verify as run_verify
 
+    from quantize.manifest import finished_manifest
+
     try:
+        finished_manifest(dst)  # an unfinished DST is said before SRC is resolved (or downloaded)
         local = resolve_source(src, revision, headers_only=False)
         with _progress() as bar:
             task = bar.add_task("verify", total=None, rate="")
