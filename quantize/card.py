@@ -21,6 +21,7 @@ exact command and tool version that produced the folder.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 __all__ = ["CalibrationFacts", "CardFacts", "Sizes", "render_card"]
@@ -87,6 +88,7 @@ class CardFacts:
     tool_version: str
     compressed_tensors_version: str | None
     command: str | None
+    license: str | None = None  # the source's (its card's front matter), when known
 
 
 def _bytes(n: int | None) -> str:
@@ -103,19 +105,25 @@ def _num(x) -> str:
     return str(x)
 
 
+def _tag(t: str) -> str:
+    """A Hub tag: lowercase letters, digits and - (`awq+gptq` -> `awq-gptq`)."""
+    return re.sub(r"[^a-z0-9-]+", "-", t.lower()).strip("-")
+
+
 def _front_matter(f: CardFacts) -> list[str]:
+    """The card's YAML metadata, built with huggingface_hub's ModelCardData (the Hub's own
+    schema: license, base_model + base_model_relation, pipeline_tag, library_name, tags)."""
+    from huggingface_hub import ModelCardData
+
     tags = ["compressed-tensors", "int4", "w4a16", "quantized", "moe", f.method]
     if f.model_type and f.model_type != "unknown":
         tags.append(f.model_type)
-    lines = ["---"]
-    if f.base_model:
-        lines.append(f"base_model: {f.base_model}")
-        lines.append("base_model_relation: quantized")
-    lines.append("library_name: transformers")
-    lines.append("tags:")
-    lines += [f"- {t}" for t in dict.fromkeys(tags)]
-    lines.append("---")
-    return lines
+    data = ModelCardData(
+        license=f.license, base_model=f.base_model,
+        base_model_relation="quantized" if f.base_model else None,
+        library_name="transformers", pipeline_tag="text-generation",
+        tags=list(dict.fromkeys(_tag(t) for t in tags)))
+    return ["---", *data.to_yaml().splitlines(), "---"]
 
 
 def _what(f: CardFacts) -> list[str]:

@@ -161,7 +161,23 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
         tool_version=manifest.get("tool_version") or __version__,
         compressed_tensors_version=qc.get("version"),
         command=manifest.get("command"),
+        license=_source_license(src_path),
     )
+
+
+def _source_license(src: str) -> str | None:
+    """The license in the source's model card front matter (GLM releases: mit), via
+    huggingface_hub's own card parser; None when there is no card or no license."""
+    card = Path(src) / "README.md" if src else None
+    if card is None or not card.is_file():
+        return None
+    try:
+        from huggingface_hub import ModelCard
+
+        lic = ModelCard.load(card).data.license
+    except Exception:  # noqa: BLE001 - a card the parser refuses: no license inherited
+        return None
+    return lic if isinstance(lic, str) and lic else None
 
 
 def card_text(dst: str | Path, plan: Plan | None = None, repo_id: str | None = None,

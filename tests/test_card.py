@@ -54,18 +54,11 @@ def calibrated(tmp_path_factory) -> tuple[Path, Path, Path]:
 
 
 def _front_matter(text: str) -> dict:
+    """The card's metadata as the Hub reads it (huggingface_hub's own parser)."""
+    from huggingface_hub import ModelCard
+
     assert text.startswith("---\n")
-    block = text.split("---\n")[1]
-    out: dict = {}
-    key = None
-    for line in block.splitlines():
-        if line.startswith("- "):
-            out[key].append(line[2:])
-        else:
-            key, _, v = line.partition(": ")
-            key = key.rstrip(":")
-            out[key] = v if v else []
-    return out
+    return ModelCard(text).data.to_dict()
 
 
 def test_convert_writes_card_with_plan_figures(done):
@@ -198,3 +191,26 @@ def test_card_records_eval_and_command(done, tmp_path):
     card = write_readme(copy).read_text()
     assert "quantize convert zai-org/GLM-5.2-FP8 ./out --group-size 32" in card
     assert "| gsm8k | 0.91 |" in card and "| ppl | 5.40 |" in card
+
+
+def test_card_metadata_is_what_the_hub_understands(tmp_path):
+    """Front matter through huggingface_hub's parser: the source card's license inherited,
+    base_model + relation, pipeline_tag, library_name, and tags that are valid Hub tags
+    (`awq+gptq` becomes `awq-gptq`); a source without a card gives no license key."""
+    import re
+
+    cfg = tiny_config("glm4_moe")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    (src / "README.md").write_text("---\nlicense: mit\nlanguage:\n- en\n---\n# GLM-tiny\n")
+    dst = tmp_path / "out"
+    convert(src, dst, ConvertOptions(method="awq+gptq", num_samples=8, seq_len=64), device="cpu")
+    fm = _front_matter((dst / "README.md").read_text())
+    assert fm["license"] == "mit" and fm["pipeline_tag"] == "text-generation"
+    assert fm["library_name"] == "transformers"
+    assert "awq-gptq" in fm["tags"] and all(re.fullmatch(r"[a-z0-9-]+", t) for t in fm["tags"])
+    f = card_facts(dst, base_model="zai-org/GLM-4.6-FP8")
+    fm = _front_matter(render_card(f))
+    assert fm["base_model"] == "zai-org/GLM-4.6-FP8" and fm["base_model_relation"] == "quantized"
+    (src / "README.md").unlink()
+    assert "license" not in _front_matter(render_card(card_facts(dst)))
