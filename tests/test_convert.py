@@ -295,15 +295,13 @@ def test_verify_catches_a_few_doubled_group_scales(dsa_fp8, dsa_out, tmp_path):
     with safe_open(str(shard), "pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     s = tensors[name].clone()
-    rows = [3, 17, 40, 71]
-    s[rows, 1] *= 2
+    s[[3, 17, 40, 71], 1] *= 2
     tensors[name] = s
     save_file(tensors, str(shard), metadata=meta)
-    man = json.loads((bad / "quantize-manifest.json").read_text())
+    man = json.loads((bad / "quantize-manifest.json").read_text())  # re-vouched by the tamperer
     man["files"][shard.name] = {"bytes": shard.stat().st_size, "sha256": sha256_file(shard)}
     (bad / "quantize-manifest.json").write_text(json.dumps(man))
-    rep = verify(dsa_fp8, bad)
-    failed = [t for t in rep.tensors if not t.ok]
+    failed = [t for t in verify(dsa_fp8, bad).tensors if not t.ok]
     assert [t.name for t in failed] == ["model.layers.1.mlp.experts.0.gate_proj.weight"]
     assert failed[0].sqnr_db > 12  # what the tensor-wide check alone would have passed
     assert f"4 of {s.numel():,} group scales differ" in failed[0].note and "row 3, group 1" in failed[0].note
