@@ -359,7 +359,7 @@ def verify(
     src: Src,
     dst: Dst,
     min_sqnr: Annotated[float, typer.Option(help="Fail when an INT4 tensor's SQNR (dB) is below this.")] = 12.0,
-    device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
+    device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
     json_: Json = False,
     revision: Revision = None,
     debug: Debug = False,

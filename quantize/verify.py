@@ -37,7 +37,7 @@ from quantize.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_te
 from quantize.int4 import Int4Weight, dequantize, rtn_qparams, unpack_int4
 from quantize.manifest import MANIFEST, finished_manifest
 from quantize.options import ConvertOptions
-from quantize.pipeline import WEIGHT_SUFFIXES, quantization_config, source_weight
+from quantize.pipeline import WEIGHT_SUFFIXES, quantization_config, resolve_device, source_weight
 from quantize.plan import Unit, make_plan
 from quantize.shards import sha256_file
 
@@ -266,7 +266,7 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = 12.0, device: 
     if report.problems:
         return _finish(report, dst, write)
 
-    dev = torch.device(device)
+    dev = resolve_device(device)  # auto: the GPU when there is one; cuda without one: exit 2
     awq_scales = None
     if AWQ_SCALES in manifest["files"]:  # AWQ folded scales into norms, routers and weights
         from safetensors.torch import load_file

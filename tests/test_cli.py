@@ -111,3 +111,19 @@ def test_progress_lines_when_stderr_is_a_log_file(dsa_fp8, tmp_path):
     assert len(pcts) >= 5 and pcts == sorted(pcts) and pcts[-1] == 100, text
     assert all(b // 5 > a // 5 for a, b in itertools.pairwise(pcts))  # one line per 5 % step at most
     assert "done" in text.split(f"{pcts[-1]}% converted")[-1]
+
+
+def test_verify_device_auto_and_a_missing_gpu(dsa_fp8, tmp_path):
+    """verify takes --device like the other commands: auto (the default) runs where a GPU is
+    or on the CPU; cuda on a machine without one is a one-line error with exit 2 (bad input),
+    not a traceback with exit 1 (the code of a failed check)."""
+    import torch
+
+    out = tmp_path / "o"
+    assert runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--device", "cpu", "--tp", "1"]).exit_code == 0
+    r = runner.invoke(app, ["verify", str(dsa_fp8), str(out), "--device", "auto", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["ok"] is True, r.output
+    if not torch.cuda.is_available():
+        r = runner.invoke(app, ["verify", str(dsa_fp8), str(out), "--device", "cuda"])
+        assert r.exit_code == 2 and "no GPU" in r.output and "--device cpu" in r.output
+        assert "Traceback" not in r.output
