@@ -373,10 +373,9 @@ def verify(
     Example:  quantize verify ./GLM-5.2-FP8 ./GLM-5.2-INT4 --min-sqnr 15
     """
     from quantize.hub import resolve_source
+    from quantize.manifest import finished_manifest
     from quantize.report import verify_table
     from quantize.verify import verify as run_verify
-
-    from quantize.manifest import finished_manifest
 
     try:
         finished_manifest(dst)  # an unfinished DST is said before SRC is resolved (or downloaded)
