@@ -66,7 +66,10 @@ def test_convert_downloads_and_card_names_base_model(hub, tmp_path):
     manifest = json.loads((out / "quantize-manifest.json").read_text())
     assert manifest["source"]["path"] == str(snap.resolve())
     card = (out / "README.md").read_text()
-    assert "base_model: zai-org/GLM-tiny-FP8\nbase_model_relation: quantized" in card
+    from huggingface_hub import ModelCard
+
+    meta = ModelCard(card).data.to_dict()  # as the Hub reads the front matter
+    assert meta["base_model"] == "zai-org/GLM-tiny-FP8" and meta["base_model_relation"] == "quantized"
     assert f"at revision `{hub.sha}`" in card
     assert (out / "generation_config.json").is_file()  # non-weight files came along
     v = _run(hub, home, "verify", "zai-org/GLM-tiny-FP8", str(out))  # main resolves to hub.sha
