@@ -4,6 +4,7 @@ the INT4 view of DST, and the refusals (tiny glm_moe_dsa / glm4_moe, CPU, offlin
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -25,6 +26,7 @@ from quantize.evaluate import (
     open_output,
     score_logits,
     select_windows,
+    summarize,
 )
 from quantize.manifest import MANIFEST
 from quantize.options import ConvertOptions
@@ -261,3 +263,32 @@ def test_scores_of_identical_models():
     assert s.kl == 0 and s.top1_agree == 10 and s.nll_source == s.nll_quantized
     both = s + TokenScores(1, 1.0, 2.0, 0.5, 0)
     assert both.tokens == 11 and both.nll_quantized == s.nll_quantized + 2.0
+
+
+def test_scores_of_different_models_against_float64():
+    """score_logits on two different sets of logits, against an independent float64
+    computation written from the definitions: NLL = -sum log softmax at the target,
+    KL(p_s || p_q) = sum_v p_s (log p_s - log p_q), top-1 agreement of the argmaxes; then the
+    perplexity / KL summary from those sums (fresh inputs; float32 vs float64: 1e-5)."""
+    gen = torch.Generator().manual_seed(3)
+    T, V = 64, 300
+    ls = torch.randn(T, V, generator=gen) * 3
+    lq = ls + 0.7 * torch.randn(T, V, generator=gen)  # a perturbed model: KL well above 0
+    t = torch.randint(0, V, (T,), generator=gen)
+    s = score_logits(ls, lq, t)
+    a, b = ls.double(), lq.double()
+    log_ps = a - torch.logsumexp(a, dim=-1, keepdim=True)
+    log_pq = b - torch.logsumexp(b, dim=-1, keepdim=True)
+    nll_s = -log_ps[torch.arange(T), t].sum().item()
+    nll_q = -log_pq[torch.arange(T), t].sum().item()
+    kl = (log_ps.exp() * (log_ps - log_pq)).sum().item()
+    agree = int((a.argmax(-1) == b.argmax(-1)).sum())
+    assert s.tokens == T and 0 < agree < T and kl > 0.1 * T
+    assert s.nll_source == pytest.approx(nll_s, rel=1e-5)
+    assert s.nll_quantized == pytest.approx(nll_q, rel=1e-5)
+    assert s.kl == pytest.approx(kl, rel=1e-5)
+    assert s.top1_agree == agree
+    summ = summarize(s)
+    assert summ["ppl_source"] == pytest.approx(math.exp(nll_s / T), rel=1e-5)
+    assert summ["ppl_ratio"] == pytest.approx(math.exp((nll_q - nll_s) / T), rel=1e-5)
+    assert summ["kl_mean"] == pytest.approx(kl / T, rel=1e-5)
