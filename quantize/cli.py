@@ -410,6 +410,11 @@ def push(
         help="Publish even without a passing verify.json (the manifest must still be complete).")] = False,
     base_model: Annotated[str | None, typer.Option(
         help="The card's base_model (default: the Hub repo the source was downloaded from).")] = None,
+    token: Annotated[str | None, typer.Option(
+        help="Hub token with write access (default: HF_TOKEN or `hf auth login`); never printed.",
+        envvar=None)] = None,
+    commit_message: Annotated[str | None, typer.Option(
+        help="The commit's title (default: 'Upload INT4 checkpoint (N files) with glm-int4-quantize V').")] = None,
     debug: Debug = False,
 ) -> None:
     """Upload DST to the Hugging Face Hub with a model card (README.md), resumably.
@@ -421,6 +426,7 @@ def push(
     Examples:
       quantize push ./GLM-5.2-INT4 my-org/GLM-5.2-INT4 --dry-run
       quantize push ./GLM-5.2-INT4 my-org/GLM-5.2-INT4 --private
+      quantize push ./GLM-5.2-INT4 my-org/GLM-5.2-INT4 --commit-message "INT4 g32, GPTQ 512x2048"
     """
     from quantize.push import prepare_push, upload
     from quantize.report import fmt_bytes
@@ -438,7 +444,7 @@ def push(
             return
         err.print(f"uploading {len(p.files)} files ({fmt_bytes(p.total_bytes)}) to {p.repo_id}"
                   f"@{p.revision}", highlight=False)
-        url = upload(p)
+        url = upload(p, token=token, commit_message=commit_message)
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
     out.print(url, highlight=False, soft_wrap=True)

@@ -140,8 +140,10 @@ def _scrub(text: str) -> str:
     return _TOKEN_LIKE.sub("hf_***", text)
 
 
-def upload(plan: PushPlan) -> str:
+def upload(plan: PushPlan, token: str | None = None, commit_message: str | None = None) -> str:
     """Create the repo (and branch) if missing and upload `plan.files`; return the commit URL.
+    `token`: instead of HF_TOKEN / the stored login (never printed); `commit_message`: the
+    commit's title (default: what is uploaded, by which tool version).
 
     The only function in the package that writes to the network; tests point it at a loopback
     Hub with HF_ENDPOINT.
@@ -150,7 +152,7 @@ def upload(plan: PushPlan) -> str:
 
     from quantize.hub import http_errors
 
-    api = HfApi(library_name="glm-int4-quantize", library_version=__version__)
+    api = HfApi(library_name="glm-int4-quantize", library_version=__version__, token=token)
     try:
         api.create_repo(plan.repo_id, private=plan.private, exist_ok=True, repo_type="model")
         if plan.revision != "main":
@@ -160,11 +162,12 @@ def upload(plan: PushPlan) -> str:
             folder_path=plan.folder,
             revision=plan.revision,
             allow_patterns=[glob.escape(f.name) for f in plan.files],
-            commit_message=f"Upload INT4 checkpoint ({len(plan.files)} files) with glm-int4-quantize "
-                           f"{__version__}",
+            commit_message=commit_message or f"Upload INT4 checkpoint ({len(plan.files)} files) with "
+                                             f"glm-int4-quantize {__version__}",
         )
     except (OSError, *http_errors(), RuntimeError, ValueError) as e:  # HfHubHTTPError is an OSError
-        raise QuantizeError(f"upload to {plan.repo_id} failed: {_scrub(str(e))}", [Problem(
+        msg = _scrub(str(e)) if token is None else _scrub(str(e)).replace(token, "***")
+        raise QuantizeError(f"upload to {plan.repo_id} failed: {msg}", [Problem(
             plan.repo_id, None, type(e).__name__, "a finished upload",
             "check HF_TOKEN has write access to the namespace, then re-run the same `quantize push`: "
             "files already on the Hub are not sent again")]) from None

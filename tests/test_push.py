@@ -228,3 +228,29 @@ def test_a_flipped_bit_or_a_borrowed_verify_report_is_refused(converted, tmp_pat
     (bad / VERIFY_JSON).write_text(json.dumps(report))
     with pytest.raises(Exception, match="not a report of this conversion"):
         prepare_push(bad, "org/x", write_card=False)
+
+
+def test_push_with_token_option_and_commit_message(converted, tmp_path):
+    """`--token` instead of HF_TOKEN (the server sees it on every write; it is printed nowhere,
+    also not when the server refuses it) and `--commit-message` as the commit's title."""
+    _, dst = converted
+    home = tmp_path / "home"
+    other = "hf_optionGIVENtoken9876543210fedcba"
+    state = HubState(token=other)
+    hub = Hub(state)
+    try:
+        env = {**_env(hub, home)}
+        env.pop("HF_TOKEN")
+        run = lambda *a: subprocess.run([sys.executable, "-c", CLI, "push", *a], env=env, cwd=ROOT,
+                                        check=False, capture_output=True, text=True, timeout=120)
+        r = run(str(dst), "org/tok", "--token", other, "--commit-message", "INT4 g32, RTN")
+        wrong = run(str(dst), "org/tok2", "--token", TOKEN)  # a token the server refuses
+    finally:
+        hub.close()
+    assert r.returncode == 0, r.stderr
+    assert f"Bearer {other}" in state.auth_seen
+    assert state.repos["org/tok"].commits[-1]["summary"] == "INT4 g32, RTN"
+    assert set(state.repos["org/tok"].branches["main"]) == _expected_files(dst)
+    assert wrong.returncode == 2 and "upload to org/tok2 failed" in wrong.stderr
+    for p in (r, wrong):
+        assert other not in p.stdout + p.stderr and TOKEN not in p.stdout + p.stderr
