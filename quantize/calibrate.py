@@ -781,20 +781,9 @@ class Calibrator:
                                             self.topk[i])
                 self.hidden.put(i, h)
             entry["quantized"] = 0
-        elif (pdir := os.environ.get(PROFILE_ENV)) and not self._profiled:
-            self._profiled = True  # the first calibrated layer, under torch.profiler
-            from torch.profiler import ProfilerActivity, profile
-
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            with profile(activities=acts) as prof:
-                entry.update(self._calibrate(L, layer, kind, targets))
-            Path(pdir).mkdir(parents=True, exist_ok=True)
-            for key in ("cuda_time_total", "cpu_time_total"):
-                if key.startswith("cpu") or self.device.type == "cuda":
-                    (Path(pdir) / f"layer{L}-{key}.txt").write_text(
-                        prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=70))
         else:
-            entry.update(self._calibrate(L, layer, kind, targets))
+            with self._profile(L):
+                entry.update(self._calibrate(L, layer, kind, targets))
         free_layer(layer)
         for r in self.results.values():  # the layer's outputs are all on the host
             if isinstance(r, Future):
@@ -810,6 +799,25 @@ class Calibrator:
                  f"{entry.get('quantized', 0)} Linears {self.opts.method}"
                  + (f", experts {[f['expert'] for f in fb]} below --min-expert-tokens: all-token "
                     "statistics" if fb else "") + f", {entry['seconds']} s")
+
+    @contextlib.contextmanager
+    def _profile(self, L: int):
+        """The first calibrated layer under torch.profiler when PROFILE_ENV names a folder (its
+        tables written there); nothing otherwise."""
+        pdir = os.environ.get(PROFILE_ENV)
+        if not pdir or self._profiled:
+            yield
+            return
+        self._profiled = True
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.device.type == "cuda"
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            yield
+        Path(pdir).mkdir(parents=True, exist_ok=True)
+        for key in ("cuda_time_total", "cpu_time_total") if cuda else ("cpu_time_total",):
+            (Path(pdir) / f"layer{L}-{key}.txt").write_text(
+                prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=70))
 
     def _calibrate(self, L: int, layer, kind: str, targets: dict[str, Target]) -> dict:
         o = self.opts

@@ -41,8 +41,11 @@ __all__ = [
     "build_skeleton",
     "chunk_tokens",
     "device_free",
+    "embed",
+    "embed_scale",
     "free_layer",
     "layer_inputs",
+    "layer_type",
     "limit_gpu_memory",
     "load_layer",
     "mlp_group_tokens",
@@ -396,6 +399,14 @@ def run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Te
     return out, topk
 
 
+def _answer_zero(sink: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An MLP forward that hands its input to `sink` and answers 0 (`SplitLayer`)."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        sink(x)
+        return torch.zeros_like(x)
+    return forward
+
+
 class SplitLayer:
     """A decoder layer's forward in its two halves, through the layer's own forward:
 
@@ -421,16 +432,12 @@ class SplitLayer:
         mlp, attn = self.layer.mlp, self.layer.self_attn
         real = attn.forward
 
-        def answer_zero(x: torch.Tensor) -> torch.Tensor:
-            mlp_input(x)
-            return torch.zeros_like(x)
-
         def record(*a, **k):
             r = real(*a, **k)
             self._arity = len(r) if isinstance(r, tuple) else 0
             return r
 
-        mlp.forward, attn.forward = answer_zero, record
+        mlp.forward, attn.forward = _answer_zero(mlp_input), record
         try:
             return run_layer(self.skeleton, self.layer, self.inputs, h, topk)
         finally:
@@ -458,12 +465,7 @@ class SplitLayer:
             raise RuntimeError("SplitLayer.mlp_input before SplitLayer.attention")
         xs: list[torch.Tensor] = []
         mlp, attn = self.layer.mlp, self.layer.self_attn
-
-        def answer_zero(x: torch.Tensor) -> torch.Tensor:
-            xs.append(x)
-            return torch.zeros_like(x)
-
-        mlp.forward, attn.forward = answer_zero, self._zero_attention
+        mlp.forward, attn.forward = _answer_zero(xs.append), self._zero_attention
         try:
             run_layer(self.skeleton, self.layer, self.inputs, h1, None)
         finally:
