@@ -802,10 +802,12 @@ class Calibrator:
 
     @contextlib.contextmanager
     def _profile(self, L: int):
-        """The first calibrated layer under torch.profiler when PROFILE_ENV names a folder (its
-        tables written there); nothing otherwise."""
+        """The first calibrated layer (or layer $QUANTIZE_TORCH_PROFILE_LAYER) under
+        torch.profiler when PROFILE_ENV names a folder (its tables written there); nothing
+        otherwise."""
         pdir = os.environ.get(PROFILE_ENV)
-        if not pdir or self._profiled:
+        want = os.environ.get(PROFILE_ENV + "_LAYER")
+        if not pdir or self._profiled or (want is not None and int(want) != L):
             yield
             return
         self._profiled = True

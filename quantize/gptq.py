@@ -137,9 +137,28 @@ def accumulate_hessian(H: torch.Tensor, X: torch.Tensor, n_seen: torch.Tensor | 
 def xtx(X: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
     """float32 XᵀX of X (..., T, K), added into `acc` (..., K, K) in place when given.
 
-    bf16 values (8-bit mantissa) are exact in TF32 (10-bit), and tensor cores accumulate TF32
-    products in fp32, so for bf16 inputs on CUDA TF32 gives the same sums up to summation
-    order, at ~8x the fp32 rate."""
+    bf16 values (8-bit mantissa) are exact products in fp32, so for bf16 inputs on CUDA the
+    sums are computed by a bf16 GEMM with float32 output and float32 accumulation
+    (`out_dtype`, no float32 copy of X, 2x the TF32 rate), the same sums as a float32 matmul
+    up to summation order; where torch lacks that op, TF32 of a float32 copy (also exact
+    products: bf16 fits TF32's 10-bit mantissa)."""
+    if X.dtype == torch.bfloat16 and X.is_cuda and X.ndim in (2, 3) and _BF16_OUT[0]:
+        prev = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        try:
+            Xt = X.mT
+            if acc is None:
+                mm = torch.bmm if X.ndim == 3 else torch.mm
+                return mm(Xt, X, out_dtype=torch.float32)
+            if acc.ndim == 3:
+                return torch.baddbmm(acc, Xt, X, out_dtype=torch.float32, out=acc)
+            return torch.addmm(acc, Xt, X, out_dtype=torch.float32, out=acc)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError, NotImplementedError):
+            _BF16_OUT[0] = False  # this torch / GPU has no bf16 -> fp32 GEMM: TF32 below
+        finally:
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = prev
     Xf = X.to(torch.float32)
     tf32 = X.dtype == torch.bfloat16 and X.is_cuda
     prev = torch.backends.cuda.matmul.allow_tf32
@@ -152,6 +171,9 @@ def xtx(X: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
     finally:
         if tf32:
             torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+_BF16_OUT = [True]  # bf16 GEMMs with float32 output available (cleared at the first refusal)
 
 
 def _group_qparams(W: torch.Tensor, Hdiag: torch.Tensor, cfg: GPTQConfig
