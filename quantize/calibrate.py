@@ -13,31 +13,19 @@
 
 The modules: `layers.py` builds and runs a decoder layer (transformers' own classes) and holds
 the activations between layers; `capture.py` is the MLP's calibration forward and its
-statistics; `gptq.py` / `awq.py` are the rounding as pure functions; this module dispatches the
-rounding for one layer (`_calibrate`), drives the layers (`Calibrator`), and writes the report;
-`calib_state.py` keeps the checkpoints for resume; `distributed.py` the ranks under torchrun.
+statistics; `rounding.py` rounds one layer's MLP from them (which weights, which Hessians, what
+batches), `gptq.py` / `awq.py` being the rounding as pure functions; this module drives the
+layers (`Calibrator`: the layer thread, the two passes, handing results to the writer) and
+writes the report; `calib_state.py` keeps the checkpoints for resume; `distributed.py` the
+ranks under torchrun.
 
-Statistics of a starved expert: one with fewer than `min_expert_tokens` routed tokens falls back
-to all-token statistics (the layer's all-token gate/up Hessian; down Hessian from a sample of
-all tokens run through it), and the report says which and why.
-
-AWQ folds (quantize/awq.py does the search): each down_proj's input scale s (I,) goes into
-the same expert's up_proj rows; the post-attention norm's output scale s (H,) into the norm,
-with every reader (all experts' and the shared gate/up, the router) multiplied by s. In a MoE
-layer that s is rounded to powers of two, so the BF16 norm and router are scaled exactly and no
-token changes experts; it is searched on the shared expert and the AWQ_SEARCH_EXPERTS busiest
-experts. The scales as applied are written to AWQ_SCALES (`awq_expected` re-applies them).
-
-GPTQ runs batched over experts (quantize/gptq.py): gate and up of an expert share its Hessian,
-so one (2I, H) solve per expert, up to GPTQ_BATCH experts at once (fewer when a quarter of the
-free GPU memory does not hold them). Routed gate/up Hessians are built per batch from the
-layer's MLP inputs and each expert's routed rows (`MLPStats.experts_H_in`); the inputs are
-recomputed per batch from the hidden states (a norm of the residual stream after the attention,
-which pass 1 leaves there) instead of kept. GLM-5.2 worked number, routed statistics at 512 x
-2048 tokens: hidden states 12.9 GB (bf16) + DSA top-k 4.3 GB (int16), down Hessians 4.3 GB, the
-layer's BF16 experts 19.3 GB, a batch of 32 solves ~16 GB; 256 gate/up Hessians held at once
-would be 6144^2 float32 x 256 = 38.6 GB. Under torchrun each rank solves its block of experts,
-their Hessians summed onto it from every rank (`_gptq_routed_ranks`).
+The rounding of a layer's MLP from its statistics (AWQ folds, GPTQ batched over experts and
+across ranks, RTN; the starved-expert fallback) is `rounding.LayerRounding`. GLM-5.2 worked
+number, routed statistics at 512 x 2048 tokens: hidden states 12.9 GB (bf16) + DSA top-k 4.3 GB
+(int16), down Hessians 4.3 GB, the layer's BF16 experts 19.3 GB, a batch of 32 solves ~16 GB;
+256 gate/up Hessians held at once would be 6144^2 float32 x 256 = 38.6 GB, hence batches whose
+routed gate/up Hessians are built from the layer's MLP inputs, recomputed per batch from the
+hidden states (a norm of the residual stream after the attention, which pass 1 leaves there).
 
 Passes: a layer's attention runs once (`SplitLayer`, proved bit for bit on chunk 0 of every
 layer, else whole-layer forwards): pass 1 computes h1 = h + attention(h) per chunk, replaces the
@@ -65,36 +53,24 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
 
-from quantize.awq import (
-    AWQConfig,
-    awq_search,
-    fold_into_linear_rows,
-    fold_into_norm,
-    scale_linear_inputs,
-)
 from quantize.calib_data import CalibrationSet, load_calibration
 from quantize.calib_state import Checkpointer, StateDir
-from quantize.capture import EXPERT_BATCH, MLPStats, dense_forward, moe_forward
+from quantize.capture import MLPStats, dense_forward, moe_forward
 from quantize.checkpoint import DTYPES, Checkpoint
-from quantize.distributed import Dist, owned
+from quantize.distributed import Dist
 from quantize.errors import Problem, QuantizeError
-from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
-from quantize.int4 import Int4Weight, dequantize, int4_outputs, quantize_rtn
+from quantize.int4 import Int4Weight, dequantize, int4_outputs
 from quantize.layers import (
     MOE_CLASSES,
     HiddenStates,
-    ReadAhead,
     SplitLayer,
     build_skeleton,
     chunk_tokens,
-    device_free,
     embed,
     free_layer,
     layer_inputs,
@@ -108,13 +84,10 @@ from quantize.layers import (
 from quantize.layout import layer_of
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, Shard, Unit
+from quantize.rounding import LayerRounding, LayerWeights, Target, awq_expected
 from quantize.staging import to_host
 
 __all__ = ["AWQ_SCALES", "CALIB_REPORT", "Calibrator", "LayerWeights", "Target", "awq_expected"]
-# Experts per batched GPTQ solve at most: 32 GLM-5.2 experts (6144^2 factorizations, 2 x 2048
-# rows each) already keep an H200 busy (measured: a batch of 32 takes 0.78 s, 24 ms/expert),
-# and a larger batch only adds memory (~0.5 GB per expert).
-GPTQ_BATCH = 32
 # a folder: the first calibrated layer runs under torch.profiler, its tables written there
 PROFILE_ENV = "QUANTIZE_TORCH_PROFILE"
 CALIB_REPORT = "calibration-report.json"
@@ -129,68 +102,6 @@ TIMING_KEYS = ("seconds", "timing_s", "peak_gpu_gib", "peak_gpu_gib_by_phase")
 #   <...>.down_proj.awq_input_scale (I,): written down_proj = source * s (columns) and the same
 #       expert's / MLP's up_proj = source / s (rows).
 AWQ_SCALES = "calibration/awq-scales.safetensors"
-AWQ_SEARCH_EXPERTS = 32  # routed experts the shared gate/up input scale is searched on
-
-# ---------------------------------------------------------------------------------------------
-# Quantizing one layer's MLP from its statistics
-
-
-@dataclass
-class Target:
-    """One Linear weight of the layer's MLP: where it lives on disk and in the module."""
-
-    name: str  # checkpoint tensor name (`...weight`)
-    quantize: bool  # a --targets Linear (else a BF16 tensor that AWQ may rescale)
-
-
-def awq_expected(name: str, W: torch.Tensor, scales: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The source tensor `name` (float) with the AWQ folds of AWQ_SCALES applied: what the
-    output holds (before INT4 rounding for targets). `verify` compares against this."""
-    layer = name.split(".mlp.")[0] if ".mlp." in name else name.rsplit(".", 2)[0]
-    s_in = scales.get(f"{layer}.mlp.awq_input_scale")
-    if s_in is not None:
-        if name == f"{layer}.post_attention_layernorm.weight":
-            W = fold_into_norm(W, s_in.to(W.device))
-        elif name.endswith(("gate_proj.weight", "up_proj.weight")) or name == f"{layer}.mlp.gate.weight":
-            W = scale_linear_inputs(W, s_in.to(W.device))
-    stem = name.rsplit(".", 2)[0]  # <...>.mlp[.experts.E | .shared_experts]
-    s_down = scales.get(f"{stem}.down_proj.awq_input_scale")
-    if s_down is not None and name.endswith("down_proj.weight"):
-        W = scale_linear_inputs(W, s_down.to(W.device))
-    elif s_down is not None and name.endswith("up_proj.weight"):
-        W = fold_into_linear_rows(W, s_down.to(W.device))
-    return W
-
-
-class LayerWeights:
-    """The MLP's Linear weights as they will be rounded, read on demand (never all held):
-    float32 source (FP8 dequantized) * AWQ column scales / AWQ row scales."""
-
-    def __init__(self, ckpt: Checkpoint, units: dict[str, Unit], device: torch.device) -> None:
-        self.ckpt, self.units, self.device = ckpt, units, device
-        self.col: dict[str, torch.Tensor] = {}  # name -> (K,) input scales (weight columns * s)
-        self.row: dict[str, torch.Tensor] = {}  # name -> (N,) output scales (weight rows / s)
-
-    def source(self, name: str) -> torch.Tensor:
-        from quantize.pipeline import source_weight
-
-        return source_weight(self.ckpt, self.units[name], self.device)  # (N, K) float32
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.ckpt.tensors[name].shape
-
-    def scaled(self, name: str) -> bool:
-        return name in self.col or name in self.row
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        w = self.source(name)
-        if name in self.col:
-            w = scale_linear_inputs(w, self.col[name])
-        if name in self.row:
-            w = fold_into_linear_rows(w, self.row[name])
-        return w
-
-
 class _Clock:
     """Wall-clock laps of a layer's phases (device-synchronized), and on CUDA each phase's peak
     allocated memory, for the report."""
@@ -312,9 +223,6 @@ class Calibrator:
         self.awq_scales: dict[str, torch.Tensor] = {}  # AWQ_SCALES, float32 on the host
         self.hidden: HiddenStates | None = None
         self.topk: list[torch.Tensor | None] = []
-        self.gptq_cfg = GPTQConfig(group_size=opts.group_size, symmetric=opts.symmetric,
-                                   percdamp=opts.percdamp, mse_clip=opts.mse_clip)
-        self.awq_cfg = AWQConfig(group_size=opts.group_size, symmetric=opts.symmetric)
 
     def write_outputs(self, out: Path) -> list[str]:
         """Write CALIB_REPORT (and AWQ_SCALES when AWQ ran) into `out`; their names. Layers no
@@ -671,21 +579,6 @@ class Calibrator:
         self.topk = [None] * len(chunks)
         self.spilled = where != "device"
 
-    def _gptq_batch(self, shape: tuple[int, ...], E: int) -> int:
-        """Experts per batched GPTQ solve: all of them when a quarter of the free device memory
-        holds their gate/up working set (W, H, Hinv in float32, ~(2 K^2 + 4 I K) * 4 bytes),
-        else as many as fit (GLM-5.2: K 6144, I 2048 -> 0.5 GB per expert, so ~50 experts per
-        solve with 100 GB free); at least 1. On the CPU: 32."""
-        if self.device.type != "cuda":
-            return min(EXPERT_BATCH, E)
-        I, K = shape
-        per_expert = (2 * K * K + 4 * I * K) * 4
-        free = device_free(self.device)
-        nb = max(1, min(E, GPTQ_BATCH, free // 4 // per_expert))
-        if self.dist is not None:  # every rank the same (its collectives follow the batches)
-            nb = int(self.dist.all_reduce(torch.tensor([nb]), op="min").item())
-        return nb
-
     def _run_mtp(self, L: int) -> None:
         """The MTP layer (index num_hidden_layers), run on its real inputs: at position i,
         eh_proj([enorm(embed(token i+1)), hnorm(h_i)]) with h_i the last layer's output, over
@@ -838,92 +731,12 @@ class Calibrator:
         clock.lap("pass1_forward_statistics")
         self._reduce_stats(stats)  # several ranks: counts and shared statistics summed
 
-        p = f"model.layers.{L}.mlp."
-        W = LayerWeights(self.ckpt, self.units, self.device)
-        report: dict = {"tokens": stats.tokens}
-        fallback: list[dict] = []
-        if kind == "moe":
-            report["expert_tokens"] = list(stats.expert_tokens)
-            if not stats.all_experts:  # (with "all" every expert saw every token)
-                for e, n in enumerate(stats.expert_tokens):
-                    if n < max(o.min_expert_tokens, 1) and (stats.hessians or stats.samples):
-                        fallback.append({"expert": e, "tokens": n, "reason":
-                                         f"{n} routed tokens < --min-expert-tokens "
-                                         f"{o.min_expert_tokens}: all-token statistics"})
-            report["fallback"] = fallback
-        x_sample = torch.cat(stats.x_sample)  # (T', H) float32, all tokens
-        fb = {f["expert"] for f in fallback}
-
-        def expert_inter_sample(e: int) -> torch.Tensor:
-            """Expert e's down_proj inputs: its routed sample, or all-token sample through it."""
-            if e in fb or stats.all_experts or e not in stats.inter_e:
-                W_gu = torch.cat([W.source(f"{p}experts.{e}.gate_proj.weight"),
-                                  W.source(f"{p}experts.{e}.up_proj.weight")])  # unscaled
-                gate, up = (x_sample @ W_gu.t()).chunk(2, dim=-1)
-                return mlp.experts.act_fn(gate) * up
-            return torch.cat(stats.inter_e[e])
-
-        # ---- AWQ: search scales, fold them into the producing ops (exactly, before rounding)
-        awq: dict = {}
-        mods: dict[str, torch.Tensor] = {}  # non-Linear tensors rescaled (norm, router)
-        s_in = None
-        if "awq" in method:
-            alphas = []
-            stems = ([(f"{p}experts.{e}.", e) for e in range(E)] if kind == "moe" else []) + \
-                [(p + ("shared_experts." if kind == "moe" else ""), None)]
-            stems = [(st, e) for st, e in stems if targets.get(st + "down_proj.weight")
-                     and targets[st + "down_proj.weight"].quantize]
-            for c in range(0, len(stems), EXPERT_BATCH):  # down_proj: one search per expert, batched
-                chunk = stems[c: c + EXPERT_BATCH]
-                Xs = [expert_inter_sample(e) if e is not None else torch.cat(stats.inter_sample)
-                      for _, e in chunk]
-                T = max(x.shape[0] for x in Xs)
-                X = torch.stack([F.pad(x, (0, 0, 0, T - x.shape[0])) for x in Xs])  # (e, T, I)
-                Wd = torch.stack([W[st + "down_proj.weight"] for st, _ in chunk])  # (e, H, I)
-                r = awq_search([Wd], X, self.awq_cfg)  # zero rows pad: no effect on s or error
-                for i, (st, _) in enumerate(chunk):
-                    W.col[st + "down_proj.weight"] = r.scales[i]  # down_proj columns * s
-                    W.row[st + "up_proj.weight"] = r.scales[i]  # its own up_proj rows / s: exact
-                    self.awq_scales[st + "down_proj.awq_input_scale"] = r.scales[i].float().cpu()
-                alphas += r.alpha.tolist()
-            gate_up = [n for n, t in targets.items() if t.quantize and
-                       n.endswith(("gate_proj.weight", "up_proj.weight"))]
-            if gate_up:
-                # One s for every reader of the norm's output, searched on the shared / dense
-                # projections and the AWQ_SEARCH_EXPERTS most-routed experts (bounded memory;
-                # the error of the busiest experts dominates the layer's), as (sum N, H).
-                busiest = sorted(range(E), key=lambda e: -stats.expert_tokens[e])[:AWQ_SEARCH_EXPERTS]
-                keep = {f"{p}experts.{e}." for e in busiest}
-                search = [n for n in gate_up if ".experts." not in n or n.rsplit(".", 2)[0] + "." in keep]
-                r = awq_search([torch.cat([W[n].to(self.dtype) for n in search])], x_sample,
-                               self.awq_cfg)
-                # MoE: powers of two, so dividing the BF16 norm and multiplying the BF16 router
-                # (and non-target shared experts) is exact and no token changes its experts
-                # (bf16-rounded arbitrary scales flipped near-tie routings and cost more than they
-                # gained on the tiny models: layer error 0.141 vs 0.137 glm4_moe). Dense MLPs:
-                # the exact scales (the norm's bf16 rounding, 2^-9 relative, is negligible).
-                s_in = torch.exp2(torch.round(torch.log2(r.scales))) if kind == "moe" else r.scales
-                self.awq_scales[p + "awq_input_scale"] = s_in.float().cpu()
-                for n in targets:  # every consumer of the post-attention norm's output
-                    if n.endswith(("gate_proj.weight", "up_proj.weight")):
-                        W.col[n] = s_in
-                norm = f"model.layers.{L}.post_attention_layernorm.weight"
-                mods[norm] = fold_into_norm(self.ckpt.read(norm, self.device).float(), s_in)
-                if kind == "moe":
-                    router = p + "gate.weight"
-                    mods[router] = scale_linear_inputs(self.ckpt.read(router, self.device).float(), s_in)
-                awq["alpha_in"] = float(r.alpha)
-                awq["error_in"] = {"rtn": float(r.err_before), "awq": float(r.err_after)}
-            if alphas:
-                awq["alpha_down_mean"] = sum(alphas) / len(alphas)
-            report["awq"] = awq
-
-        clock.lap("awq_search")
-        # ---- rounding: GPTQ batched over experts, or RTN of the (rescaled) weights; each
-        # result goes to the host for writing and, dequantized, into the module for pass 2.
-        damps, retries, nq = [], 0, 0
+        rounding = LayerRounding(L, mlp, kind, targets, stats, self.ckpt, self.units, o,
+                                 self.device, self.dtype, self.dist, self._check_stop)
+        nq = 0
 
         def done(n: str, w: Int4Weight) -> None:
+            """A rounded weight: into the module for pass 2, packed to the host for the writer."""
             nonlocal nq
             nq += 1
             self._set_weight(L, layer, n, dequantize(w, torch.float32))
@@ -936,107 +749,15 @@ class Calibrator:
             else:
                 self.results[n] = outs
 
-        def split(w: Int4Weight, i, sl=slice(None)) -> Int4Weight:
-            zp = None if w.zero_point is None else w.zero_point[i][sl]
-            return Int4Weight(w.q[i][sl], w.scale[i][sl], zp)
-
-        def H_scaled(H: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
-            return H if s is None else H / (s.unsqueeze(-1) * s.unsqueeze(-2))  # inputs x / s
-
-        def gptq(Ws: torch.Tensor, H: torch.Tensor) -> Int4Weight:
-            nonlocal retries
-            r = gptq_quantize(Ws, H, self.gptq_cfg)
-            damps.append(r.damp.max())  # a device scalar: read once at the end, no sync here
-            retries += r.retries
-            return r.weight
-
-        quant = [n for n, t in targets.items() if t.quantize]
-        if "gptq" not in method:
-            with ReadAhead(W.__getitem__, quant, depth=32) as R:
-                for n in quant:
-                    done(n, quantize_rtn(R[n], o.group_size, o.symmetric))
-        else:
-            H_in = H_scaled(stats.H_in, s_in)
-            routed = [e for e in range(E) if f"{p}experts.{e}.gate_proj.weight" in quant]
-            nb = self._gptq_batch(W.shape(f"{p}experts.{routed[0]}.gate_proj.weight"), len(routed)) \
-                if routed else 1
-            report["gptq_expert_batch"] = nb
-            if self.dist is not None and routed:
-                self._gptq_routed_ranks(stats, W, p, routed, nb, fb, H_in, gptq, split, done,
-                                        expert_inter_sample)
-                routed = []  # (done)
-            order = [f"{p}experts.{e}.{proj}.weight" for c in range(0, len(routed), nb)
-                     for proj in ("gate_proj", "up_proj", "down_proj") for e in routed[c: c + nb]]
-            # the next reads overlap the solves
-            with ReadAhead(W.__getitem__, order, depth=min(2 * nb, 64)) as R:
-                for c in range(0, len(routed), nb):
-                    self._check_stop()
-                    es = routed[c: c + nb]
-                    gu = [(f"{p}experts.{e}.gate_proj.weight", f"{p}experts.{e}.up_proj.weight") for e in es]
-                    with record_function("calib.read_weights"):
-                        Ws = torch.stack([torch.cat([R[g], R[u]]) for g, u in gu])  # (e, 2I, H)
-                    if stats.all_experts:  # one Hessian for every expert: one solve of e*2I rows
-                        w = gptq(Ws.reshape(-1, Ws.shape[-1]), H_in)
-                        w = Int4Weight(*(None if t is None else t.reshape(len(es), -1, t.shape[-1])
-                                         for t in w))
-                    else:  # gate and up of an expert share its routed-token Hessian, built
-                        # here for this batch only (MLPStats.experts_H_in), into one stacked tensor
-                        K = Ws.shape[-1]
-                        Hb = torch.empty(len(es), K, K, device=Ws.device)  # (e, H, H)
-                        with record_function("calib.routed_hessians"):
-                            have = stats.experts_H_in(es, Hb, skip=fb)
-                        for j, e in enumerate(es):
-                            if not have[j]:  # a starved expert: all-token statistics (scaled)
-                                Hb[j] = H_in
-                            elif s_in is not None:
-                                Hb[j] = H_scaled(Hb[j], s_in)
-                        with record_function("calib.gptq_gate_up"):
-                            w = gptq(Ws, Hb)
-                        del Hb
-                    del Ws
-                    half = w.q.shape[1] // 2
-                    with record_function("calib.publish"):
-                        for i, (g, u) in enumerate(gu):
-                            done(g, split(w, i, slice(0, half)))
-                            done(u, split(w, i, slice(half, None)))
-                    downs = [f"{p}experts.{e}.down_proj.weight" for e in es]
-                    Hs = []
-                    for e, n in zip(es, downs):
-                        H = stats.expert_H_down(e)
-                        H = None if e in fb else H
-                        if H is None:  # all-token statistics for a starved expert
-                            H, _ = accumulate_hessian(torch.zeros(W.shape(n)[1], W.shape(n)[1],
-                                                                  device=self.device),
-                                                      expert_inter_sample(e), 0)
-                        Hs.append(H_scaled(H, W.col.get(n)))
-                    with record_function("calib.gptq_down"):
-                        w = gptq(torch.stack([R[n] for n in downs]), torch.stack(Hs))  # (e, H, I)
-                    with record_function("calib.publish"):
-                        for i, n in enumerate(downs):
-                            done(n, split(w, i))
-            rest = [n for n in quant if ".experts." not in n]  # shared experts / dense MLP
-            gu = [n for n in rest if n.endswith(("gate_proj.weight", "up_proj.weight"))]
-            if gu:
-                w = gptq(torch.cat([W[n] for n in gu]), H_in)  # (len(gu) * I, H)
-                rows = w.q.shape[0] // len(gu)
-                for i, n in enumerate(gu):
-                    done(n, split(w, slice(i * rows, (i + 1) * rows)))
-            for n in rest:
-                if n.endswith("down_proj.weight"):
-                    done(n, gptq(W[n], H_scaled(stats.H_down, W.col.get(n))))
-            report["gptq"] = {"damp_max": float(torch.stack(damps).max()) if damps else None,
-                              "retries": retries}
-
-        # ---- the BF16 tensors AWQ rescaled, as they will be written
-        for n, t in targets.items():
-            if not t.quantize and W.scaled(n):
-                mods[n] = W[n]
-        for n, t in mods.items():
+        report = rounding.run(done, clock.lap)
+        self.awq_scales.update(rounding.awq_scales)
+        mods = rounding.mods
+        for n, t in mods.items():  # the BF16 tensors AWQ rescaled, as they will be written
             t = t.to(DTYPES[self.units[n].outputs[0].dtype][0])
             self.results[n] = t.cpu()
             self._set_weight(L, layer, n, t.float())
-
         clock.lap("rounding")
+
         # ---- pass 2: the next layer's inputs through the quantized layer
         out0 = self._pass2(layer, halves)
         report["output_rel_error"] = _relerr(out0 - h0, ref0 - h0)
@@ -1166,80 +887,6 @@ class Calibrator:
         if shape is not None:
             buf = xs.contiguous() if d.leader else torch.empty(shape, device=self.device)
             stats.x_sample = [d.broadcast(buf, 0)]
-
-    def _gptq_routed_ranks(self, stats: MLPStats, W: LayerWeights, p: str, routed: list[int],
-                           nb: int, fb: set[int], H_in: torch.Tensor, gptq, split, done,
-                           expert_inter_sample) -> None:
-        """GPTQ of the routed experts across ranks: in step j, every owner's j-th batch of its
-        experts gets its Hessians summed from every rank's tokens (`reduce_to`), each owner
-        solves its batch, and every solved expert goes to every rank (`broadcast`, in expert
-        order) to be set for the second forward (`done`)."""
-        d, E = self.dist, stats.num_experts
-        own = [[e for e in routed if owned(e, E, d.world) == o] for o in range(d.world)]
-        steps = max(-(-len(x) // nb) for x in own)
-        mine = own[d.rank]
-        name = f"{p}experts.{{}}.{{}}.weight".format
-        I, K = W.shape(name(routed[0], "gate_proj"))
-        g = self.opts.group_size
-        order = [name(e, proj) for c in range(0, len(mine), nb)
-                 for proj in ("gate_proj", "up_proj", "down_proj") for e in mine[c: c + nb]]
-        with ReadAhead(W.__getitem__, order, depth=min(2 * nb, 64)) as R:
-            for j in range(steps):
-                H_gu = H_dn = None  # this rank's batch, summed over every rank's tokens
-                for o in range(d.world):
-                    es = own[o][j * nb:(j + 1) * nb]
-                    if not es:
-                        continue
-                    if not stats.all_experts:  # (all-expert gate/up share H_in)
-                        Hb = torch.empty(len(es), K, K, device=self.device)  # (e, H, H)
-                        stats.experts_H_in(es, Hb, skip=fb)  # this rank's share, or 0
-                        d.reduce_to(Hb, o)
-                        H_gu = Hb if o == d.rank else H_gu
-                    Hd = torch.zeros(len(es), I, I, device=self.device)  # (e, I, I)
-                    for i, e in enumerate(es):
-                        if e not in fb and (H := stats.expert_H_down(e)) is not None:
-                            Hd[i] = H
-                    d.reduce_to(Hd, o)
-                    H_dn = Hd if o == d.rank else H_dn
-                got: dict[str, Int4Weight] = {}
-                es = mine[j * nb:(j + 1) * nb]
-                if es:
-                    Ws = torch.stack([torch.cat([R[name(e, "gate_proj")], R[name(e, "up_proj")]])
-                                      for e in es])  # (e, 2I, H)
-                    if stats.all_experts:
-                        w = gptq(Ws.reshape(-1, K), H_in)
-                        w = Int4Weight(*(None if t is None else t.reshape(len(es), -1, t.shape[-1])
-                                         for t in w))
-                    else:
-                        for i, e in enumerate(es):
-                            if e in fb:  # a starved expert: all-token statistics
-                                H_gu[i] = H_in
-                        w = gptq(Ws, H_gu)
-                    del Ws, H_gu
-                    for i, e in enumerate(es):
-                        got[name(e, "gate_proj")] = split(w, i, slice(0, I))
-                        got[name(e, "up_proj")] = split(w, i, slice(I, None))
-                    for i, e in enumerate(es):
-                        if e in fb:
-                            H_dn[i], _ = accumulate_hessian(torch.zeros(I, I, device=self.device),
-                                                            expert_inter_sample(e), 0)
-                    w = gptq(torch.stack([R[name(e, "down_proj")] for e in es]), H_dn)
-                    del H_dn
-                    for i, e in enumerate(es):
-                        got[name(e, "down_proj")] = split(w, i)
-                for o in range(d.world):  # every solved expert to every rank
-                    for e in own[o][j * nb:(j + 1) * nb]:
-                        for proj in ("gate_proj", "up_proj", "down_proj"):
-                            n = name(e, proj)
-                            N_, K_ = W.shape(n)
-                            w = got.pop(n, None)
-                            if w is None:  # another rank's: room for it
-                                q = torch.empty(N_, K_, dtype=torch.int8, device=self.device)
-                                sc = torch.empty(N_, K_ // g, dtype=torch.bfloat16, device=self.device)
-                                zp = None if self.opts.symmetric else torch.empty_like(q[:, :K_ // g])
-                                w = Int4Weight(q, sc, zp)
-                            done(n, Int4Weight(*(None if t is None else d.broadcast(t.contiguous(), o)
-                                                 for t in w)))
 
     def _set_weight(self, L: int, layer, name: str, t: torch.Tensor) -> None:
         """Copy a written value into the module (fused experts included)."""

@@ -24,6 +24,7 @@ dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 import quantize.calibrate as Cm
 from quantize.calib_data import CalibrationSet
 from quantize.checkpoint import open_checkpoint
+from quantize.layers import ReadAhead
 from quantize.options import ConvertOptions
 from quantize.plan import make_plan
 from quantize.synth import GLM52_CONFIG, tiny_config, write_checkpoint
@@ -45,7 +46,7 @@ def sync():
     if dev.type == "cuda": torch.cuda.synchronize()
 for depth, workers in ((32, 4), (32, 8), (8, 2)):
     sync(); t = time.perf_counter()
-    R = Cm.ReadAhead(W.__getitem__, names, depth=depth, workers=workers)
+    R = ReadAhead(W.__getitem__, names, depth=depth, workers=workers)
     for n in names: R[n]
     R.close(); sync()
     res[f"readahead_d{depth}_w{workers}_s"] = round(time.perf_counter() - t, 3)
