@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from quantize.errors import QuantizeError
+from quantize.errors import Problem, QuantizeError
 
 app = typer.Typer(
     help="Stream FP8/BF16 GLM MoE checkpoints into compressed-tensors INT4 (W4A16) checkpoints.\n\n"
@@ -165,6 +165,24 @@ def plan(
         raise typer.Exit(1)
 
 
+def _public_command(args: list[str], src: str, dst: Path, base_model: str | None) -> str:
+    """The convert command line as the manifest and the card record it: no local path of this
+    machine (the folder gets published). SRC becomes its repo id (or folder name), DST its
+    name, any other argument naming an existing file or folder (--calib) its name."""
+    from quantize.hub import source_identity
+
+    src_name = source_identity(src, base_model)["name"] if Path(src).exists() else src
+    out = []
+    for a in args:
+        flag, eq, val = a.partition("=") if a.startswith("--") else ("", "", a)
+        if val == src:
+            val = src_name
+        elif val == str(dst) or (val and Path(val).exists() and ("/" in val or "\\" in val)):
+            val = Path(val).name
+        out.append(flag + eq + val if eq else val)
+    return shlex.join(["quantize", *out])
+
+
 @app.command()
 def convert(
     src: Src,
@@ -214,6 +232,10 @@ def convert(
     overwrite: Annotated[bool, typer.Option(help="Delete DST's contents and start over.")] = False,
     tp: Tp = 8,
     revision: Revision = None,
+    base_model: Annotated[str | None, typer.Option(
+        help="The Hub repo SRC is a copy of (ORG/NAME), for the card's base_model; default: the "
+             "repo a Hub-cache source came from. Pass it for a local copy, e.g. after "
+             "`hf download --local-dir`.")] = None,
     debug: Debug = False,
 ) -> None:
     """Convert SRC to a compressed-tensors pack-quantized INT4 checkpoint in DST.
@@ -227,6 +249,7 @@ def convert(
       quantize convert ./GLM-4.6-FP8 ./GLM-4.6-INT4 --group-size 64 --targets routed,shared
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --resume
       quantize convert zai-org/GLM-5.2-FP8 ./GLM-5.2-INT4     # downloads into HF_HOME first
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --base-model zai-org/GLM-5.2-FP8
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 512
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
       torchrun --nproc-per-node 8 -m quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq
@@ -239,7 +262,8 @@ def convert(
     from quantize.plan import make_plan
     from quantize.report import fmt_bytes
 
-    command = shlex.join(["quantize", *sys.argv[1:]]) if sys.argv[0].endswith("quantize") else None
+    command = _public_command(sys.argv[1:], src, dst, base_model) \
+        if sys.argv[0].endswith("quantize") else None
     d = init(device)  # under torchrun: this rank (rank 0 prints and writes, the others compute)
     quiet = d is not None and not d.leader
     try:
@@ -248,6 +272,13 @@ def convert(
                         expert_calibration=expert_calibration,
                         min_expert_tokens=min_expert_tokens, percdamp=percdamp,
                         mse_clip=mse_clip)
+        if base_model is not None:
+            from quantize.hub import is_repo_id
+
+            if not is_repo_id(base_model):
+                raise QuantizeError("--base-model is not a Hub repo id", [Problem(
+                    "--base-model", None, repr(base_model), "ORG/NAME, e.g. zai-org/GLM-5.2-FP8",
+                    "pass the repo id the source was downloaded from")])
         local = resolve_source(src, revision, headers_only=False)
         ckpt = open_checkpoint(local)
         plan_ = make_plan(ckpt, opts, tp)
@@ -294,6 +325,7 @@ def convert(
             res = run_convert(local, dst, opts, device=device, resume=resume, overwrite=overwrite,
                               on_unit=step, command=command, log=line, tp=tp,
                               checkpoint_interval=checkpoint_interval, dist=d,
+                              base_model=base_model,
                               max_gpu_memory=None if max_gpu_memory is None
                               else int(max_gpu_memory * 2**30))
     except (QuantizeError, ValueError) as e:

@@ -46,13 +46,16 @@ import torch.nn.functional as F
 from quantize import __version__
 from quantize.calib_data import (
     DEFAULT_CALIB,
+    data_sha256,
     join_documents,
     read_documents,
     tokenize_documents,
     window_starts,
 )
+from quantize.calibrate import CALIB_REPORT
 from quantize.checkpoint import Checkpoint, TensorInfo, open_checkpoint, read_tensor_table
 from quantize.errors import Problem, QuantizeError
+from quantize.hub import source_identity
 from quantize.int4 import Int4Weight, dequantize, unpack_int4
 from quantize.layers import (
     HiddenStates,
@@ -178,7 +181,9 @@ class EvalSet:
     overlap_avoidable: bool | None  # None when disjoint
 
     def summary(self) -> dict:
-        return {"source": self.source, "documents": self.documents, "held_out_documents": self.held_out,
+        p = Path(self.source)  # its name and hash, not this machine's path (the card quotes it)
+        return {"source": p.name, "sha256": data_sha256(p) if p.exists() else None,
+                "documents": self.documents, "held_out_documents": self.held_out,
                 "stream_tokens": self.stream_tokens, "num_samples": self.tokens.shape[0],
                 "seq_len": self.tokens.shape[1], "calibration": self.calibration,
                 "disjoint": self.disjoint, "overlap_avoidable": self.overlap_avoidable}
@@ -420,14 +425,20 @@ def _tokenizer(src: Checkpoint, dst: Path):
         "copy the tokenizer files from the model release into SRC")])
 
 
-def _calib_windows(manifest_opts: ConvertOptions, data: Path) -> tuple[CalibWindows | None, str]:
-    """The conversion's calibration windows when they were cut from `data`, and a sentence."""
+def _calib_windows(manifest_opts: ConvertOptions, data: Path, calib_sha256: str | None = None
+                   ) -> tuple[CalibWindows | None, str]:
+    """The conversion's calibration windows when they were cut from `data`, and a sentence.
+    The same file: the same sha256 as the calibration report records (`calib_sha256`), else
+    (reports without one) the same path or name."""
     if manifest_opts.method == "rtn":
         return None, "none: the conversion used round-to-nearest (no calibration data)"
     calib = Path(manifest_opts.calib) if manifest_opts.calib else DEFAULT_CALIB
-    same = calib.resolve() == data.resolve() if calib.exists() else str(calib) == str(data)
+    if calib_sha256 is not None and data.exists():
+        same = data_sha256(data) == calib_sha256
+    else:
+        same = calib.resolve() == data.resolve() if calib.exists() else calib.name == data.name
     if not same:
-        return None, f"another file ({calib}): disjoint by file"
+        return None, f"another file ({calib.name}): disjoint by file"
     o = manifest_opts
     return CalibWindows(o.num_samples, o.seq_len, o.seed), ""
 
@@ -460,7 +471,10 @@ def evaluate(src: str | Path, dst: str | Path, opts: EvalOptions = EvalOptions()
     tok = _tokenizer(src_ckpt, dst)
     data = Path(opts.data) if opts.data else DEFAULT_CALIB
     doc_ids, _, _ = tokenize_documents(read_documents(data), tok)
-    calib, relation = _calib_windows(conv, data)
+    rep = dst / CALIB_REPORT
+    recorded = (json.loads(rep.read_text()).get("calibration") or {}).get("sha256") \
+        if rep.is_file() else None
+    calib, relation = _calib_windows(conv, data, recorded)
     es = select_windows(doc_ids, tok.eos_token_id, opts.num_samples, seq_len, opts.seed, calib,
                         str(data), relation)
     log(f"eval data: {es.tokens.shape[0]} x {es.tokens.shape[1]} tokens from {data}; calibration: "
@@ -481,9 +495,9 @@ def evaluate(src: str | Path, dst: str | Path, opts: EvalOptions = EvalOptions()
         "layers": ev.layers,
         "data": es.summary(),
         "options": {"num_samples": opts.num_samples, "seq_len": seq_len, "seed": opts.seed,
-                    "data": str(data)},
+                    "data": Path(data).name},  # names, not paths: the card quotes this report
         "method": conv.method,
-        "source": str(src),
+        "source": source_identity(src)["name"] if Path(src).exists() else str(src),
         "device": str(dev),
         "compute_dtype": str(dtype).replace("torch.", ""),
         "mtp": "not evaluated (transformers drops the MTP layer; it is used for speculative decoding)",

@@ -34,7 +34,8 @@ from pathlib import Path
 from quantize.checkpoint import Checkpoint, checkpoint_from_headers, open_checkpoint
 from quantize.errors import Problem, QuantizeError
 
-__all__ = ["http_errors", "is_repo_id", "local_path_problem", "resolve_source"]
+__all__ = ["http_errors", "hub_source", "is_repo_id", "local_path_problem", "resolve_source",
+           "source_identity", "source_license"]
 
 
 def http_errors() -> tuple[type[BaseException], ...]:
@@ -54,6 +55,61 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 # Formats in source repos that the tool never reads (it reads safetensors + config + tokenizer).
 _SKIP_DOWNLOAD = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.msgpack", "*.h5", "*.onnx",
                   "original/*", "*.md"]
+
+
+_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<sha>[0-9a-f]{40})/?$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def hub_source(path: str) -> tuple[str | None, str | None]:
+    """(repo id, commit sha) of a Hub cache snapshot path, else (None, None)."""
+    m = _SNAPSHOT.search(str(path).replace("\\", "/"))
+    if m is None:
+        return None, None
+    return f"{m['org']}/{m['name']}", m["sha"]
+
+
+def _local_dir_revision(root: Path) -> str | None:
+    """The commit `hf download --local-dir` fetched: the first line of the per-file metadata it
+    leaves in `.cache/huggingface/download/<file>.metadata` (commit, etag, timestamp), read for
+    config.json (else any file); None when absent. The metadata holds no repo id."""
+    meta = root / ".cache" / "huggingface" / "download"
+    for f in [meta / "config.json.metadata", *sorted(meta.glob("*.metadata"))] if meta.is_dir() else []:
+        try:
+            first = f.read_text(encoding="utf-8").splitlines()[0].strip()
+        except (OSError, IndexError, UnicodeDecodeError):
+            continue
+        if _COMMIT.match(first):
+            return first
+    return None
+
+
+def source_license(src: str | Path) -> str | None:
+    """The license in the source's model card front matter (GLM releases: mit), via
+    huggingface_hub's own card parser; None when there is no card or no license."""
+    card = Path(src) / "README.md" if src else None
+    if card is None or not card.is_file():
+        return None
+    try:
+        from huggingface_hub import ModelCard
+
+        lic = ModelCard.load(card).data.license
+    except Exception:  # noqa: BLE001 - a card the parser refuses: no license inherited
+        return None
+    return lic if isinstance(lic, str) and lic else None
+
+
+def source_identity(root: str | Path, base_model: str | None = None) -> dict:
+    """What an output may say about where its source came from, without a local path:
+    {"name", "repo_id", "revision"}. repo_id: `base_model` (convert --base-model) or the Hub
+    cache snapshot's; revision: the snapshot's commit or the one `hf download --local-dir`
+    recorded; name: the repo id when known, else the folder's own name."""
+    root = Path(root)
+    repo, rev = hub_source(str(root.resolve()) if root.exists() else str(root))
+    rev = rev or (_local_dir_revision(root) if root.is_dir() else None)
+    repo = base_model or repo
+    return {"name": repo or root.resolve().name, "repo_id": repo, "revision": rev,
+            "license": source_license(root) if root.is_dir() else None}
 
 
 def is_repo_id(src: str) -> bool:

@@ -4,7 +4,9 @@
      "tool_version": "0.1.0",
      "options": {...ConvertOptions...},
      "plan_sha256": "...",                  # shard names and every planned tensor
-     "source": {"path": ..., "index_sha256": ..., "files": {name: [bytes, mtime_ns]}},
+     "source": {"name": ..., "repo_id": ..., "revision": ..., "index_sha256": ...,
+                "files": {name: [bytes, mtime_ns]}},   (no local path: the folder is published)
+     "sizes": {"source_bytes", "output_bytes", "output_file_bytes", "shards", "by_role"},
      "tp": 8,                               # convert --tp: the serving TP (not part of the
                                             # output's identity: a resume may change it)
      "calibration": {"tokens_sha256": "...", "device": "cuda" | "cpu",      # not for rtn
@@ -37,7 +39,12 @@ MANIFEST = "quantize-manifest.json"
 CALIB_IDENTITY = ("tokens_sha256", "device", "compute_dtype", "processes")
 
 
-def source_fingerprint(ckpt: Checkpoint) -> dict:
+def source_fingerprint(ckpt: Checkpoint, base_model: str | None = None) -> dict:
+    """The source's identity without a local path (`hub.source_identity`: repo id and commit
+    when known, else the folder's name) and what a resume compares: the index's sha256 and
+    every file's size and mtime."""
+    from quantize.hub import source_identity
+
     root = ckpt.root
     index = root / INDEX_NAME
     index_sha = hashlib.sha256(index.read_bytes()).hexdigest() if index.is_file() else None
@@ -45,7 +52,15 @@ def source_fingerprint(ckpt: Checkpoint) -> dict:
     for f in ckpt.files + ["config.json"]:
         st = (root / f).stat()
         files[f] = [st.st_size, st.st_mtime_ns]
-    return {"path": str(root.resolve()), "index_sha256": index_sha, "files": files}
+    return {**source_identity(root, base_model), "index_sha256": index_sha, "files": files}
+
+
+def plan_sizes(plan: Plan) -> dict:
+    """The plan's size figures for the model card (so the card needs no access to the source)."""
+    by_role = sorted(plan.bytes_by("role").items(), key=lambda kv: -kv[1][0])
+    return {"source_bytes": plan.source_bytes, "output_bytes": plan.output_bytes,
+            "output_file_bytes": plan.output_file_bytes, "shards": len(plan.shards),
+            "by_role": [[r, s, o] for r, (s, o) in by_role]}
 
 
 def source_changes(recorded: dict, ckpt: Checkpoint) -> list[str]:
@@ -144,13 +159,15 @@ class Manifest:
         self.data = data
 
     @classmethod
-    def start(cls, out_dir: Path, ckpt: Checkpoint, plan: Plan, extra: dict | None = None) -> Manifest:
+    def start(cls, out_dir: Path, ckpt: Checkpoint, plan: Plan, extra: dict | None = None,
+              base_model: str | None = None) -> Manifest:
         data = {
             "status": "in-progress",
             "tool_version": __version__,
             "options": plan.options.to_json(),
             "plan_sha256": plan_digest(plan),
-            "source": source_fingerprint(ckpt),
+            "source": source_fingerprint(ckpt, base_model),
+            "sizes": plan_sizes(plan),
             "files": {},
             **(extra or {}),
         }
@@ -216,7 +233,7 @@ class Manifest:
         diffs = source_changes(self.data["source"], ckpt)
         if diffs:
             raise QuantizeError("the source changed during the conversion", [Problem(
-                self.data["source"]["path"], None, d, "the source left alone while converting",
+                ckpt.name, None, d, "the source left alone while converting",
                 "let the download or copy finish, then rerun with --overwrite") for d in diffs])
         self.data.update(extra)
         self.data["status"] = "complete"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from quantize.layout import ROLES
 
@@ -87,6 +88,10 @@ class ConvertOptions:
             raise ValueError("only 4-bit weights are supported")
 
     def to_json(self) -> dict:
+        """The options as the manifest records them. `calib` by file name, not path (the
+        manifest is published; the calibration tokens' sha256 pins the content for resume)."""
         d = asdict(self)
         d["targets"] = sorted(self.targets)
+        if d["calib"] is not None:
+            d["calib"] = Path(d["calib"]).name
         return d

@@ -324,8 +324,10 @@ def convert(
     checkpoint_interval: float = 300.0,
     dist: Dist | None = None,
     max_gpu_memory: int | None = None,
+    base_model: str | None = None,
 ) -> ConvertResult | None:
-    """`tp`: the tensor-parallel size the output is meant to be served at: the plan's checks
+    """`base_model`: the Hub repo id SRC is a copy of (the manifest and card name it; default:
+    the repo of a Hub-cache snapshot). `tp`: the tensor-parallel size the output is meant to be served at: the plan's checks
     use it and the manifest records it for the model card's serving commands.
     `checkpoint_interval`: calibrated runs save their resume state at most this often
     (seconds; 0: after every layer a resume can start from). `dist`: this process's rank
@@ -364,7 +366,7 @@ def convert(
             check_disk(out, plan, previous, dev, checkpoint_interval)
             return _write(ckpt, plan, out, previous, aux, opts, dev, on_unit,
                           {"command": command, "source_format": ckpt.source_format,
-                           "model_type": ckpt.model_type, "tp": tp}, calib)
+                           "model_type": ckpt.model_type, "tp": tp}, calib, base_model)
     finally:
         if calib is not None:
             calib.close()  # stops its layer thread (also when an error or Ctrl-C propagates)
@@ -413,7 +415,8 @@ def check_disk(out: Path, plan: Plan, previous: dict | None, device: torch.devic
 
 def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: list[Path],
            opts: ConvertOptions, dev: torch.device, on_unit: Callable[[Unit], None] | None,
-           extra: dict, calib: Calibrator | None = None) -> ConvertResult:
+           extra: dict, calib: Calibrator | None = None, base_model: str | None = None
+           ) -> ConvertResult:
     """Steps 5 and 6 of the recipe, in the prepared and locked output folder."""
     # what a resume must match besides the options: kept shards from other calibration tokens
     # or another device's arithmetic would mix two calibrations in one checkpoint
@@ -422,7 +425,8 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
         manifest = Manifest.resume(out, ckpt, plan, previous, calibration)
     else:
         manifest = Manifest.start(out, ckpt, plan,
-                                  extra if calibration is None else {**extra, "calibration": calibration})
+                                  extra if calibration is None else {**extra, "calibration": calibration},
+                                  base_model)
     if calib is not None:
         calib.use_state(out / CALIB_STATE, manifest.identity())
 

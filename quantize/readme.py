@@ -1,14 +1,16 @@
 """Write README.md, the model card, into an output folder: gather the facts, render with card.py.
 
 The facts come from the folder itself: quantize-manifest.json (options, command, tool version,
-the TP it was planned for, where the source was), config.json (`quantization_config`), the index,
+the TP it was planned for, the source's name, repo id and commit, the plan's size figures),
+config.json (`quantization_config`), the index,
 calibration-report.json (a calibrated method: data, tokens, per-expert token counts,
-fallbacks), verify.json and eval.json when they exist. The size figures are the plan's, recomputed from
-the source's headers when the source is still where the manifest says (no tensor data is
-read); otherwise the output-side figures alone (index `total_size`, shard bytes).
+fallbacks), verify.json and eval.json when they exist. The size figures are the plan's, recorded in
+the manifest at convert time (older manifests: recomputed from the source's headers when it is
+still where they say, else the output-side figures alone).
 
-A source downloaded from the Hub lives in the cache as `.../models--ORG--NAME/snapshots/SHA`:
-that path names the base model and its exact revision, so the card needs no extra record.
+No local path is written into anything `push` uploads: the manifest names the source by repo
+id (from the Hub cache path `.../models--ORG--NAME/snapshots/SHA` or `convert --base-model`) and
+commit (the snapshot's, or the one `hf download --local-dir` recorded), else by folder name.
 
 README.md is not among the manifest's checksummed files: like verify.json it is a report about
 the checkpoint, rewritten by convert, verify and push, and verify never fails because of it.
@@ -25,6 +27,7 @@ from quantize.calibrate import CALIB_REPORT
 from quantize.card import CalibrationFacts, CardFacts, Sizes, render_card
 from quantize.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from quantize.errors import QuantizeError
+from quantize.hub import hub_source, source_license
 from quantize.manifest import read_manifest
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, make_plan, tp_checks
@@ -36,16 +39,7 @@ __all__ = ["CARD", "EVAL_JSON", "card_facts", "card_text", "hub_source", "refres
 CARD = "README.md"
 EVAL_JSON = "eval.json"
 TP_SIZES = (1, 2, 4, 8, 16)
-_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<sha>[0-9a-f]{40})/?$")
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-
-
-def hub_source(path: str) -> tuple[str | None, str | None]:
-    """(repo id, commit sha) of a Hub cache snapshot path, else (None, None)."""
-    m = _SNAPSHOT.search(path.replace("\\", "/"))
-    if m is None:
-        return None, None
-    return f"{m['org']}/{m['name']}", m["sha"]
 
 
 def _options(manifest: dict) -> ConvertOptions:
@@ -108,22 +102,31 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
     int4_outputs = sum(f"{m}.{s}" in names for m in packed for s in
                        ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"))
 
-    plan = plan or _source_plan(manifest)
     shard_files = sorted(set(names.values()))
+    recorded_sizes = manifest.get("sizes")
+    if plan is None and recorded_sizes is None:
+        plan = _source_plan(manifest)  # manifests from before the sizes were recorded
     if plan is not None:
         by_role = tuple((r, s, o) for r, (s, o) in sorted(plan.bytes_by("role").items(),
                                                            key=lambda kv: -kv[1][0]))
         sizes = Sizes(plan.source_bytes, plan.output_bytes, plan.output_file_bytes, len(plan.shards),
                       by_role)
+    elif recorded_sizes is not None:
+        z = recorded_sizes
+        sizes = Sizes(z["source_bytes"], z["output_bytes"], z["output_file_bytes"], z["shards"],
+                      tuple(tuple(r) for r in z["by_role"]))
     else:
         files = manifest["files"]
         sizes = Sizes(None, int(index["metadata"]["total_size"]),
                       sum(files[f]["bytes"] for f in shard_files if f in files), len(shard_files))
 
-    src_path = (manifest.get("source") or {}).get("path") or ""
+    source = manifest.get("source") or {}
+    src_path = source.get("path") or ""  # (manifests from before names replaced paths)
     hub_repo, hub_rev = hub_source(src_path)
+    hub_repo, hub_rev = source.get("repo_id") or hub_repo, source.get("revision") or hub_rev
     named = config.get("_name_or_path", "")
     base = base_model or hub_repo or (named if _REPO_ID.match(named or "") else None)
+    source_name = source.get("name") or (Path(src_path).name if src_path else "unknown")
 
     width = config.get("moe_intermediate_size")
     probe = Checkpoint(None, str(dst), config, {}, [], {}, "compressed-tensors")
@@ -138,7 +141,7 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
     qc = config.get("quantization_config") or {}
     eval_ = _read_json(dst / EVAL_JSON)
     return CardFacts(
-        source_name=src_path or "unknown",
+        source_name=source_name,
         base_model=base,
         base_revision=hub_rev,
         repo_id=repo_id,
@@ -161,23 +164,8 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
         tool_version=manifest.get("tool_version") or __version__,
         compressed_tensors_version=qc.get("version"),
         command=manifest.get("command"),
-        license=_source_license(src_path),
+        license=source.get("license") or source_license(src_path),
     )
-
-
-def _source_license(src: str) -> str | None:
-    """The license in the source's model card front matter (GLM releases: mit), via
-    huggingface_hub's own card parser; None when there is no card or no license."""
-    card = Path(src) / "README.md" if src else None
-    if card is None or not card.is_file():
-        return None
-    try:
-        from huggingface_hub import ModelCard
-
-        lic = ModelCard.load(card).data.license
-    except Exception:  # noqa: BLE001 - a card the parser refuses: no license inherited
-        return None
-    return lic if isinstance(lic, str) and lic else None
 
 
 def card_text(dst: str | Path, plan: Plan | None = None, repo_id: str | None = None,

@@ -212,7 +212,13 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = 12.0, device: 
     `on_start(source_bytes)` once the tensors are about to be read, `on_unit(unit)` after each."""
     dst = Path(dst)
     manifest = finished_manifest(dst)
-    report = VerifyReport(str(src), str(dst), min_sqnr_db)
+    # names, not this machine's paths (verify.json is published beside the weights): SRC's repo
+    # id, else the name the conversion recorded for its source, else the folder's name
+    from quantize.hub import source_identity
+
+    ident = source_identity(src) if Path(src).exists() else {"repo_id": str(src)}
+    src_name = ident["repo_id"] or (manifest.get("source") or {}).get("name") or Path(src).name
+    report = VerifyReport(src_name, dst.name, min_sqnr_db)
     for name, rec in sorted(manifest["files"].items()):
         p = dst / name
         if not p.is_file():

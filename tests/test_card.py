@@ -101,11 +101,16 @@ def test_card_without_source_uses_output_figures(done, tmp_path):
     copy.mkdir()
     for p in dst.iterdir():
         (copy / p.name).write_bytes(p.read_bytes())
+    plan = make_plan(open_checkpoint(src), ConvertOptions(group_size=32))
+    # the manifest records the plan's figures: the card needs no source
+    f = card_facts(copy)
+    assert f.sizes.source_bytes == plan.source_bytes and f.sizes.by_role
+    assert f.sizes.output_file_bytes == plan.output_file_bytes
     m = json.loads((copy / MANIFEST).read_text())
-    m["source"]["path"] = str(tmp_path / "gone")  # the source was deleted after conversion
+    del m["sizes"]  # a manifest from before the sizes were recorded, its source deleted since
+    m["source"]["path"] = str(tmp_path / "gone")
     (copy / MANIFEST).write_text(json.dumps(m))
     f = card_facts(copy)
-    plan = make_plan(open_checkpoint(src), ConvertOptions(group_size=32))
     assert f.sizes.source_bytes is None
     assert f.sizes.output_bytes == plan.output_bytes
     assert f.sizes.output_file_bytes == plan.output_file_bytes
@@ -196,7 +201,8 @@ def test_card_records_eval_and_command(done, tmp_path):
 def test_card_metadata_is_what_the_hub_understands(tmp_path):
     """Front matter through huggingface_hub's parser: the source card's license inherited,
     base_model + relation, pipeline_tag, library_name, and tags that are valid Hub tags
-    (`awq+gptq` becomes `awq-gptq`); a source without a card gives no license key."""
+    (`awq+gptq` becomes `awq-gptq`); the license is recorded at convert time (the source may
+    be deleted after); a source without a card gives no license key."""
     import re
 
     cfg = tiny_config("glm4_moe")
@@ -212,5 +218,7 @@ def test_card_metadata_is_what_the_hub_understands(tmp_path):
     f = card_facts(dst, base_model="zai-org/GLM-4.6-FP8")
     fm = _front_matter(render_card(f))
     assert fm["base_model"] == "zai-org/GLM-4.6-FP8" and fm["base_model_relation"] == "quantized"
-    (src / "README.md").unlink()
-    assert "license" not in _front_matter(render_card(card_facts(dst)))
+    (src / "README.md").unlink()  # recorded at convert: the card no longer needs the source
+    assert _front_matter(render_card(card_facts(dst)))["license"] == "mit"
+    convert(src, dst, ConvertOptions(method="rtn"), device="cpu", overwrite=True)
+    assert "license" not in _front_matter((dst / "README.md").read_text())
