@@ -10,7 +10,8 @@ The stages, in the order `pipeline.convert` runs them:
     calib_data.py   calibration text (default set in calib_data/) -> token ids   [--method != rtn]
     layers.py       decoder layers from transformers' classes, filled and run      [--method != rtn]
     capture.py      the MLP's calibration forward and its statistics (Hessians)    [--method != rtn]
-    calibrate.py    the layer thread: statistics -> GPTQ / AWQ rounding -> report  [--method != rtn]
+    rounding.py     one layer's MLP rounded from its statistics (AWQ, GPTQ, RTN)   [--method != rtn]
+    calibrate.py    the layer thread: passes, rounding, hand-off, report          [--method != rtn]
     calib_state.py  layer-boundary checkpoints of the calibration, for resume     [--method != rtn]
     distributed.py  several processes under torchrun: samples and experts per rank [torchrun]
     shards.py       write: streamed safetensors shards, index, config, atomic renames
@@ -20,3 +21,6 @@ The stages, in the order `pipeline.convert` runs them:
 """
 
 __version__ = "0.1.0"
+# The layout of every JSON this tool writes or prints (reports, manifest, --json output):
+# raised when a key changes meaning or goes away. Non-finite numbers are written as null.
+SCHEMA_VERSION = 1

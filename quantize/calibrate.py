@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quantize import SCHEMA_VERSION
 from quantize.calib_data import CalibrationSet, load_calibration
 from quantize.calib_state import Checkpointer, StateDir
 from quantize.capture import MLPStats, dense_forward, moe_forward
@@ -244,7 +245,7 @@ class Calibrator:
         # the report in the manifest holds what the same inputs always give; the wall-clock
         # times and memory peaks go beside it, into a report that is not checksummed (last)
         full = self.report()
-        write_json_atomic(out / CALIB_REPORT, {**full, "layers": [
+        write_json_atomic(out / CALIB_REPORT, {"schema_version": SCHEMA_VERSION, **full, "layers": [
             {k: v for k, v in lay.items() if k not in TIMING_KEYS} for lay in full["layers"]]})
         names = [CALIB_REPORT]
         try:
@@ -256,7 +257,7 @@ class Calibrator:
             # atomically, and a full disk is the same clean error
             write_bytes_atomic(out / AWQ_SCALES, save(self.awq_scales, metadata={"format": "pt"}))
             names.append(AWQ_SCALES)
-        write_json_atomic(out / CALIB_TIMINGS, {"layers": [
+        write_json_atomic(out / CALIB_TIMINGS, {"schema_version": SCHEMA_VERSION, "layers": [
             {k: lay[k] for k in ("layer", *TIMING_KEYS) if k in lay} for lay in full["layers"]]})
         return names
 

@@ -100,6 +100,8 @@ def _bytes(n: int | None) -> str:
 
 
 def _num(x) -> str:
+    if x is None:  # (JSON null: a non-finite figure, e.g. the SQNR of exact tensors)
+        return "n/a (exact)"
     if isinstance(x, float):
         return "inf" if math.isinf(x) else f"{x:.2f}"
     return str(x)

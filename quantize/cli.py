@@ -10,6 +10,7 @@ import os
 import shlex
 import sys
 import time
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -30,6 +31,31 @@ app = typer.Typer(
 )
 out = Console()
 err = Console(stderr=True, soft_wrap=True)  # messages stay one line for logs and grep
+# -q / -v (before the command): quiet drops progress bars and progress lines (results,
+# warnings and errors stay); verbose shows tracebacks, as each command's --debug does
+VERBOSITY = {"quiet": False, "verbose": False}
+
+
+class Method(str, Enum):
+    rtn = "rtn"
+    gptq = "gptq"
+    awq = "awq"
+    awq_gptq = "awq+gptq"
+
+
+class ExpertCalibration(str, Enum):
+    routed = "routed"
+    all = "all"
+
+
+class EvalDtype(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+def _value(x):
+    return x.value if isinstance(x, Enum) else x
 
 
 def _version(value: bool) -> None:
@@ -49,12 +75,18 @@ def _version(value: bool) -> None:
 def _root(version: Annotated[bool, typer.Option(
         "--version", "-V", callback=_version, is_eager=True,
         help="Print the version (and torch / transformers / compressed-tensors) and exit.")] = False,
+          quiet: Annotated[bool, typer.Option(
+              "--quiet", "-q", help="No progress bars or progress lines; results, warnings and "
+                                    "errors only.")] = False,
+          verbose: Annotated[bool, typer.Option(
+              "--verbose", "-v", help="Full tracebacks on errors (every command's --debug).")] = False,
           ) -> None:
     """Stream FP8/BF16 GLM MoE checkpoints into compressed-tensors INT4 (W4A16) checkpoints.
 
     Typical run:  quantize inspect SRC; quantize plan SRC --tp 8; quantize convert SRC DST;
-    quantize verify SRC DST
+    quantize verify SRC DST.  -q / -v go before the command: quantize -q convert SRC DST
     """
+    VERBOSITY["quiet"], VERBOSITY["verbose"] = quiet, verbose
 
 Src = Annotated[str, typer.Argument(
     help="Source checkpoint: a folder (config.json + safetensors) or a Hub repo id org/name.")]
@@ -71,17 +103,26 @@ Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON 
 Debug = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
 
 
+def _print_json(d: dict) -> None:
+    """--json output: the schema version first, strict JSON (non-finite numbers as null)."""
+    from quantize import SCHEMA_VERSION
+    from quantize.shards import json_text
+
+    out.print_json(json_text({"schema_version": SCHEMA_VERSION, **d}, indent=None))
+
+
 def _options(method: str, group_size: int, targets: str, asymmetric: bool, max_shard_size: str = "5GB",
              **calibration):
     from quantize.options import ConvertOptions, parse_size
 
-    return ConvertOptions(method=method, group_size=group_size, symmetric=not asymmetric,
+    calibration = {k: _value(v) for k, v in calibration.items()}
+    return ConvertOptions(method=_value(method), group_size=group_size, symmetric=not asymmetric,
                           targets=frozenset(t.strip() for t in targets.split(",") if t.strip()),
                           max_shard_size=parse_size(max_shard_size), **calibration)
 
 
 def _fail(e: Exception, debug: bool, hint: str | None = None) -> None:
-    if debug:
+    if debug or VERBOSITY["verbose"]:
         raise e
     err.print(f"[red]error:[/] {e}", highlight=False)
     if hint:
@@ -92,7 +133,7 @@ def _fail(e: Exception, debug: bool, hint: str | None = None) -> None:
 def _progress(disable: bool = False) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
                     TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                    console=err, transient=False, disable=disable)
+                    console=err, transient=False, disable=disable or VERBOSITY["quiet"])
 
 
 @app.command()
@@ -110,7 +151,7 @@ def inspect(src: Src, revision: Revision = None, json_: Json = False, debug: Deb
         d = inspect_data(resolve_source(src, revision, headers_only=True))
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
-    out.print_json(json.dumps(d)) if json_ else out.print(inspect_table(d))
+    _print_json(d) if json_ else out.print(inspect_table(d))
 
 
 @app.command()
@@ -121,9 +162,8 @@ def plan(
     targets: Targets = "routed",
     asymmetric: Asym = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")] = "5GB",
-    method: Annotated[str, typer.Option(
-        help="rtn, gptq, awq or awq+gptq: calibrated methods add their resume checkpoints to "
-             "the disk needed.")] = "rtn",
+    method: Annotated[Method, typer.Option(
+        help="Calibrated methods add their resume checkpoints to the disk needed.")] = Method.rtn,
     num_samples: Annotated[int, typer.Option(help="Calibration sequences (calibrated methods).")] = 128,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 2048,
     json_: Json = False,
@@ -154,7 +194,7 @@ def plan(
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
     if json_:
-        out.print_json(json.dumps(d))
+        _print_json(d)
     else:
         for t in plan_tables(d):
             out.print(t)
@@ -187,8 +227,8 @@ def _public_command(args: list[str], src: str, dst: Path, base_model: str | None
 def convert(
     src: Src,
     dst: Dst,
-    method: Annotated[str, typer.Option(
-        help="Rounding: rtn (no data), gptq, awq or awq+gptq (calibrated, layer by layer).")] = "rtn",
+    method: Annotated[Method, typer.Option(
+        help="Rounding: rtn (no data), gptq, awq or awq+gptq (calibrated, layer by layer).")] = Method.rtn,
     group_size: GroupSize = 32,
     targets: Targets = "routed",
     asymmetric: Asym = False,
@@ -203,9 +243,10 @@ def convert(
         help="Tokens per calibration sequence.", rich_help_panel="Calibration (gptq, awq)")] = 2048,
     seed: Annotated[int, typer.Option(
         help="Seed for sampling the calibration windows.", rich_help_panel="Calibration (gptq, awq)")] = 0,
-    expert_calibration: Annotated[str, typer.Option(
+    expert_calibration: Annotated[ExpertCalibration, typer.Option(
         help="routed: each expert's statistics from its routed tokens; all: every expert sees "
-             "every token (llm-compressor's way).", rich_help_panel="Calibration (gptq, awq)")] = "routed",
+             "every token (llm-compressor's way).",
+        rich_help_panel="Calibration (gptq, awq)")] = ExpertCalibration.routed,
     min_expert_tokens: Annotated[int, typer.Option(
         help="Experts routed fewer tokens use all-token statistics (reported).",
         rich_help_panel="Calibration (gptq, awq)")] = 16,
@@ -236,6 +277,8 @@ def convert(
         help="The Hub repo SRC is a copy of (ORG/NAME), for the card's base_model; default: the "
              "repo a Hub-cache source came from. Pass it for a local copy, e.g. after "
              "`hf download --local-dir`.")] = None,
+    json_: Annotated[bool, typer.Option(
+        "--json", help="At the end, print a JSON summary (shards, bytes, seconds) on stdout.")] = False,
     debug: Debug = False,
 ) -> None:
     """Convert SRC to a compressed-tensors pack-quantized INT4 checkpoint in DST.
@@ -312,14 +355,14 @@ def convert(
                          f"~{left / 60:.1f} min left")
 
             def line(text: str) -> None:  # timestamped: per-layer wall times read off the log
-                if quiet:
+                if quiet or VERBOSITY["quiet"]:
                     return
                 now = time.time()
                 stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
                 bar.console.print(f"{stamp} {text}", highlight=False, markup=False)
 
             line(f"convert {src} -> {dst}: {fmt_bytes(total)} to read, {len(plan_.shards)} shard(s) "
-                 f"of {fmt_bytes(plan_.output_bytes)}, method {method}, device {device}")
+                 f"of {fmt_bytes(plan_.output_bytes)}, method {_value(method)}, device {device}")
             if checkpoint_interval < 0:
                 raise ValueError("--checkpoint-interval must be >= 0 seconds")
             res = run_convert(local, dst, opts, device=device, resume=resume, overwrite=overwrite,
@@ -346,6 +389,13 @@ def convert(
     if res is None:  # a rank other than 0: its share is done, rank 0 reports
         return
     dt = time.perf_counter() - t0
+    if json_:
+        _print_json({"output": dst.name, "device": str(res.device), "seconds": round(dt, 1),
+                     "shards_written": res.written, "shards_kept": res.skipped,
+                     "output_bytes": res.plan.output_bytes, "source_bytes": total,
+                     "method": _value(method),
+                     "calibration_layers": None if res.calibration is None
+                     else len(res.calibration.get("layers", []))})
     err.print(f"[green]done[/] in {dt:.1f} s on {res.device}: {len(res.written)} shard(s) written, "
               f"{len(res.skipped)} kept from an earlier run; {fmt_bytes(res.plan.output_bytes)} "
               f"({fmt_bytes(total)} read, {total / dt / 2**20:,.0f} MiB/s)", highlight=False)
@@ -420,7 +470,7 @@ def verify(
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
     if json_:
-        out.print_json(json.dumps(rep.to_json()["summary"]))
+        _print_json(rep.to_json()["summary"])
     else:
         out.print(verify_table(rep))
     for p in rep.problems:
@@ -432,7 +482,8 @@ def verify(
 @app.command()
 def push(
     dst: Annotated[Path, typer.Argument(help="A converted and verified output folder.")],
-    repo_id: Annotated[str, typer.Argument(help="Hub repo id org/name (created if missing).")],
+    repo_id: Annotated[str, typer.Argument(
+        help="Hub repo id org/name (created if missing); a bare name goes into your own namespace.")],
     private: Annotated[bool, typer.Option(help="Create the repo private (an existing repo keeps "
                                                "its visibility).")] = False,
     revision: Annotated[str, typer.Option(help="Branch to push to (created from main if missing).")] = "main",
@@ -447,6 +498,10 @@ def push(
         envvar=None)] = None,
     commit_message: Annotated[str | None, typer.Option(
         help="The commit's title (default: 'Upload INT4 checkpoint (N files) with glm-int4-quantize V').")] = None,
+    create_pr: Annotated[bool, typer.Option(
+        help="Open a pull request against --revision instead of committing to it (a repo you "
+             "may not write to directly, or a review first).")] = False,
+    json_: Json = False,
     debug: Debug = False,
 ) -> None:
     """Upload DST to the Hugging Face Hub with a model card (README.md), resumably.
@@ -459,13 +514,21 @@ def push(
       quantize push ./GLM-5.2-INT4 my-org/GLM-5.2-INT4 --dry-run
       quantize push ./GLM-5.2-INT4 my-org/GLM-5.2-INT4 --private
       quantize push ./GLM-5.2-INT4 my-org/GLM-5.2-INT4 --commit-message "INT4 g32, GPTQ 512x2048"
+      quantize push ./GLM-5.2-INT4 GLM-5.2-INT4                   # into your user namespace
+      quantize push ./GLM-5.2-INT4 their-org/GLM-5.2-INT4 --create-pr
     """
-    from quantize.push import prepare_push, upload
+    from quantize.push import prepare_push, resolve_repo_id, upload
     from quantize.report import fmt_bytes
 
     try:
+        repo_id = resolve_repo_id(repo_id, token)
         p = prepare_push(dst, repo_id, revision, private, skip_verify_check, base_model,
                          write_card=not dry_run)
+        if dry_run and json_:
+            _print_json({"repo_id": p.repo_id, "revision": p.revision, "private": p.private,
+                         "dry_run": True, "files": [{"name": f.name, "bytes": f.nbytes} for f in p.files],
+                         "total_bytes": p.total_bytes})
+            return
         if dry_run:
             for f in p.files:
                 out.print(f"{f.nbytes:>16,}  {f.name}", highlight=False, soft_wrap=True)
@@ -476,10 +539,16 @@ def push(
             return
         err.print(f"uploading {len(p.files)} files ({fmt_bytes(p.total_bytes)}) to {p.repo_id}"
                   f"@{p.revision}", highlight=False)
-        url = upload(p, token=token, commit_message=commit_message)
+        url = upload(p, token=token, commit_message=commit_message, create_pr=create_pr)
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
-    out.print(url, highlight=False, soft_wrap=True)
+    if json_:
+        _print_json({"repo_id": p.repo_id, "revision": p.revision, "private": p.private,
+                     "dry_run": False, "create_pr": create_pr, "url": url,
+                     "files": [{"name": f.name, "bytes": f.nbytes} for f in p.files],
+                     "total_bytes": p.total_bytes})
+    else:
+        out.print(url, highlight=False, soft_wrap=True)
 
 
 def main() -> None:  # pragma: no cover - console entry point
@@ -499,8 +568,8 @@ def eval_(
         help="Tokens per window (capped to max_position_embeddings).")] = 2048,
     seed: Annotated[int, typer.Option(help="Seed for shuffling the held-out documents.")] = 0,
     device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
-    dtype: Annotated[str, typer.Option(
-        help="auto (bfloat16 on a GPU, float32 on the CPU), float32 or bfloat16.")] = "auto",
+    dtype: Annotated[EvalDtype, typer.Option(
+        help="auto: bfloat16 on a GPU, float32 on the CPU.")] = EvalDtype.auto,
     max_ppl_ratio: Annotated[float | None, typer.Option(
         help="Exit 1 when quantized / source perplexity exceeds this (default: no gate).")] = None,
     json_: Json = False,
@@ -524,14 +593,15 @@ def eval_(
     from quantize.report import eval_tables
 
     try:
-        opts = EvalOptions(data=data, num_samples=num_samples, seq_len=seq_len, seed=seed, dtype=dtype)
+        opts = EvalOptions(data=data, num_samples=num_samples, seq_len=seq_len, seed=seed,
+                           dtype=_value(dtype))
         local = resolve_source(src, revision, headers_only=False)
         rep = evaluate(local, dst, opts, device=device,
                        log=lambda text: err.print(text, highlight=False, markup=False))
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
     if json_:
-        out.print_json(json.dumps(rep))
+        _print_json(rep)
     else:
         for t in eval_tables(rep):
             out.print(t)

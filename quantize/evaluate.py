@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from quantize import __version__
+from quantize import SCHEMA_VERSION, __version__
 from quantize.calib_data import (
     DEFAULT_CALIB,
     data_sha256,
@@ -491,6 +491,7 @@ def evaluate(src: str | Path, dst: str | Path, opts: EvalOptions = EvalOptions()
                 "disjoint from the calibration text" if es.disjoint else "overlaps the calibration text")
     summary["data"] = f"{Path(es.source).name}, {es.tokens.shape[0]} x {es.tokens.shape[1]} tokens, {relation}"
     report = {
+        "schema_version": SCHEMA_VERSION,
         "summary": summary,
         "layers": ev.layers,
         "data": es.summary(),

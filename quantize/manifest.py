@@ -25,7 +25,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from quantize import __version__
+from quantize import SCHEMA_VERSION, __version__
 from quantize.checkpoint import INDEX_NAME, Checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.plan import Plan
@@ -162,6 +162,7 @@ class Manifest:
     def start(cls, out_dir: Path, ckpt: Checkpoint, plan: Plan, extra: dict | None = None,
               base_model: str | None = None) -> Manifest:
         data = {
+            "schema_version": SCHEMA_VERSION,
             "status": "in-progress",
             "tool_version": __version__,
             "options": plan.options.to_json(),

@@ -35,9 +35,9 @@ from quantize.errors import Problem, QuantizeError
 from quantize.manifest import MANIFEST, finished_manifest
 from quantize.readme import CARD, EVAL_JSON, card_text, write_readme
 from quantize.shards import sha256_file
-from quantize.verify import VERIFY_JSON
+from quantize.verify import DEFAULT_MIN_SQNR_DB, VERIFY_JSON
 
-__all__ = ["PushPlan", "UploadFile", "prepare_push", "upload"]
+__all__ = ["PushPlan", "UploadFile", "prepare_push", "resolve_repo_id", "upload"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _TOKEN_LIKE = re.compile(r"hf_[A-Za-z0-9]{8,}")
@@ -61,6 +61,30 @@ class PushPlan:
     @property
     def total_bytes(self) -> int:
         return sum(f.nbytes for f in self.files)
+
+
+def resolve_repo_id(name: str, token: str | None = None) -> str:
+    """ORG/NAME as given, or a bare NAME in the namespace of the token's user (`whoami`, one
+    Hub request), as the hf CLI does. Offline, or without a login, a bare name is refused with
+    the fix."""
+    if "/" in name:
+        return name
+    from huggingface_hub import HfApi, constants
+
+    from quantize.hub import http_errors
+
+    fix = f"pass the full repo id, e.g. my-org/{name}"
+    if getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)():
+        raise QuantizeError("a bare repo name needs your Hub user name, and HF_HUB_OFFLINE is set",
+                            [Problem(name, None, "no namespace", "ORG/NAME", fix)])
+    try:
+        user = HfApi(library_name="glm-int4-quantize", library_version=__version__,
+                     token=token).whoami()["name"]
+    except (OSError, *http_errors(), KeyError, ValueError) as e:
+        raise QuantizeError("a bare repo name needs your Hub user name, and `whoami` failed",
+                            [Problem(name, None, _scrub(f"{type(e).__name__}: {e}")[:200],
+                                     "a login (HF_TOKEN or `hf auth login`)", fix)]) from None
+    return f"{user}/{name}"
 
 
 def _check_publishable(dst: Path, repo_id: str, skip_verify_check: bool) -> dict:
@@ -106,6 +130,14 @@ def _check_publishable(dst: Path, repo_id: str, skip_verify_check: bool) -> dict
                             [Problem(str(vpath), None, "written for another manifest (another "
                                      "folder, or this one before it changed)",
                                      f"the sha256 of {MANIFEST} as it is now", fix)])
+    floor = report.get("min_sqnr_db_threshold")
+    if not isinstance(floor, (int, float)) or floor < DEFAULT_MIN_SQNR_DB:
+        raise QuantizeError("verify.json was checked against a lower SQNR floor: refusing to "
+                            "publish it", [Problem(
+                                str(vpath), None, f"--min-sqnr {floor}",
+                                f"at least the default {DEFAULT_MIN_SQNR_DB:g} dB",
+                                "run `quantize verify SRC DST` with the default floor (or pass "
+                                "--skip-verify-check to publish what the lower floor passed)")])
     if vpath.stat().st_mtime_ns < (dst / MANIFEST).stat().st_mtime_ns:
         raise QuantizeError("verify.json is older than the conversion: refusing to publish it", [Problem(
             str(vpath), None, "written before the manifest's last change", "a report of this conversion",
@@ -140,8 +172,10 @@ def _scrub(text: str) -> str:
     return _TOKEN_LIKE.sub("hf_***", text)
 
 
-def upload(plan: PushPlan, token: str | None = None, commit_message: str | None = None) -> str:
-    """Create the repo (and branch) if missing and upload `plan.files`; return the commit URL.
+def upload(plan: PushPlan, token: str | None = None, commit_message: str | None = None,
+           create_pr: bool = False) -> str:
+    """Create the repo (and branch) if missing and upload `plan.files`; return the commit URL
+    (with `create_pr`: the files go into a pull request against `plan.revision`; its URL).
     `token`: instead of HF_TOKEN / the stored login (never printed); `commit_message`: the
     commit's title (default: what is uploaded, by which tool version).
 
@@ -164,6 +198,7 @@ def upload(plan: PushPlan, token: str | None = None, commit_message: str | None 
             allow_patterns=[glob.escape(f.name) for f in plan.files],
             commit_message=commit_message or f"Upload INT4 checkpoint ({len(plan.files)} files) with "
                                              f"glm-int4-quantize {__version__}",
+            create_pr=create_pr,
         )
     except (OSError, *http_errors(), RuntimeError, ValueError) as e:  # HfHubHTTPError is an OSError
         msg = _scrub(str(e)) if token is None else _scrub(str(e)).replace(token, "***")
@@ -171,4 +206,6 @@ def upload(plan: PushPlan, token: str | None = None, commit_message: str | None 
             plan.repo_id, None, type(e).__name__, "a finished upload",
             "check HF_TOKEN has write access to the namespace, then re-run the same `quantize push`: "
             "files already on the Hub are not sent again")]) from None
+    if create_pr and getattr(info, "pr_url", None):
+        return str(info.pr_url)
     return str(info.commit_url) if hasattr(info, "commit_url") else str(info)

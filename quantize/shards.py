@@ -23,6 +23,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -130,8 +131,25 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         raise write_failed(path, e) from None
 
 
+def finite(obj: object) -> object:
+    """`obj` with every non-finite float (inf, nan) as None: JSON has no such numbers (Python
+    would write `Infinity`, which strict parsers refuse)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def json_text(obj: object, indent: int | None = 2) -> str:
+    """Strict JSON (no NaN / Infinity): non-finite numbers as null."""
+    return json.dumps(finite(obj), indent=indent, sort_keys=False, allow_nan=False)
+
+
 def write_json_atomic(path: Path, obj: object) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+    write_bytes_atomic(path, (json_text(obj) + "\n").encode())
 
 
 def copy_file_atomic(src: Path, dst: Path) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from quantize import SCHEMA_VERSION
 from quantize.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor_table
 from quantize.int4 import Int4Weight, dequantize, rtn_qparams, unpack_int4
 from quantize.manifest import MANIFEST, finished_manifest
@@ -93,10 +94,11 @@ class VerifyReport:
         }
 
     def to_json(self) -> dict:
-        def num(x: float) -> float | str:
-            return x if math.isfinite(x) else "inf"
+        def num(x: float) -> float | None:
+            return x if math.isfinite(x) else None  # SQNR of an exact tensor: no error, null
 
         return {
+            "schema_version": SCHEMA_VERSION,
             "src": self.src, "dst": self.dst, "min_sqnr_db_threshold": self.min_sqnr_db,
             "summary": {k: (num(v) if isinstance(v, float) else v) for k, v in self.summary().items()},
             "worst": [asdict(t) | {"sqnr_db": num(t.sqnr_db)} for t in self.worst()],
@@ -205,7 +207,10 @@ def _bytes(ckpt: Checkpoint, name: str) -> torch.Tensor:
     return (t.reshape(1) if t.dim() == 0 else t).view(torch.uint8)
 
 
-def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = 12.0, device: str = "cpu",
+DEFAULT_MIN_SQNR_DB = 12.0  # verify's floor; push refuses a report checked against a lower one
+
+
+def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQNR_DB, device: str = "cpu",
            on_unit: Callable[[Unit], None] | None = None, write: bool = True,
            on_start: Callable[[int], None] | None = None) -> VerifyReport:
     """Check `dst` against `src`; write `dst/verify.json`; return the report.

@@ -15,7 +15,9 @@ The real client runs unmodified against it (`HF_ENDPOINT=http://127.0.0.1:PORT`,
                                                             store already holds get no actions
     PUT  /lfs-upload/{oid}                                  the bytes (sha256 checked against oid)
     POST /{repo}.git/info/lfs/objects/verify                LFS verify
-    POST /api/models/{repo}/commit/{rev}                    NDJSON commit (file, lfsFile, deletedFile)
+    POST /api/models/{repo}/commit/{rev}                    NDJSON commit (file, lfsFile, deletedFile);
+                                                            ?create_pr=1: onto refs/pr/N, pullRequestUrl
+    GET  /api/whoami-v2                                     whoami: user `user_name` for the token
     HEAD/GET /{repo}/resolve/{rev}/{path}                   downloads, with Range (safetensors headers)
 
 Not covered (only the real Hub shows them): the Xet storage protocol (chunk dedup, the default
@@ -68,6 +70,7 @@ class Repo:
 class HubState:
     def __init__(self, token: str | None = None, stall_after: int | None = None):
         self.token = token
+        self.user_name = "tester"  # whoami's answer for the token
         self.stall_after = stall_after
         self.release = threading.Event()
         self.stalled = threading.Event()  # set when an upload is being held
@@ -98,6 +101,7 @@ class HubState:
 _REPO = r"(?P<repo>[\w.-]+/[\w.-]+)"
 ROUTES = [
     ("POST", re.compile(r"^/api/repos/create$"), "create_repo"),
+    ("GET", re.compile(r"^/api/whoami-v2$"), "whoami"),
     ("POST", re.compile(r"^/api/validate-yaml$"), "validate_yaml"),
     ("GET", re.compile(rf"^/api/models/{_REPO}(?:/revision/(?P<rev>[^/]+))?$"), "repo_info"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/tree/(?P<rev>[^/]+)/?$"), "tree"),
@@ -196,6 +200,12 @@ class _Handler(BaseHTTPRequestHandler):
             private = req.get("visibility") == "private" or bool(req.get("private"))
             self.state.repos[repo_id] = Repo(repo_id, private)
         self._json(200, {"url": url, "name": repo_id})
+
+    def whoami(self) -> None:
+        if not self._authorized() or self.state.token is None:
+            return self._error(401, "Invalid credentials in Authorization header")
+        self._json(200, {"type": "user", "name": self.state.user_name, "orgs": [],
+                         "auth": {"type": "access_token", "accessToken": {"role": "write"}}})
 
     def validate_yaml(self) -> None:
         content = json.loads(self._body())["content"]
@@ -318,6 +328,12 @@ class _Handler(BaseHTTPRequestHandler):
         if rev not in r.branches:
             return self._error(404, f"Revision not found: {rev}", "RevisionNotFound")
         new = dict(r.branches[rev])
+        pr = "create_pr=1" in urlsplit(self.path).query.split("&") or \
+            "create_pr=True" in urlsplit(self.path).query.split("&")
+        if pr:  # a pull request: the commit goes onto a new refs/pr/N, the base stays
+            n = 1 + sum(b.startswith("refs/pr/") for b in r.branches)
+            base, rev = rev, f"refs/pr/{n}"
+            r.heads[rev] = r.heads[base]
         summary = ""
         for item in lines:
             key, v = item["key"], item["value"]
@@ -339,7 +355,8 @@ class _Handler(BaseHTTPRequestHandler):
             r.heads[rev] = oid
             r.commits.append({"oid": oid, "revision": rev, "summary": summary, "files": sorted(new)})
         self._json(200, {"commitUrl": f"{self._base()}/{repo}/commit/{oid}", "commitOid": oid,
-                         "pullRequestUrl": None})
+                         "pullRequestUrl": f"{self._base()}/{repo}/discussions/{rev.rsplit('/', 1)[-1]}"
+                         if pr else None})
 
     def resolve(self, repo: str, rev: str, path: str) -> None:
         r = self._repo(repo)

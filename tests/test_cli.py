@@ -127,3 +127,57 @@ def test_verify_device_auto_and_a_missing_gpu(dsa_fp8, tmp_path):
         r = runner.invoke(app, ["verify", str(dsa_fp8), str(out), "--device", "cuda"])
         assert r.exit_code == 2 and "no GPU" in r.output and "--device cpu" in r.output
         assert "Traceback" not in r.output
+
+
+def test_choices_in_help_quiet_verbose_and_convert_json(dsa_fp8, tmp_path):
+    """`--help` lists the choices of --method / --expert-calibration (Enums) and refuses others
+    by name; `-q` drops the progress lines from a log (the result stays), `-v` shows the
+    traceback of an error; `convert --json` prints strict JSON with the schema version."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    r = runner.invoke(app, ["convert", "--help"], env={"COLUMNS": "200"})
+    assert "rtn" in r.output and "awq+gptq" in r.output and "routed" in r.output
+    r = runner.invoke(app, ["convert", str(dsa_fp8), str(tmp_path / "x"), "--method", "gtpq"])
+    assert r.exit_code == 2 and "gtpq" in r.output and "awq+gptq" in r.output
+    assert not (tmp_path / "x").exists()
+
+    root = Path(__file__).resolve().parents[1]
+    log = tmp_path / "q.log"
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, "-m", "quantize", "-q", "convert", str(dsa_fp8),
+                            str(tmp_path / "o"), "--device", "cpu", "--tp", "1", "--json"],
+                           stdout=subprocess.PIPE, stderr=f, cwd=root, timeout=300, check=False,
+                           text=True)
+    assert r.returncode == 0, log.read_text()
+    assert "% converted" not in log.read_text() and " convert " not in log.read_text()
+    d = json.loads(r.stdout)
+    assert d["schema_version"] == 1 and d["method"] == "rtn" and d["output"] == "o"
+    assert d["shards_written"] and d["shards_kept"] == [] and d["output_bytes"] > 0
+
+    r = runner.invoke(app, ["-v", "verify", str(dsa_fp8), str(tmp_path / "missing")])
+    assert r.exit_code != 0 and r.exception is not None  # raised, not a one-line message
+    r = runner.invoke(app, ["verify", str(dsa_fp8), str(tmp_path / "missing")])
+    assert r.exit_code == 2 and "error:" in r.output
+
+
+def test_verify_json_is_strict_with_a_schema_version(dsa_fp8, tmp_path):
+    """Reports hold numbers or null, never "inf" strings or NaN (strict parsers read them)."""
+    from quantize.verify import VERIFY_JSON
+
+    out = tmp_path / "o"
+    assert runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--device", "cpu", "--tp", "1"]).exit_code == 0
+    assert runner.invoke(app, ["verify", str(dsa_fp8), str(out)]).exit_code == 0
+
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+
+    rep = strict((out / VERIFY_JSON).read_text())
+    assert rep["schema_version"] == 1
+    copies = [t for t in rep["tensors"] if t["action"] == "copy"]
+    assert copies and all(t["sqnr_db"] is None for t in copies)  # exact: no error, null
+    assert all(isinstance(t["sqnr_db"], float) for t in rep["tensors"] if t["action"] == "quantize")
+    assert "inf" not in (out / VERIFY_JSON).read_text()
+    manifest = strict((out / "quantize-manifest.json").read_text())
+    assert manifest["schema_version"] == 1

@@ -64,7 +64,9 @@ def test_convert_downloads_and_card_names_base_model(hub, tmp_path):
     assert (snap / "config.json").is_file()
     assert (snap / "config.json").is_symlink()  # the standard cache: `hf download` reuses it
     manifest = json.loads((out / "quantize-manifest.json").read_text())
-    assert manifest["source"]["path"] == str(snap.resolve())
+    src = manifest["source"]  # the snapshot's repo and commit, not its local path
+    assert (src["name"], src["repo_id"], src["revision"]) == ("zai-org/GLM-tiny-FP8",) * 2 + (hub.sha,)
+    assert str(home) not in json.dumps(manifest)
     card = (out / "README.md").read_text()
     from huggingface_hub import ModelCard
 

@@ -254,3 +254,47 @@ def test_push_with_token_option_and_commit_message(converted, tmp_path):
     assert wrong.returncode == 2 and "upload to org/tok2 failed" in wrong.stderr
     for p in (r, wrong):
         assert other not in p.stdout + p.stderr and TOKEN not in p.stdout + p.stderr
+
+
+def test_bare_name_create_pr_and_json(converted, tmp_path):
+    """A bare repo name goes into the token user's namespace (whoami, as the hf CLI does);
+    `--create-pr` leaves main as it was and puts the files on refs/pr/1; `--json` prints the
+    pushed files and the URL as strict JSON with its schema version."""
+    _, dst = converted
+    state = HubState(token=TOKEN)
+    hub = Hub(state)
+    try:
+        first = _push(hub, tmp_path / "home", str(dst), "GLM-tiny-INT4", "--json")
+        before = dict(state.repos["tester/GLM-tiny-INT4"].branches["main"])
+        pr = _push(hub, tmp_path / "home", str(dst), "tester/GLM-tiny-INT4", "--create-pr",
+                   "--commit-message", "review me", "--base-model", "zai-org/GLM-5.2-FP8")  # a new card
+    finally:
+        hub.close()
+    assert first.returncode == 0, first.stderr
+    rep = json.loads(first.stdout)
+    assert rep["schema_version"] == 1 and rep["repo_id"] == "tester/GLM-tiny-INT4"
+    assert {f["name"] for f in rep["files"]} == _expected_files(dst)
+    assert rep["url"].startswith(hub.url) and rep["total_bytes"] == sum(f["bytes"] for f in rep["files"])
+    repo = state.repos["tester/GLM-tiny-INT4"]
+    assert set(repo.branches["main"]) == _expected_files(dst)
+    assert pr.returncode == 0, pr.stderr
+    assert pr.stdout.strip().endswith("/tester/GLM-tiny-INT4/discussions/1")
+    assert repo.branches["main"] == before and "refs/pr/1" in repo.branches
+    assert repo.commits[-1]["summary"] == "review me" and repo.commits[-1]["revision"] == "refs/pr/1"
+
+
+def test_bare_name_offline_and_a_lowered_verify_floor_are_refused(converted, tmp_path):
+    src, dst = converted
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", CLI, "push", str(dst), "GLM-tiny-INT4", "--dry-run"],
+                       env=env, cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "HF_HUB_OFFLINE" in r.stderr and "my-org/GLM-tiny-INT4" in r.stderr
+    low = tmp_path / "low"
+    low.mkdir()
+    for p in dst.iterdir():
+        (low / p.name).write_bytes(p.read_bytes())
+    assert verify(src, low, min_sqnr_db=3.0).ok  # passes a weaker check than push asks for
+    with pytest.raises(Exception, match="lower SQNR floor"):
+        prepare_push(low, "org/x", write_card=False)
+    assert verify(src, low).ok  # the default floor again: publishable
+    assert prepare_push(low, "org/x", write_card=False).files
