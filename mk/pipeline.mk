@@ -30,6 +30,17 @@ TARGETS ?= routed
 CALIB ?=
 NUM_SAMPLES ?=
 SEQ_LEN ?=
+# every other convert option, passed when set (empty: the CLI's default)
+ASYMMETRIC ?=
+SEED ?=
+EXPERT_CALIBRATION ?=
+MIN_EXPERT_TOKENS ?=
+PERCDAMP ?=
+MSE_CLIP ?=
+CHECKPOINT_INTERVAL ?=
+MAX_GPU_MEMORY ?=
+BASE_MODEL ?=
+CONFIG ?=
 TP ?= 8
 DEVICE ?= auto
 MAX_SHARD_SIZE ?= 5GB
@@ -53,9 +64,18 @@ PUSH_STAMP := $(OUT)/.pushed-$(subst /,--,$(REPO))@$(REPO_REVISION)
 
 SRC_FLAGS := $(if $(REVISION),--revision $(REVISION))
 QUANT_FLAGS := --method $(METHOD) --group-size $(GROUP_SIZE) --targets $(TARGETS) $(if $(CALIB),--calib $(CALIB)) \
-  $(if $(NUM_SAMPLES),--num-samples $(NUM_SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN))
-CONVERT_FLAGS := --tp $(TP) --device $(DEVICE) --max-shard-size $(MAX_SHARD_SIZE)
-PLAN_FLAGS := --tp $(TP) --group-size $(GROUP_SIZE) --targets $(TARGETS) --max-shard-size $(MAX_SHARD_SIZE)
+  $(if $(NUM_SAMPLES),--num-samples $(NUM_SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) \
+  $(if $(ASYMMETRIC),--asymmetric) $(if $(SEED),--seed $(SEED)) \
+  $(if $(EXPERT_CALIBRATION),--expert-calibration $(EXPERT_CALIBRATION)) \
+  $(if $(MIN_EXPERT_TOKENS),--min-expert-tokens $(MIN_EXPERT_TOKENS)) \
+  $(if $(PERCDAMP),--percdamp $(PERCDAMP)) $(if $(MSE_CLIP),--mse-clip) \
+  $(if $(BASE_MODEL),--base-model $(BASE_MODEL)) $(if $(CONFIG),--config $(CONFIG))
+CONVERT_FLAGS := --tp $(TP) --device $(DEVICE) --max-shard-size $(MAX_SHARD_SIZE) \
+  $(if $(CHECKPOINT_INTERVAL),--checkpoint-interval $(CHECKPOINT_INTERVAL)) \
+  $(if $(MAX_GPU_MEMORY),--max-gpu-memory $(MAX_GPU_MEMORY))
+PLAN_FLAGS := --tp $(TP) --group-size $(GROUP_SIZE) --targets $(TARGETS) --max-shard-size $(MAX_SHARD_SIZE) \
+  $(if $(ASYMMETRIC),--asymmetric) --method $(METHOD) $(if $(NUM_SAMPLES),--num-samples $(NUM_SAMPLES)) \
+  $(if $(SEQ_LEN),--seq-len $(SEQ_LEN))
 PUSH_FLAGS := --revision $(REPO_REVISION) $(if $(PRIVATE),--private)
 
 need = $(if $($(1)),,$(error $(1) is required, e.g. make $(2) $(1)=$(3)))

@@ -223,10 +223,80 @@ def _public_command(args: list[str], src: str, dst: Path, base_model: str | None
     return shlex.join(["quantize", *out])
 
 
+RUN_RECORD = "quantize-run.toml"  # in DST: convert's resolved options (local, never uploaded)
+# convert's parameters a run record / --config file may set
+RUN_KEYS = ("src", "method", "group_size", "targets", "asymmetric", "max_shard_size", "calib",
+            "num_samples", "seq_len", "seed", "expert_calibration", "min_expert_tokens",
+            "percdamp", "mse_clip", "checkpoint_interval", "max_gpu_memory", "device", "tp",
+            "revision", "base_model")
+
+
+def _read_run_file(path: Path, what: str) -> dict:
+    """A TOML file of convert options (keys as the long flags, `-` or `_`; a [convert] table or
+    top-level keys) -> {parameter: value}; unknown keys and bad TOML are refused by name."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise typer.BadParameter(f"{path}: {e}", param_hint=what) from None
+    data = data.get("convert", data)
+    got = {k.replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(got) - set(RUN_KEYS))
+    if unknown:
+        raise typer.BadParameter(f"{path}: unknown option(s) {', '.join(unknown)}; known: "
+                                 f"{', '.join(RUN_KEYS)}", param_hint=what)
+    if isinstance(got.get("targets"), list):
+        got["targets"] = ",".join(got["targets"])
+    return got
+
+
+def _config_callback(ctx: typer.Context, value: Path | None) -> Path | None:
+    if value is not None:  # defaults from the file; flags on the command line still win
+        ctx.default_map = {**(ctx.default_map or {}), **_read_run_file(value, "--config")}
+    return value
+
+
+def _from_callback(ctx: typer.Context, value: Path | None) -> Path | None:
+    if value is not None:
+        rec = value / RUN_RECORD
+        if not rec.is_file():
+            raise typer.BadParameter(f"{rec} does not exist: not a folder `quantize convert` "
+                                     "wrote (or one from before run records)", param_hint="--from")
+        ctx.default_map = {**_read_run_file(rec, "--from"), **(ctx.default_map or {})}
+    return value
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and v in (float("inf"), float("-inf")):
+        return "inf" if v > 0 else "-inf"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))  # a TOML basic string: JSON's escapes are TOML's
+
+
+def _write_run_record(dst: Path, values: dict) -> None:
+    """DST/quantize-run.toml: every convert option as this run resolved it, replayable with
+    `quantize convert --from DST` or `--config DST/quantize-run.toml`."""
+    from quantize import __version__
+    from quantize.shards import write_bytes_atomic
+
+    lines = [f"# quantize convert's options for {dst.name}, glm-int4-quantize {__version__}",
+             "# replay: quantize convert --from DST NEW_DST  (or --config this-file SRC NEW_DST)",
+             "[convert]"]
+    lines += [f"{k} = {_toml_value(_value(v))}" for k, v in values.items() if v is not None]
+    write_bytes_atomic(dst / RUN_RECORD, ("\n".join(lines) + "\n").encode())
+
+
 @app.command()
 def convert(
-    src: Src,
-    dst: Dst,
+    src: Annotated[str | None, typer.Argument(
+        help="Source checkpoint: a folder or a Hub repo id org/name (with --from: default the "
+             "recorded one).", show_default=False)] = None,
+    dst: Annotated[Path | None, typer.Argument(
+        help="Output folder for the INT4 checkpoint.", show_default=False)] = None,
     method: Annotated[Method, typer.Option(
         help="Rounding: rtn (no data), gptq, awq or awq+gptq (calibrated, layer by layer).")] = Method.rtn,
     group_size: GroupSize = 32,
@@ -279,6 +349,14 @@ def convert(
              "`hf download --local-dir`.")] = None,
     json_: Annotated[bool, typer.Option(
         "--json", help="At the end, print a JSON summary (shards, bytes, seconds) on stdout.")] = False,
+    config: Annotated[Path | None, typer.Option(
+        "--config", is_eager=True, callback=_config_callback, exists=False,
+        help="A TOML file of convert options (keys as the long flags; flags given on the "
+             "command line win), e.g. a run record DST/quantize-run.toml.")] = None,
+    from_: Annotated[Path | None, typer.Option(
+        "--from", is_eager=True, callback=_from_callback,
+        help="Replay the run that made this output folder: its options (and SRC) from its "
+             "quantize-run.toml; flags given here win.")] = None,
     debug: Debug = False,
 ) -> None:
     """Convert SRC to a compressed-tensors pack-quantized INT4 checkpoint in DST.
@@ -296,6 +374,11 @@ def convert(
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 512
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
       torchrun --nproc-per-node 8 -m quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq
+      quantize convert --config run.toml ./GLM-5.2-FP8 ./GLM-5.2-INT4   # options from a file
+      quantize convert --from ./GLM-5.2-INT4 ./GLM-5.2-INT4-again       # replay a recorded run
+
+    Every run writes its resolved options to DST/quantize-run.toml (a local record: not among
+    the files `push` uploads).
     """
     from quantize.checkpoint import open_checkpoint
     from quantize.distributed import init
@@ -305,6 +388,20 @@ def convert(
     from quantize.plan import make_plan
     from quantize.report import fmt_bytes
 
+    if dst is None and from_ is not None and src is not None:  # `--from OLD NEW`: NEW is DST
+        dst, src = Path(src), _read_run_file(from_ / RUN_RECORD, "--from").get("src")
+    if src is None or dst is None:
+        raise typer.BadParameter("SRC and DST are required (SRC may come from --from or --config)",
+                                 param_hint="SRC DST")
+    dst = Path(dst)
+    record = {"src": src, "method": method, "group_size": group_size, "targets": targets,
+              "asymmetric": asymmetric, "max_shard_size": max_shard_size,
+              "calib": None if calib is None else str(Path(calib).resolve()),
+              "num_samples": num_samples, "seq_len": seq_len, "seed": seed,
+              "expert_calibration": expert_calibration, "min_expert_tokens": min_expert_tokens,
+              "percdamp": percdamp, "mse_clip": mse_clip, "checkpoint_interval": checkpoint_interval,
+              "max_gpu_memory": max_gpu_memory, "device": device, "tp": tp, "revision": revision,
+              "base_model": base_model}
     command = _public_command(sys.argv[1:], src, dst, base_model) \
         if sys.argv[0].endswith("quantize") else None
     d = init(device)  # under torchrun: this rank (rank 0 prints and writes, the others compute)
@@ -388,6 +485,10 @@ def convert(
         torch.distributed.destroy_process_group()
     if res is None:  # a rank other than 0: its share is done, rank 0 reports
         return
+    try:
+        _write_run_record(dst, record)
+    except QuantizeError as e:
+        _fail(e, debug)
     dt = time.perf_counter() - t0
     if json_:
         _print_json({"output": dst.name, "device": str(res.device), "seconds": round(dt, 1),

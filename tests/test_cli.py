@@ -181,3 +181,44 @@ def test_verify_json_is_strict_with_a_schema_version(dsa_fp8, tmp_path):
     assert "inf" not in (out / VERIFY_JSON).read_text()
     manifest = strict((out / "quantize-manifest.json").read_text())
     assert manifest["schema_version"] == 1
+
+
+def test_config_file_run_record_and_replay(dsa_fp8, tmp_path):
+    """`--config run.toml` sets convert's options (hyphen or underscore keys, a [convert] table,
+    targets as a list; a flag on the command line wins); every run writes its resolved options
+    to DST/quantize-run.toml (not uploaded); `--from DST NEW` replays it byte for byte;
+    an unknown key is refused by name before anything is written."""
+    import tomllib
+
+    from quantize.push import prepare_push
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[convert]\ngroup-size = 32\nseed = 5\ntargets = ["routed", "shared"]\ndevice = "cpu"\n'
+                   'tp = 1\nmax_shard_size = "1MB"\nasymmetric = true\n')
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = runner.invoke(app, ["convert", "--config", str(cfg), str(dsa_fp8), str(a), "--tp", "2"])
+    assert r.exit_code == 0, r.output
+    m = json.loads((a / "quantize-manifest.json").read_text())
+    assert m["options"]["group_size"] == 32 and m["options"]["targets"] == ["routed", "shared"]
+    assert m["options"]["symmetric"] is False and m["tp"] == 2  # the flag won over the file
+    rec = tomllib.loads((a / "quantize-run.toml").read_text())["convert"]
+    assert rec["src"] == str(dsa_fp8) and rec["group_size"] == 32 and rec["tp"] == 2
+    assert rec["targets"] == "routed,shared" and rec["asymmetric"] is True
+
+    r = runner.invoke(app, ["convert", "--from", str(a), str(b)])
+    assert r.exit_code == 0, r.output
+    shards = sorted(p.name for p in a.glob("*.safetensors"))
+    assert len(shards) > 1 and shards == sorted(p.name for p in b.glob("*.safetensors"))
+    assert all((a / n).read_bytes() == (b / n).read_bytes() for n in shards)
+    assert json.loads((b / "quantize-manifest.json").read_text())["options"] == m["options"]
+    assert runner.invoke(app, ["verify", str(dsa_fp8), str(b)]).exit_code == 0
+    assert "quantize-run.toml" not in {f.name for f in prepare_push(b, "me/x", write_card=False).files}
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("grup_size = 64\n")
+    wide = {"COLUMNS": "300"}  # (the error box would wrap the path)
+    r = runner.invoke(app, ["convert", "--config", str(bad), str(dsa_fp8), str(tmp_path / "c")], env=wide)
+    assert r.exit_code == 2 and "grup_size" in r.output and "group_size" in r.output
+    assert not (tmp_path / "c").exists()
+    r = runner.invoke(app, ["convert", "--from", str(tmp_path), str(tmp_path / "c")], env=wide)
+    assert r.exit_code == 2 and "quantize-run.toml" in r.output

@@ -142,3 +142,25 @@ def test_make_n_all_with_eval(tmp_path):
     assert [x.split("app()'")[1].split()[0] for x in lines] == ["plan", "convert", "verify", "eval", "push"]
     assert f"eval zai-org/GLM-5.2-FP8 {out} " in lines[3]
     assert "--device cuda" in lines[3] and "--num-samples 64" in lines[3]
+
+
+def test_make_passes_every_convert_option(tmp_path):
+    """Every convert option has a make variable; set, it reaches the convert command (and the
+    stamp, so changing it reruns convert), empty, the CLI's default applies."""
+    out = tmp_path / "o"
+    r = _make(_wrapper(tmp_path), "-n", "convert", "MODEL=zai-org/GLM-5.2-FP8", f"OUT={out}",
+              "METHOD=gptq", "ASYMMETRIC=1", "SEED=7", "EXPERT_CALIBRATION=all",
+              "MIN_EXPERT_TOKENS=4", "PERCDAMP=0.05", "MSE_CLIP=1", "CHECKPOINT_INTERVAL=0",
+              "MAX_GPU_MEMORY=75", "BASE_MODEL=zai-org/GLM-5.2-FP8", "CONFIG=run.toml")
+    assert r.returncode == 0, r.stderr
+    (cmd,) = [x for x in r.stdout.splitlines() if "app()' convert" in x]
+    for flag in ("--method gptq", "--asymmetric", "--seed 7", "--expert-calibration all",
+                 "--min-expert-tokens 4", "--percdamp 0.05", "--mse-clip",
+                 "--checkpoint-interval 0", "--max-gpu-memory 75",
+                 "--base-model zai-org/GLM-5.2-FP8", "--config run.toml"):
+        assert flag in cmd, (flag, cmd)
+    (stamp,) = [x for x in r.stdout.splitlines() if x.startswith("printf")]
+    assert "--percdamp 0.05" in stamp and "--max-gpu-memory" not in stamp  # where it runs: not the output
+    plain = _make(_wrapper(tmp_path), "-n", "convert", "MODEL=m", f"OUT={out}")
+    (cmd,) = [x for x in plain.stdout.splitlines() if "app()' convert" in x]
+    assert "--seed" not in cmd and "--asymmetric" not in cmd and "--percdamp" not in cmd
