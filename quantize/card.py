@@ -242,9 +242,40 @@ def _results(f: CardFacts) -> list[str]:
             lines += ["", "Lowest-SQNR tensors:", "", "| tensor | rel. error | SQNR dB |", "|---|---|---|"]
             lines += [f"| `{w['name']}` | {w['rel_err']:.4f} | {_num(w['sqnr_db'])} |" for w in worst[:5]]
     if f.eval:
-        lines += ["", "## Evaluation", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {_metric(x)} |" for k, x in _flat(f.eval)]
+        lines += ["", "## Evaluation", "",
+                  "`quantize eval` ran the source and this checkpoint side by side, layer by layer, "
+                  "on held-out text and compared their next-token predictions:", "",
+                  "| measure | value |", "|---|---|"]
+        known = set()
+        for key, label, fmt in EVAL_ROWS:
+            if key in f.eval:
+                known.add(key)
+                lines.append(f"| {label} | {fmt(f.eval[key])} |")
+        lines += [f"| {k} | {_metric(x)} |" for k, x in _flat(f.eval) if k not in known]
     return lines
+
+
+def _pct(x) -> str:
+    return _num(x) if not isinstance(x, (int, float)) else f"{100 * x:.2f} %"
+
+
+def _ratio(x) -> str:
+    if not isinstance(x, (int, float)):
+        return _num(x)
+    return f"{_metric(float(x))} ({100 * (x - 1):+.2f} % perplexity)"
+
+
+# eval.json's summary as a reader wants it: (key, what it means, how to print it); other keys
+# follow under their own names
+EVAL_ROWS = (
+    ("ppl_source", "perplexity of the source", lambda x: _metric(x)),
+    ("ppl_quantized", "perplexity of this checkpoint", lambda x: _metric(x)),
+    ("ppl_ratio", "perplexity ratio (this / source)", _ratio),
+    ("kl_mean", "mean KL divergence, source -> this (nats per token)", lambda x: _metric(x)),
+    ("top1_agreement", "same top-1 next token as the source", _pct),
+    ("tokens", "tokens scored", lambda x: f"{x:,}" if isinstance(x, int) else _num(x)),
+    ("data", "evaluation text", lambda x: str(x)),
+)
 
 
 def _metric(x) -> str:

@@ -143,7 +143,11 @@ def test_eval_report_card_and_cli(converted):
     manifest = json.loads((dst / MANIFEST).read_text())
     assert "eval.json" not in manifest["files"]
     card = (dst / "README.md").read_text()
-    assert "## Evaluation" in card and f"| ppl_ratio | {s['ppl_ratio']:.4f}".rstrip("0") in card
+    assert "## Evaluation" in card and "| perplexity ratio (this / source) | " \
+        f"{s['ppl_ratio']:.4f}".rstrip("0") in card  # rows a reader understands, not JSON keys
+    assert f"({100 * (s['ppl_ratio'] - 1):+.2f} % perplexity)" in card
+    assert f"| same top-1 next token as the source | {100 * s['top1_agreement']:.2f} % |" in card
+    assert "| ppl_ratio |" not in card and "| kl_mean |" not in card
 
     r = CliRunner().invoke(app, ["eval", str(src), str(dst), "--num-samples", "1", "--seq-len", "32",
                                  "--device", "cpu", "--json", "--max-ppl-ratio", "100"])
