@@ -257,6 +257,10 @@ class Calibrator:
             # atomically, and a full disk is the same clean error
             write_bytes_atomic(out / AWQ_SCALES, save(self.awq_scales, metadata={"format": "pt"}))
             names.append(AWQ_SCALES)
+        from quantize import plots
+
+        plots.routed_tokens(full, out / "calibration" / "routed-tokens.png")  # (a report, not
+        # checksummed: None without matplotlib)
         write_json_atomic(out / CALIB_TIMINGS, {"schema_version": SCHEMA_VERSION, "layers": [
             {k: lay[k] for k in ("layer", *TIMING_KEYS) if k in lay} for lay in full["layers"]]})
         return names

@@ -89,6 +89,7 @@ class CardFacts:
     compressed_tensors_version: str | None
     command: str | None
     license: str | None = None  # the source's (its card's front matter), when known
+    pictures: tuple[tuple[str, str], ...] = ()  # (file in the folder, caption) that exist
 
 
 def _bytes(n: int | None) -> str:
@@ -243,8 +244,8 @@ def _results(f: CardFacts) -> list[str]:
             lines += [f"| `{w['name']}` | {w['rel_err']:.4f} | {_num(w['sqnr_db'])} |" for w in worst[:5]]
     if f.eval:
         lines += ["", "## Evaluation", "",
-                  "`quantize eval` ran the source and this checkpoint side by side, layer by layer, "
-                  "on held-out text and compared their next-token predictions:", "",
+                  ("`quantize eval` ran the source and this checkpoint side by side, layer by layer, "
+                  "on held-out text and compared their next-token predictions:"), "",
                   "| measure | value |", "|---|---|"]
         known = set()
         for key, label, fmt in EVAL_ROWS:
@@ -350,10 +351,19 @@ def _provenance(f: CardFacts) -> list[str]:
     ]
 
 
+def _pictures(f: CardFacts) -> list[str]:
+    if not f.pictures:
+        return []
+    lines = ["## Pictures", ""]
+    for name, caption in f.pictures:
+        lines += [f"![{caption}]({name})", "", f"*{caption[0].upper() + caption[1:]}.*", ""]
+    return lines
+
+
 def render_card(f: CardFacts) -> str:
     """The README.md text for one output folder."""
     name = f.repo_id or f"{(f.base_model or f.source_name).rstrip('/').split('/')[-1]}-INT4"
     title = f"# {name.split('/')[-1]}"
     parts = [_front_matter(f), [title, ""], _what(f), [""], _sizes(f), [""], _results(f), [""],
-             _serving(f), [""], _provenance(f)]
+             _pictures(f), _serving(f), [""], _provenance(f)]
     return "\n".join(line for part in parts for line in part) + "\n"

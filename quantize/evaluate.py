@@ -510,5 +510,9 @@ def evaluate(src: str | Path, dst: str | Path, opts: EvalOptions = EvalOptions()
         from quantize.shards import write_json_atomic
 
         write_json_atomic(dst / EVAL_JSON, report)  # a report: not among the manifest's files
+        from quantize import plots
+
+        calib_rep = json.loads((dst / CALIB_REPORT).read_text()) if (dst / CALIB_REPORT).is_file() else None
+        plots.errors_by_layer(report, calib_rep, dst / "eval-layers.png")
         refresh_readme(dst)
     return report

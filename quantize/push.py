@@ -8,8 +8,8 @@
    published); verify.json must say `ok`, name this manifest's sha256 (a report copied from
    another folder does not count) and be newer than the manifest (override: --skip-verify-check)
 2. refresh README.md (the model card) with the repo id
-3. the upload list is exactly: the manifest's files, README.md, verify.json, the manifest
-   itself. Nothing else in the folder (half-written `.partial` files, scratch) is sent
+3. the upload list is exactly: the manifest's files, README.md, verify.json, eval.json and
+   the pictures the card shows (when they exist), the manifest itself. Nothing else in the folder (half-written `.partial` files, scratch) is sent
 4. `upload` (the one network call site): create the repo if missing (private on request),
    create the branch if it is not `main`, then `HfApi.upload_folder` restricted to that list.
    huggingface_hub 2.x folded `upload_large_folder` into `upload_folder`: with hf_xet installed
@@ -33,6 +33,7 @@ from pathlib import Path
 from quantize import __version__
 from quantize.errors import Problem, QuantizeError
 from quantize.manifest import MANIFEST, finished_manifest
+from quantize.plots import PICTURES
 from quantize.readme import CARD, EVAL_JSON, card_text, write_readme
 from quantize.shards import sha256_file
 from quantize.verify import DEFAULT_MIN_SQNR_DB, VERIFY_JSON
@@ -157,7 +158,7 @@ def prepare_push(dst: str | Path, repo_id: str, revision: str = "main", private:
         card = card_text(dst, repo_id=repo_id, base_model=base_model)
     files = [UploadFile(n, r["bytes"]) for n, r in sorted(manifest["files"].items())]
     files.append(UploadFile(CARD, len(card.encode())))
-    for extra in (VERIFY_JSON, EVAL_JSON, MANIFEST):  # the reports the card quotes
+    for extra in (VERIFY_JSON, EVAL_JSON, *PICTURES, MANIFEST):  # what the card quotes and shows
         if (dst / extra).is_file():
             files.append(UploadFile(extra, (dst / extra).stat().st_size))
     return PushPlan(dst, repo_id, revision, private, tuple(files), card)

@@ -31,6 +31,7 @@ from quantize.hub import hub_source, source_license
 from quantize.manifest import read_manifest
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, make_plan, tp_checks
+from quantize.plots import PICTURES
 from quantize.verify import VERIFY_JSON
 
 __all__ = ["CARD", "EVAL_JSON", "card_facts", "card_text", "hub_source", "refresh_readme",
@@ -165,6 +166,7 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
         compressed_tensors_version=qc.get("version"),
         command=manifest.get("command"),
         license=source.get("license") or source_license(src_path),
+        pictures=tuple((n, c) for n, c in PICTURES.items() if (dst / n).is_file()),
     )
 
 

@@ -314,8 +314,12 @@ def _finish(report: VerifyReport, dst: Path, write: bool) -> VerifyReport:
         data = report.to_json()
         if (dst / MANIFEST).is_file():
             data["manifest_sha256"] = sha256_file(dst / MANIFEST)
-        (dst / VERIFY_JSON).write_text(json.dumps(data, indent=2) + "\n")
+        from quantize.shards import json_text
+
+        (dst / VERIFY_JSON).write_text(json_text(data) + "\n")
+        from quantize import plots
         from quantize.readme import refresh_readme  # local: readme imports this module
 
+        plots.sqnr_by_layer(data, dst / "verify-sqnr.png")  # (None without matplotlib)
         refresh_readme(dst)  # the card shows these results
     return report

@@ -21,6 +21,7 @@ from hubserver import Hub, HubState
 from quantize.manifest import MANIFEST
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
+from quantize.plots import PICTURES
 from quantize.push import prepare_push
 from quantize.synth import tiny_config, write_checkpoint
 from quantize.verify import VERIFY_JSON, verify
@@ -57,7 +58,8 @@ def _push(hub: Hub, home: Path, *args: str) -> subprocess.CompletedProcess:
 
 def _expected_files(dst: Path) -> set[str]:
     manifest = json.loads((dst / MANIFEST).read_text())
-    return set(manifest["files"]) | {"README.md", VERIFY_JSON, MANIFEST}
+    pictures = {n for n in PICTURES if (dst / n).is_file()}  # verify's, with matplotlib
+    return set(manifest["files"]) | {"README.md", VERIFY_JSON, MANIFEST} | pictures
 
 
 def test_refuses_unfinished_and_unverified(converted, tmp_path):
