@@ -37,7 +37,6 @@ def _figure(width: float = 8.0, height: float = 4.0):
 
     matplotlib.use("Agg", force=True)  # files only, never a window
     from matplotlib.figure import Figure
-
     from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
