@@ -143,11 +143,22 @@ def inspect(src: Src, revision: Revision = None, json_: Json = False, debug: Deb
     Examples:
       quantize inspect ./GLM-5.2-FP8
       quantize inspect zai-org/GLM-5.2-FP8       # Hub: config + safetensors headers, no weights
+      quantize inspect ./GLM-5.2-INT4            # an INT4 output: scheme, INT4 Linears, bytes
     """
     from quantize.hub import resolve_source
-    from quantize.report import inspect_data, inspect_table
+    from quantize.report import (
+        inspect_data,
+        inspect_int4_data,
+        inspect_int4_table,
+        inspect_table,
+        int4_folder,
+    )
 
     try:
+        if int4_folder(src):  # our own output (or any pack-quantized folder)
+            d = inspect_int4_data(src)
+            _print_json(d) if json_ else out.print(inspect_int4_table(d))
+            return
         d = inspect_data(resolve_source(src, revision, headers_only=True))
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
@@ -181,11 +192,35 @@ def plan(
       quantize plan ./GLM-4.6-FP8 --tp 8 --group-size 128     # warns: 1536/8 = 192
       quantize plan zai-org/GLM-5.2-FP8 --tp 8                # Hub: headers only
       quantize plan ./GLM-5.2-FP8 --method gptq --num-samples 512   # + checkpoint disk
+      quantize plan ./GLM-5.2-INT4 --tp 8        # an INT4 output: the serving checks at TP 8
     """
     from quantize.hub import resolve_source
     from quantize.plan import make_plan
-    from quantize.report import plan_data, plan_tables
+    from quantize.report import (
+        inspect_int4_data,
+        inspect_int4_table,
+        int4_folder,
+        plan_data,
+        plan_tables,
+    )
 
+    if int4_folder(src):  # an INT4 output: where it can be served, nothing left to plan
+        try:
+            d = inspect_int4_data(src, tp)
+        except (QuantizeError, ValueError) as e:
+            _fail(e, debug)
+        if json_:
+            _print_json(d)
+        else:
+            out.print(inspect_int4_table(d))
+            for c in d["checks_at_tp"]["checks"]:
+                out.print(f"TP {tp}: {c['level']:4}  {c['what']}: {c['detail']}", highlight=False)
+        failed = [c for c in d["checks_at_tp"]["checks"] if c["level"] == "fail"]
+        for c in failed:
+            err.print(f"[yellow]warning:[/] TP {tp}: {c['what']}: {c['detail']}", highlight=False)
+        if failed and strict:
+            raise typer.Exit(1)
+        return
     try:
         ckpt = resolve_source(src, revision, headers_only=True)
         d = plan_data(make_plan(ckpt, _options(method, group_size, targets, asymmetric,

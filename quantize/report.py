@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 from rich.table import Table
 
@@ -62,6 +63,101 @@ def inspect_data(ckpt: Checkpoint) -> dict:
         "bytes": ckpt.total_bytes,
         "by_role": {k: {**v, "dtypes": sorted(v["dtypes"])} for k, v in sorted(by_role.items())},
     }
+
+
+INT4_PARTS = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point")
+
+
+def int4_folder(path: str | Path) -> bool:
+    """Whether `path` is a local folder holding a pack-quantized INT4 checkpoint (ours)."""
+    import json
+
+    cfg = Path(path) / "config.json"
+    try:
+        qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return qc.get("format") == "pack-quantized"
+
+
+def inspect_int4_data(dst: str | Path, tp: int = 8) -> dict:
+    """What an INT4 output holds (`inspect` / `plan` on it): its scheme, INT4 Linears by role,
+    bytes by category (packed weights, scales, everything kept), the recorded conversion when a
+    manifest is there, and the serving kernels' checks at each TP size."""
+    from quantize.evaluate import open_output
+    from quantize.manifest import read_manifest
+    from quantize.options import ConvertOptions
+    from quantize.plan import tp_checks
+
+    view = open_output(dst)
+    qc = view.config.get("quantization_config") or {}
+    (group,) = (qc.get("config_groups") or {}).values()
+    w = group.get("weights") or {}
+    by_role: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "dtypes": set()})
+    linears: dict[str, int] = defaultdict(int)
+    layers, experts = set(), set()
+    for t in view.tensors.values():
+        if t.name in view.packed:
+            continue  # (the view's virtual float weights)
+        part = next((x for x in INT4_PARTS if t.name.endswith(x)), None)
+        if part is not None:
+            role = f"{linear_role(t.name[: -len(part)])} INT4"
+            if part == ".weight_packed":
+                linears[linear_role(t.name[: -len(part)])] += 1
+        else:
+            role = _role(t.name, len(t.shape))
+        r = by_role[role]
+        r["tensors"] += 1
+        r["bytes"] += t.nbytes
+        r["dtypes"].add(t.dtype)
+        if (layer := layer_of(t.name)) is not None:
+            layers.add(layer)
+        if ".experts." in t.name:
+            experts.add(t.name.split(".experts.")[1].split(".")[0])
+    manifest = read_manifest(Path(dst))
+    opts = ConvertOptions(group_size=int(w.get("group_size", 32)), symmetric=bool(w.get("symmetric", True)),
+                          targets=frozenset(linears) or frozenset({"routed"}))
+    width = view.config.get("moe_intermediate_size")
+    checks = {t: [c.__dict__ for c in tp_checks(view, opts, t, width)] for t in (1, 2, 4, 8, 16)}
+    L = view.num_hidden_layers
+    return {
+        "source": view.name, "model_type": view.model_type,
+        "format": f"pack-quantized INT{w.get('num_bits', 4)}",
+        "group_size": opts.group_size, "symmetric": opts.symmetric,
+        "input_activations": group.get("input_activations"),
+        "ignore": len(qc.get("ignore") or []),
+        "int4_linears": dict(sorted(linears.items())),
+        "num_hidden_layers": L, "layers_on_disk": len(layers),
+        "mtp_layers": sorted(x for x in layers if x >= L),
+        "routed_experts_per_layer": len(experts), "expert_width": width,
+        "hidden_size": view.config.get("hidden_size"),
+        "tensors": sum(1 for n in view.tensors if n not in view.packed),
+        "shards": len(view.files), "bytes": view.total_bytes,
+        "by_role": {k: {**v, "dtypes": sorted(v["dtypes"])} for k, v in sorted(by_role.items())},
+        "conversion": None if manifest is None else {
+            k: manifest.get(k) for k in ("status", "tool_version", "command", "tp")}
+        | {"method": (manifest.get("options") or {}).get("method"),
+           "source": (manifest.get("source") or {}).get("name")},
+        "valid_tp": [t for t, cs in checks.items() if all(c["level"] != "fail" for c in cs)],
+        "checks_at_tp": {"tp": tp, "checks": checks.get(tp) or [c.__dict__ for c in tp_checks(view, opts, tp, width)]},
+    }
+
+
+def inspect_int4_table(d: dict) -> Table:
+    conv = d.get("conversion") or {}
+    made = f", {conv.get('method')} from {conv.get('source')}" if conv else ""
+    t = Table(title=f"{d['source']}: {d['model_type']}, {d['format']} g{d['group_size']} "
+                    f"{'symmetric' if d['symmetric'] else 'asymmetric'}{made}; "
+                    f"{d['num_hidden_layers']} layers + MTP {d['mtp_layers'] or 'none'}, "
+                    f"{d['routed_experts_per_layer']} experts x {d['expert_width']}; "
+                    f"serves at TP {', '.join(map(str, d['valid_tp'])) or 'none of 1..16'}")
+    for c in ("category", "tensors", "dtypes", "bytes", "share"):
+        t.add_column(c, justify="right" if c in ("tensors", "bytes", "share") else "left")
+    for role, v in sorted(d["by_role"].items(), key=lambda kv: -kv[1]["bytes"]):
+        t.add_row(role, f"{v['tensors']:,}", ",".join(v["dtypes"]), fmt_bytes(v["bytes"]),
+                  f"{100 * v['bytes'] / max(d['bytes'], 1):.1f}%")
+    t.add_row("total", f"{d['tensors']:,}", "", fmt_bytes(d["bytes"]), "100.0%", style="bold")
+    return t
 
 
 def inspect_table(d: dict) -> Table:

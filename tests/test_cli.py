@@ -68,10 +68,45 @@ def test_convert_then_verify(dsa_fp8, tmp_path):
     # (issue 5: re-running the same command resumes); other options are refused in test_resume.py
     r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--device", "cpu"])
     assert r.exit_code == 0 and "resuming" in r.output and " 0 shard(s) written" in r.output
-    # the output is not a source: inspect/plan say what it is and what to run instead
-    r = runner.invoke(app, ["inspect", str(out)])
+    # the output is not a source: convert says what it is and what to run instead
+    r = runner.invoke(app, ["convert", str(out), str(tmp_path / "again")])
     assert r.exit_code == 2 and "an INT4 checkpoint, not a source" in r.output
     assert "quantize verify SRC DST" in r.output
+
+
+def test_inspect_and_plan_read_an_int4_output(tmp_path):
+    """`inspect DST` shows the INT4 scheme, the INT4 Linears by role, the bytes (equal to the
+    plan's), the conversion; `plan DST --tp N` the serving checks there (--strict: exit 1)."""
+    from collections import Counter
+
+    from quantize.checkpoint import open_checkpoint
+    from quantize.options import ConvertOptions
+    from quantize.plan import make_plan
+    from quantize.synth import tiny_config, write_checkpoint
+
+    # expert width 512: 512 / TP is a multiple of 64 at TP 1, 2, 4, 8, not at 16
+    src = write_checkpoint(tmp_path / "src", tiny_config(moe_intermediate_size=512), "fp8-block")
+    out = tmp_path / "o"
+    assert runner.invoke(app, ["convert", str(src), str(out), "--device", "cpu", "--tp", "1",
+                               "--targets", "routed,shared"]).exit_code == 0
+    r = runner.invoke(app, ["inspect", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    plan = make_plan(open_checkpoint(src), ConvertOptions(targets=frozenset({"routed", "shared"})))
+    want = Counter(u.role for u in plan.units if u.action == "quantize")
+    assert d["format"] == "pack-quantized INT4" and d["group_size"] == 32 and d["symmetric"] is True
+    assert d["int4_linears"] == dict(want) and set(want) == {"routed", "shared"}
+    assert d["bytes"] == plan.output_bytes and d["conversion"]["method"] == "rtn"
+    assert d["mtp_layers"] == [src_layers := open_checkpoint(src).num_hidden_layers]
+    assert d["num_hidden_layers"] == src_layers
+    assert d["by_role"]["routed INT4"]["dtypes"] == ["BF16", "I32", "I64"]
+    assert d["valid_tp"] == [1, 2, 4, 8]
+    r = runner.invoke(app, ["inspect", str(out)], env={"COLUMNS": "250"})
+    assert r.exit_code == 0 and "routed INT4" in r.output and "serves at TP 1, 2, 4, 8" in r.output
+    r = runner.invoke(app, ["plan", str(out), "--tp", "16", "--strict"], env={"COLUMNS": "250"})
+    assert r.exit_code == 1 and "TP 16: fail" in r.output and "expert width" in r.output
+    r = runner.invoke(app, ["plan", str(out), "--tp", "8", "--strict"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0 and "TP 8: ok" in r.output and "fail" not in r.output
 
 
 def test_bad_options_are_one_line_errors(dsa_fp8, tmp_path):
