@@ -49,7 +49,7 @@ COMMA := ,
 
 install: $(VENV)/.installed ## create .venv with the package (CLI at .venv/bin/quantize)
 
-demo: install ## tiny GLM-5 FP8 checkpoint: inspect -> plan -> convert (RTN, then AWQ+GPTQ) -> verify
+demo: install ## tiny GLM-5 FP8 checkpoint: inspect -> plan -> convert (RTN, then AWQ+GPTQ) -> verify -> eval
 	$(PY) scripts/demo.py build demo/GLM-tiny-FP8
 	$(QUANTIZE) inspect demo/GLM-tiny-FP8
 	$(QUANTIZE) plan demo/GLM-tiny-FP8 --tp 2
@@ -58,6 +58,14 @@ demo: install ## tiny GLM-5 FP8 checkpoint: inspect -> plan -> convert (RTN, the
 	$(QUANTIZE) convert demo/GLM-tiny-FP8 demo/GLM-tiny-INT4-awq-gptq --overwrite --max-shard-size 2MB \
 	    --tp 2 --method awq+gptq --num-samples 16 --seq-len 128
 	$(QUANTIZE) verify demo/GLM-tiny-FP8 demo/GLM-tiny-INT4-awq-gptq
+	$(QUANTIZE) eval demo/GLM-tiny-FP8 demo/GLM-tiny-INT4 --num-samples 8 --seq-len 128
+	$(QUANTIZE) eval demo/GLM-tiny-FP8 demo/GLM-tiny-INT4-awq-gptq --num-samples 8 --seq-len 128
+	@echo
+	@echo "Which method? verify's SQNR compares weights: GPTQ and AWQ move each weight off its nearest"
+	@echo "INT4 level on purpose (to cancel the errors of the others on real activations), so their SQNR"
+	@echo "is lower while eval's output error (perplexity ratio, KL) is what they lower. Pick awq+gptq"
+	@echo "with calibration text like your traffic, rtn when you have none or want minutes. (This demo"
+	@echo "model has random weights: its figures show the mechanics, not a quality ranking.)"
 
 test: test-newest test-lowest test-llmc ## the suite on the newest and lowest supported sets, and llm-compressor's cross-check (CPU, no network)
 

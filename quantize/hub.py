@@ -34,8 +34,16 @@ from pathlib import Path
 from quantize.checkpoint import Checkpoint, checkpoint_from_headers, open_checkpoint
 from quantize.errors import Problem, QuantizeError
 
-__all__ = ["http_errors", "hub_source", "is_repo_id", "local_path_problem", "resolve_source",
-           "source_identity", "source_license"]
+__all__ = [
+    "http_errors",
+    "hub_source",
+    "is_repo_id",
+    "local_path_problem",
+    "resolve_source",
+    "source_identity",
+    "source_license",
+    "valid_repo_id",
+]
 
 
 def http_errors() -> tuple[type[BaseException], ...]:
@@ -110,6 +118,19 @@ def source_identity(root: str | Path, base_model: str | None = None) -> dict:
     repo = base_model or repo
     return {"name": repo or root.resolve().name, "repo_id": repo, "revision": rev,
             "license": source_license(root) if root.is_dir() else None}
+
+
+def valid_repo_id(s: str) -> bool:
+    """`org/name` (both parts present) as huggingface_hub's own `validate_repo_id` accepts it."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(s, str) or not _REPO_ID.match(s):
+        return False
+    try:
+        validate_repo_id(s)
+    except HFValidationError:
+        return False
+    return True
 
 
 def is_repo_id(src: str) -> bool:

@@ -40,7 +40,6 @@ from quantize.verify import DEFAULT_MIN_SQNR_DB, VERIFY_JSON
 
 __all__ = ["PushPlan", "UploadFile", "prepare_push", "resolve_repo_id", "upload"]
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _TOKEN_LIKE = re.compile(r"hf_[A-Za-z0-9]{8,}")
 
 
@@ -90,7 +89,9 @@ def resolve_repo_id(name: str, token: str | None = None) -> str:
 
 def _check_publishable(dst: Path, repo_id: str, skip_verify_check: bool) -> dict:
     """The manifest of a publishable folder; raises listing every reason it is not."""
-    if not _REPO_ID.match(repo_id):
+    from quantize.hub import valid_repo_id
+
+    if not valid_repo_id(repo_id):
         raise QuantizeError("not a Hub repo id", [Problem(
             repo_id, None, "not of the form org/name", "e.g. my-org/GLM-5.2-INT4",
             "pass the namespace and the repo name separated by one '/'")])

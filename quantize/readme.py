@@ -19,7 +19,6 @@ the checkpoint, rewritten by convert, verify and push, and verify never fails be
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from quantize import __version__
@@ -27,7 +26,7 @@ from quantize.calibrate import CALIB_REPORT
 from quantize.card import CalibrationFacts, CardFacts, Sizes, render_card
 from quantize.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from quantize.errors import QuantizeError
-from quantize.hub import hub_source, source_license
+from quantize.hub import hub_source, source_license, valid_repo_id
 from quantize.manifest import read_manifest
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, make_plan, tp_checks
@@ -40,7 +39,6 @@ __all__ = ["CARD", "EVAL_JSON", "card_facts", "card_text", "hub_source", "refres
 CARD = "README.md"
 EVAL_JSON = "eval.json"
 TP_SIZES = (1, 2, 4, 8, 16)
-_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 def _options(manifest: dict) -> ConvertOptions:
@@ -126,7 +124,7 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
     hub_repo, hub_rev = hub_source(src_path)
     hub_repo, hub_rev = source.get("repo_id") or hub_repo, source.get("revision") or hub_rev
     named = config.get("_name_or_path", "")
-    base = base_model or hub_repo or (named if _REPO_ID.match(named or "") else None)
+    base = base_model or hub_repo or (named if valid_repo_id(named or "") else None)
     source_name = source.get("name") or (Path(src_path).name if src_path else "unknown")
 
     width = config.get("moe_intermediate_size")
