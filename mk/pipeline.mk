@@ -31,6 +31,7 @@ CALIB ?=
 NUM_SAMPLES ?=
 SEQ_LEN ?=
 # every other convert option, passed when set (empty: the CLI's default)
+SCHEME ?=
 ASYMMETRIC ?=
 SEED ?=
 EXPERT_CALIBRATION ?=
@@ -65,7 +66,7 @@ PUSH_STAMP := $(OUT)/.pushed-$(subst /,--,$(REPO))@$(REPO_REVISION)
 SRC_FLAGS := $(if $(REVISION),--revision $(REVISION))
 QUANT_FLAGS := --method $(METHOD) --group-size $(GROUP_SIZE) --targets $(TARGETS) $(if $(CALIB),--calib $(CALIB)) \
   $(if $(NUM_SAMPLES),--num-samples $(NUM_SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) \
-  $(if $(ASYMMETRIC),--asymmetric) $(if $(SEED),--seed $(SEED)) \
+  $(if $(ASYMMETRIC),--asymmetric) $(if $(SEED),--seed $(SEED)) $(if $(SCHEME),--scheme $(SCHEME)) \
   $(if $(EXPERT_CALIBRATION),--expert-calibration $(EXPERT_CALIBRATION)) \
   $(if $(MIN_EXPERT_TOKENS),--min-expert-tokens $(MIN_EXPERT_TOKENS)) \
   $(if $(PERCDAMP),--percdamp $(PERCDAMP)) $(if $(MSE_CLIP),--mse-clip) \
@@ -74,7 +75,7 @@ CONVERT_FLAGS := --tp $(TP) --device $(DEVICE) --max-shard-size $(MAX_SHARD_SIZE
   $(if $(CHECKPOINT_INTERVAL),--checkpoint-interval $(CHECKPOINT_INTERVAL)) \
   $(if $(MAX_GPU_MEMORY),--max-gpu-memory $(MAX_GPU_MEMORY))
 PLAN_FLAGS := --tp $(TP) --group-size $(GROUP_SIZE) --targets $(TARGETS) --max-shard-size $(MAX_SHARD_SIZE) \
-  $(if $(ASYMMETRIC),--asymmetric) --method $(METHOD) $(if $(NUM_SAMPLES),--num-samples $(NUM_SAMPLES)) \
+  $(if $(ASYMMETRIC),--asymmetric) $(if $(SCHEME),--scheme $(SCHEME)) --method $(METHOD) $(if $(NUM_SAMPLES),--num-samples $(NUM_SAMPLES)) \
   $(if $(SEQ_LEN),--seq-len $(SEQ_LEN))
 PUSH_FLAGS := --revision $(REPO_REVISION) $(if $(PRIVATE),--private)
 

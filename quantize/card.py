@@ -90,6 +90,7 @@ class CardFacts:
     command: str | None
     license: str | None = None  # the source's (its card's front matter), when known
     pictures: tuple[tuple[str, str], ...] = ()  # (file in the folder, caption) that exist
+    scheme: str = "w4a16"  # w4a16 | w4afp8 (FP8 input activations declared)
 
 
 def _bytes(n: int | None) -> str:
@@ -118,7 +119,7 @@ def _front_matter(f: CardFacts) -> list[str]:
     schema: license, base_model + base_model_relation, pipeline_tag, library_name, tags)."""
     from huggingface_hub import ModelCardData
 
-    tags = ["compressed-tensors", "int4", "w4a16", "quantized", "moe", f.method]
+    tags = ["compressed-tensors", "int4", f.scheme, "quantized", "moe", f.method]
     if f.model_type and f.model_type != "unknown":
         tags.append(f.model_type)
     data = ModelCardData(
@@ -307,16 +308,20 @@ def _serving(f: CardFacts) -> list[str]:
              f"`{f.expert_width} / TP` to be a multiple of max(64, group size) = "
              f"{max(64, f.group_size)}, so the tensor-parallel sizes that work at group size "
              f"{f.group_size} are: **{tps}**.") if f.expert_width else ""
+    w4a8 = f.scheme == "w4afp8"
+    vllm_kernels = "CUTLASS W4A8 MoE with FP8 activations, Hopper" if w4a8 else \
+        "Marlin / Machete W4A16 kernels"
+    sglang_kernels = "CompressedTensorsW4AFP8MoE" if w4a8 else "MoE WNA16 kernels"
     lines = [
         "## Serving",
         "",
-        "vLLM (Marlin / Machete W4A16 kernels):",
+        f"vLLM ({vllm_kernels}):",
         "",
         "```bash",
         f"vllm serve {model} --tensor-parallel-size {f.tp}",
         "```",
         "",
-        "SGLang (MoE WNA16 kernels):",
+        f"SGLang ({sglang_kernels}):",
         "",
         "```bash",
         f"python -m sglang.launch_server --model-path {model} --tp {f.tp}",
@@ -328,6 +333,11 @@ def _serving(f: CardFacts) -> list[str]:
     lines.append("Weights need about the per-GPU figure in the size table plus KV cache and "
                  "activations; add `--enable-expert-parallel` (vLLM) / `--ep-size` (SGLang) to "
                  "shard experts instead of slicing them.")
+    if w4a8:
+        lines += ["", ("W4AFP8: the INT4 weights are the same as a W4A16 checkpoint's at group 128; "
+                       "the config declares dynamic per-token FP8 input activations, which the "
+                       "W4A8 kernels need hidden size and `expert width / TP` to be multiples of "
+                       "256 for (the TP sizes above are checked for it).")]
     if not f.symmetric:
         lines += ["", ("Asymmetric (zero-point) weights: vLLM's Marlin reads the zero points; "
                        "SGLang's MoE WNA16 path and transformers expect symmetric weights.")]

@@ -43,6 +43,17 @@ class Method(str, Enum):
     awq_gptq = "awq+gptq"
 
 
+class Scheme(str, Enum):
+    w4a16 = "w4a16"
+    w4afp8 = "w4afp8"
+
+
+SchemeOpt = Annotated[Scheme, typer.Option(
+    "--scheme", help="w4a16: INT4 weights, BF16 activations (Marlin/WNA16). w4afp8: the same INT4 "
+                     "weights with dynamic per-token FP8 activations declared (CUTLASS W4A8 MoE on "
+                     "Hopper; needs --group-size 128, symmetric; plan says which TP sizes work).")]
+
+
 class ExpertCalibration(str, Enum):
     routed = "routed"
     all = "all"
@@ -175,6 +186,7 @@ def plan(
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")] = "5GB",
     method: Annotated[Method, typer.Option(
         help="Calibrated methods add their resume checkpoints to the disk needed.")] = Method.rtn,
+    scheme: SchemeOpt = Scheme.w4a16,
     num_samples: Annotated[int, typer.Option(help="Calibration sequences (calibrated methods).")] = 128,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 2048,
     json_: Json = False,
@@ -225,7 +237,7 @@ def plan(
         ckpt = resolve_source(src, revision, headers_only=True)
         d = plan_data(make_plan(ckpt, _options(method, group_size, targets, asymmetric,
                                                max_shard_size, num_samples=num_samples,
-                                               seq_len=seq_len), tp))
+                                               seq_len=seq_len, scheme=scheme), tp))
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
     if json_:
@@ -260,7 +272,7 @@ def _public_command(args: list[str], src: str, dst: Path, base_model: str | None
 
 RUN_RECORD = "quantize-run.toml"  # in DST: convert's resolved options (local, never uploaded)
 # convert's parameters a run record / --config file may set
-RUN_KEYS = ("src", "method", "group_size", "targets", "asymmetric", "max_shard_size", "calib",
+RUN_KEYS = ("src", "method", "group_size", "scheme", "targets", "asymmetric", "max_shard_size", "calib",
             "num_samples", "seq_len", "seed", "expert_calibration", "min_expert_tokens",
             "percdamp", "mse_clip", "checkpoint_interval", "max_gpu_memory", "device", "tp",
             "revision", "base_model")
@@ -335,6 +347,7 @@ def convert(
     method: Annotated[Method, typer.Option(
         help="Rounding: rtn (no data), gptq, awq or awq+gptq (calibrated, layer by layer).")] = Method.rtn,
     group_size: GroupSize = 32,
+    scheme: SchemeOpt = Scheme.w4a16,
     targets: Targets = "routed",
     asymmetric: Asym = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")] = "5GB",
@@ -403,6 +416,7 @@ def convert(
     Examples:
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4
       quantize convert ./GLM-4.6-FP8 ./GLM-4.6-INT4 --group-size 64 --targets routed,shared
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-W4AFP8 --scheme w4afp8 --group-size 128
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --resume
       quantize convert zai-org/GLM-5.2-FP8 ./GLM-5.2-INT4     # downloads into HF_HOME first
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --base-model zai-org/GLM-5.2-FP8
@@ -429,7 +443,8 @@ def convert(
         raise typer.BadParameter("SRC and DST are required (SRC may come from --from or --config)",
                                  param_hint="SRC DST")
     dst = Path(dst)
-    record = {"src": src, "method": method, "group_size": group_size, "targets": targets,
+    record = {"src": src, "method": method, "group_size": group_size, "scheme": scheme,
+              "targets": targets,
               "asymmetric": asymmetric, "max_shard_size": max_shard_size,
               "calib": None if calib is None else str(Path(calib).resolve()),
               "num_samples": num_samples, "seq_len": seq_len, "seed": seed,
@@ -446,7 +461,7 @@ def convert(
                         calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed,
                         expert_calibration=expert_calibration,
                         min_expert_tokens=min_expert_tokens, percdamp=percdamp,
-                        mse_clip=mse_clip)
+                        mse_clip=mse_clip, scheme=scheme)
         if base_model is not None:
             from quantize.hub import is_repo_id
 

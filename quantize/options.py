@@ -12,6 +12,11 @@ __all__ = ["ConvertOptions", "parse_size"]
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 EXPERT_CALIBRATION = ("routed", "all")
 GROUP_SIZES = (32, 64, 128)  # what vLLM's Marlin / SGLang WNA16 MoE kernels accept
+# w4a16: INT4 weights, BF16 activations (Marlin / Machete / WNA16 kernels). w4afp8: the same
+# packed INT4 weights (group 128, symmetric) with dynamic per-token FP8 input activations
+# declared: vLLM's CompressedTensorsW4A8Fp8MoEMethod, SGLang's CompressedTensorsW4AFP8MoE
+# (CUTLASS, Hopper).
+SCHEMES = ("w4a16", "w4afp8")
 
 
 def parse_size(text: str) -> int:
@@ -59,6 +64,8 @@ class ConvertOptions:
     # GPTQ group scales from the clipped range (1.00 ... 0.80) x [min, max] that minimizes the
     # group's squared error, instead of the full range (gptq.py `mse_clip`).
     mse_clip: bool = False
+    # the serving scheme the config declares (SCHEMES); the INT4 integers are the same
+    scheme: str = "w4a16"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -86,6 +93,13 @@ class ConvertOptions:
                              "or awq+gptq")
         if self.num_bits != 4:
             raise ValueError("only 4-bit weights are supported")
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"--scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
+        if self.scheme == "w4afp8" and (self.group_size != 128 or not self.symmetric):
+            raise ValueError(
+                f"--scheme w4afp8 needs --group-size 128 and symmetric weights (the CUTLASS W4A8 "
+                f"MoE kernels of vLLM and SGLang take nothing else), got --group-size "
+                f"{self.group_size}{' --asymmetric' if not self.symmetric else ''}")
 
     def to_json(self) -> dict:
         """The options as the manifest records them. `calib` by file name, not path (the

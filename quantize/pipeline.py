@@ -102,8 +102,13 @@ def quantization_config(plan: Plan) -> dict:
     o = plan.options
     args = QuantizationArgs(num_bits=o.num_bits, type="int", symmetric=o.symmetric, strategy="group",
                             group_size=o.group_size, dynamic=False, actorder=None, observer="minmax")
+    acts = None
+    if o.scheme == "w4afp8":  # compressed-tensors' W4AFP8 preset: dynamic per-token FP8 inputs
+        acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token",
+                                dynamic=True, observer=None)
     qc = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args,
+                                                     input_activations=acts)},
         format="pack-quantized",
         quantization_status="compressed",
         ignore=list(plan.ignore),

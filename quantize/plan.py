@@ -257,11 +257,39 @@ def tp_checks(ckpt: Checkpoint, opts: ConvertOptions, tp: int, expert_width: int
                            f"--group-size, or leave {role} out of --targets")
             checks.append(Check("ok" if ok else "fail", f"{role} down_proj K / TP{tp} % group",
                                 detail))
+    if opts.scheme == "w4afp8":
+        checks += _w4afp8_checks(hidden, expert_width, tp, opts)
     if not opts.symmetric:
         checks.append(Check("warn", "asymmetric zero points",
                             "SGLang's MoE WNA16 kernels assert symmetric weights and transformers "
                             "ignores MoE zero points when decompressing; vLLM Marlin reads them"))
     return checks
+
+
+W4A8_MULTIPLE = 256  # the CUTLASS W4A8 MoE GEMM's tile along K and N
+
+
+def _w4afp8_checks(hidden: int | None, expert_width: int | None, tp: int,
+                   opts: ConvertOptions) -> list[Check]:
+    """The CUTLASS W4A8 MoE kernels (vLLM CompressedTensorsW4A8Fp8MoEMethod, SGLang
+    CompressedTensorsW4AFP8MoE): group 128, symmetric, hidden size and the per-rank expert
+    width multiples of 256. GLM-5.x (6144, 2048): TP 1-8; GLM-4.5-4.7 (5120, 1536): TP 1-2 (or
+    expert parallel); GLM-4.5-Air (4096, 1408): never."""
+    m = W4A8_MULTIPLE
+    out = []
+    if hidden:
+        out.append(Check("ok" if hidden % m == 0 else "fail", f"w4afp8: hidden size % {m}",
+                         f"{hidden} % {m} = {hidden % m}"))
+    if expert_width and "routed" in opts.targets:
+        good = [t for t in (1, 2, 4, 8, 16) if expert_width % t == 0 and (expert_width // t) % m == 0]
+        part = expert_width / tp
+        ok = tp in good
+        detail = f"{expert_width}/{tp} = {part:g}" + (f", % {m} = {int(part) % m}" if part == int(part) else "")
+        if not ok:
+            detail += (f"; w4afp8 serves at TP {', '.join(map(str, good))} (or with expert parallel)"
+                       if good else "; no TP size in 1..16 works: use --scheme w4a16")
+        out.append(Check("ok" if ok else "fail", f"w4afp8: expert width / TP{tp} % {m}", detail))
+    return out
 
 
 def _row_widths(ckpt: Checkpoint, units: list[Unit]) -> dict[str, set[int]]:

@@ -115,8 +115,11 @@ def inspect_int4_data(dst: str | Path, tp: int = 8) -> dict:
         if ".experts." in t.name:
             experts.add(t.name.split(".experts.")[1].split(".")[0])
     manifest = read_manifest(Path(dst))
-    opts = ConvertOptions(group_size=int(w.get("group_size", 32)), symmetric=bool(w.get("symmetric", True)),
-                          targets=frozenset(linears) or frozenset({"routed"}))
+    acts = group.get("input_activations") or {}
+    fp8_acts = acts.get("type") == "float" and acts.get("num_bits") == 8
+    g, sym = int(w.get("group_size", 32)), bool(w.get("symmetric", True))
+    opts = ConvertOptions(group_size=g, symmetric=sym, targets=frozenset(linears) or frozenset({"routed"}),
+                          scheme="w4afp8" if fp8_acts and g == 128 and sym else "w4a16")
     width = view.config.get("moe_intermediate_size")
     checks = {t: [c.__dict__ for c in tp_checks(view, opts, t, width)] for t in (1, 2, 4, 8, 16)}
     L = view.num_hidden_layers
@@ -124,6 +127,7 @@ def inspect_int4_data(dst: str | Path, tp: int = 8) -> dict:
         "source": view.name, "model_type": view.model_type,
         "format": f"pack-quantized INT{w.get('num_bits', 4)}",
         "group_size": opts.group_size, "symmetric": opts.symmetric,
+        "scheme": "w4afp8" if fp8_acts else "w4a16",
         "input_activations": group.get("input_activations"),
         "ignore": len(qc.get("ignore") or []),
         "int4_linears": dict(sorted(linears.items())),
