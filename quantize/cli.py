@@ -330,7 +330,7 @@ def _write_run_record(dst: Path, values: dict) -> None:
     from quantize import __version__
     from quantize.shards import write_bytes_atomic
 
-    lines = [f"# quantize convert's options for {dst.name}, glm-int4-quantize {__version__}",
+    lines = [f"# quantize convert's options for this folder, glm-int4-quantize {__version__}",
              "# replay: quantize convert --from DST NEW_DST  (or --config this-file SRC NEW_DST)",
              "[convert]"]
     lines += [f"{k} = {_toml_value(_value(v))}" for k, v in values.items() if v is not None]
