@@ -91,6 +91,7 @@ class CardFacts:
     license: str | None = None  # the source's (its card's front matter), when known
     pictures: tuple[tuple[str, str], ...] = ()  # (file in the folder, caption) that exist
     scheme: str = "w4a16"  # w4a16 | w4afp8 (FP8 input activations declared)
+    mtp: str = "int4"  # int4 | keep
 
 
 def _bytes(n: int | None) -> str:
@@ -131,9 +132,12 @@ def _front_matter(f: CardFacts) -> list[str]:
 
 
 def _what(f: CardFacts) -> list[str]:
-    scheme = (f"W{f.num_bits}A16, INT{f.num_bits} weights, {'symmetric' if f.symmetric else 'asymmetric'}"
+    acts = ("dynamic per-token FP8 activations (W4AFP8)" if f.scheme == "w4afp8"
+            else "activations stay BF16")
+    scheme = (f"W{f.num_bits}{'AFP8' if f.scheme == 'w4afp8' else 'A16'}, INT{f.num_bits} weights, "
+              f"{'symmetric' if f.symmetric else 'asymmetric'}"
               f", one BF16 scale per {f.group_size} input channels"
-              f"{'' if f.symmetric else ' plus a zero point'}; activations stay BF16")
+              f"{'' if f.symmetric else ' plus a zero point'}; {acts}")
     base = f.base_model or f.source_name
     rev = f" at revision `{f.base_revision}`" if f.base_revision else ""
     return [
@@ -146,6 +150,8 @@ def _what(f: CardFacts) -> list[str]:
         f"| method | `{f.method}` |",
         f"| scheme | {scheme} |",
         f"| group size | {f.group_size} |",
+        ("| MTP layer (speculative decoding) | kept as in the source (BF16), `--mtp keep` |"
+         if f.mtp == "keep" else "| MTP layer (speculative decoding) | INT4 like the decoder layers |"),
         f"| INT{f.num_bits} modules | {f.int4_linears:,} Linear layers of role(s): {', '.join(f.targets)} |",
         (f"| kept in original precision | {f.kept_tensors:,} tensors: everything matched by the "
          "`ignore` list below (BF16; FP8 sources are dequantized exactly) |"),

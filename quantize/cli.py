@@ -54,6 +54,17 @@ SchemeOpt = Annotated[Scheme, typer.Option(
                      "Hopper; needs --group-size 128, symmetric; plan says which TP sizes work).")]
 
 
+class Mtp(str, Enum):
+    int4 = "int4"
+    keep = "keep"
+
+
+MtpOpt = Annotated[Mtp, typer.Option(
+    "--mtp", help="The MTP (speculative decoding) layer's Linears: int4 like the others, or keep "
+                  "them as in the source (BF16): published runs saw an INT4 MTP head collapse "
+                  "the draft acceptance rate.")]
+
+
 class ExpertCalibration(str, Enum):
     routed = "routed"
     all = "all"
@@ -187,6 +198,7 @@ def plan(
     method: Annotated[Method, typer.Option(
         help="Calibrated methods add their resume checkpoints to the disk needed.")] = Method.rtn,
     scheme: SchemeOpt = Scheme.w4a16,
+    mtp: MtpOpt = Mtp.int4,
     num_samples: Annotated[int, typer.Option(help="Calibration sequences (calibrated methods).")] = 128,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 2048,
     json_: Json = False,
@@ -237,7 +249,7 @@ def plan(
         ckpt = resolve_source(src, revision, headers_only=True)
         d = plan_data(make_plan(ckpt, _options(method, group_size, targets, asymmetric,
                                                max_shard_size, num_samples=num_samples,
-                                               seq_len=seq_len, scheme=scheme), tp))
+                                               seq_len=seq_len, scheme=scheme, mtp=mtp), tp))
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
     if json_:
@@ -272,7 +284,7 @@ def _public_command(args: list[str], src: str, dst: Path, base_model: str | None
 
 RUN_RECORD = "quantize-run.toml"  # in DST: convert's resolved options (local, never uploaded)
 # convert's parameters a run record / --config file may set
-RUN_KEYS = ("src", "method", "group_size", "scheme", "targets", "asymmetric", "max_shard_size", "calib",
+RUN_KEYS = ("src", "method", "group_size", "scheme", "mtp", "targets", "asymmetric", "max_shard_size", "calib",
             "num_samples", "seq_len", "seed", "expert_calibration", "min_expert_tokens",
             "percdamp", "mse_clip", "checkpoint_interval", "max_gpu_memory", "device", "tp",
             "revision", "base_model")
@@ -348,6 +360,7 @@ def convert(
         help="Rounding: rtn (no data), gptq, awq or awq+gptq (calibrated, layer by layer).")] = Method.rtn,
     group_size: GroupSize = 32,
     scheme: SchemeOpt = Scheme.w4a16,
+    mtp: MtpOpt = Mtp.int4,
     targets: Targets = "routed",
     asymmetric: Asym = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")] = "5GB",
@@ -443,7 +456,7 @@ def convert(
         raise typer.BadParameter("SRC and DST are required (SRC may come from --from or --config)",
                                  param_hint="SRC DST")
     dst = Path(dst)
-    record = {"src": src, "method": method, "group_size": group_size, "scheme": scheme,
+    record = {"src": src, "method": method, "group_size": group_size, "scheme": scheme, "mtp": mtp,
               "targets": targets,
               "asymmetric": asymmetric, "max_shard_size": max_shard_size,
               "calib": None if calib is None else str(Path(calib).resolve()),
@@ -461,7 +474,7 @@ def convert(
                         calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed,
                         expert_calibration=expert_calibration,
                         min_expert_tokens=min_expert_tokens, percdamp=percdamp,
-                        mse_clip=mse_clip, scheme=scheme)
+                        mse_clip=mse_clip, scheme=scheme, mtp=mtp)
         if base_model is not None:
             from quantize.hub import is_repo_id
 

@@ -26,6 +26,7 @@ __all__ = [
     "layer_of",
     "linear_role",
     "module_of",
+    "mtp_ignore",
     "natural_key",
 ]
 
@@ -84,10 +85,23 @@ def linear_role(module: str) -> str:
     return "other"
 
 
-def ignore_patterns(targets: frozenset[str], other_linears: list[str]) -> list[str]:
-    """The `ignore` list: fixed regexes for the roles left in BF16, plus the exact name of any
-    non-target Linear the regexes miss (so every Linear is a target or ignored)."""
-    pats = list(_BASE_IGNORE)
+def mtp_ignore(layers: list[int]) -> list[str]:
+    """`ignore` entries that keep the MTP layer(s) out of INT4 under every name an engine gives
+    them: the checkpoint's and vLLM's (`model.layers.78.*`, vLLM's draft nests
+    `model.layers.78.mtp_block.*`) and SGLang's NextN draft module (`model.decoder.*`, its
+    `eh_proj` / `shared_head` under `model.*` are ignored by the base list already)."""
+    if not layers:
+        return []
+    idx = "|".join(str(L) for L in sorted(layers))
+    return [rf"re:model\.layers\.({idx})\..*", r"re:model\.decoder\..*"]
+
+
+def ignore_patterns(targets: frozenset[str], other_linears: list[str],
+                    keep_layers: list[int] = ()) -> list[str]:
+    """The `ignore` list: fixed regexes for the roles left in BF16, the MTP layers kept out of
+    INT4 (`keep_layers`, `mtp_ignore`), plus the exact name of any non-target Linear the regexes
+    miss (so every Linear is a target or ignored)."""
+    pats = list(_BASE_IGNORE) + mtp_ignore(list(keep_layers))
     if "routed" not in targets:
         pats.append(_IGNORE_ROUTED)
     if "shared" not in targets:

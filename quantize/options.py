@@ -17,6 +17,10 @@ GROUP_SIZES = (32, 64, 128)  # what vLLM's Marlin / SGLang WNA16 MoE kernels acc
 # declared: vLLM's CompressedTensorsW4A8Fp8MoEMethod, SGLang's CompressedTensorsW4AFP8MoE
 # (CUTLASS, Hopper).
 SCHEMES = ("w4a16", "w4afp8")
+# The MTP (speculative-decoding) layer's Linears: int4 like the decoder layers' (the seed's
+# layout), or keep: as in the source (BF16; FP8 widened), which published runs found keeps the
+# draft's acceptance rate (an INT4 MTP head has been reported collapsing it to 0-4 %).
+MTP_POLICIES = ("int4", "keep")
 
 
 def parse_size(text: str) -> int:
@@ -66,6 +70,7 @@ class ConvertOptions:
     mse_clip: bool = False
     # the serving scheme the config declares (SCHEMES); the INT4 integers are the same
     scheme: str = "w4a16"
+    mtp: str = "int4"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -93,6 +98,8 @@ class ConvertOptions:
                              "or awq+gptq")
         if self.num_bits != 4:
             raise ValueError("only 4-bit weights are supported")
+        if self.mtp not in MTP_POLICIES:
+            raise ValueError(f"--mtp must be one of {', '.join(MTP_POLICIES)}, got {self.mtp!r}")
         if self.scheme not in SCHEMES:
             raise ValueError(f"--scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
         if self.scheme == "w4afp8" and (self.group_size != 128 or not self.symmetric):

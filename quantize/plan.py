@@ -28,6 +28,7 @@ from quantize.layout import (
     fused_names,
     ignore_patterns,
     is_ignored,
+    layer_of,
     linear_role,
     module_of,
     natural_key,
@@ -167,7 +168,8 @@ def _units(ckpt: Checkpoint, opts: ConvertOptions) -> list[Unit]:
         role = linear_role(module_of(name)) if is_linear else "tensor"
         scale = _scale_name(ckpt, name)
         src_bytes = t.nbytes + (ckpt.tensors[scale].nbytes if scale else 0)
-        if role in opts.targets:
+        kept_mtp = opts.mtp == "keep" and (L := layer_of(name)) is not None and L >= ckpt.num_hidden_layers
+        if role in opts.targets and not kept_mtp:
             N, K = t.shape
             if K % opts.group_size:
                 problems.append(Problem(t.file, name, f"in_features {K}",
@@ -306,7 +308,9 @@ def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
     """Every output tensor, its shard and bytes, plus the serving checks at `tp`. Reads no data."""
     units = _units(ckpt, opts)
     others = [module_of(u.source) for u in units if u.action != "quantize" and u.role != "tensor"]
-    ignore = ignore_patterns(opts.targets, others)
+    mtp_layers = sorted({L for u in units if (L := layer_of(u.source)) is not None
+                         and L >= ckpt.num_hidden_layers}) if opts.mtp == "keep" else []
+    ignore = ignore_patterns(opts.targets, others, mtp_layers)
     problems = []
     for u in units:
         mod = module_of(u.source)

@@ -166,6 +166,7 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
         license=source.get("license") or source_license(src_path),
         pictures=tuple((n, c) for n, c in PICTURES.items() if (dst / n).is_file()),
         scheme=opts.scheme,
+        mtp=opts.mtp,
     )
 
 

@@ -36,6 +36,7 @@ import torch
 from quantize import SCHEMA_VERSION
 from quantize.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor_table
 from quantize.int4 import Int4Weight, dequantize, rtn_qparams, unpack_int4
+from quantize.layout import layer_of
 from quantize.manifest import MANIFEST, finished_manifest
 from quantize.options import ConvertOptions
 from quantize.pipeline import WEIGHT_SUFFIXES, quantization_config, resolve_device, source_weight
@@ -247,8 +248,12 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
 
     planned = {t.name: (s.file, t.dtype, t.shape) for s in plan.shards for t in s.tensors}
     actual = {n: (t.file, t.dtype, t.shape) for n, t in tensors.items()}
+    L0 = src_ckpt.num_hidden_layers
     for n in sorted(set(planned) - set(actual)):
-        report.problems.append(f"{n}: planned but missing from the output index")
+        mtp = (L := layer_of(n)) is not None and L >= L0
+        report.problems.append(f"{n}: planned but missing from the output index" + (
+            " (an MTP-layer tensor: engines load the speculative-decoding draft without it and "
+            "accept almost none of its tokens)" if mtp else ""))
     for n in sorted(set(actual) - set(planned)):
         report.problems.append(f"{n}: in the output but not planned")
     for n in sorted(set(planned) & set(actual)):
