@@ -92,6 +92,7 @@ class CardFacts:
     pictures: tuple[tuple[str, str], ...] = ()  # (file in the folder, caption) that exist
     scheme: str = "w4a16"  # w4a16 | w4afp8 (FP8 input activations declared)
     mtp: str = "int4"  # int4 | keep
+    sglang_no_shared_fusion: bool = False  # routed INT4, shared BF16 (quantize/lint.py)
 
 
 def _bytes(n: int | None) -> str:
@@ -330,7 +331,8 @@ def _serving(f: CardFacts) -> list[str]:
         f"SGLang ({sglang_kernels}):",
         "",
         "```bash",
-        f"python -m sglang.launch_server --model-path {model} --tp {f.tp}",
+        f"python -m sglang.launch_server --model-path {model} --tp {f.tp}"
+        + (" --disable-shared-experts-fusion" if f.sglang_no_shared_fusion else ""),
         "```",
         "",
     ]
@@ -339,6 +341,10 @@ def _serving(f: CardFacts) -> list[str]:
     lines.append("Weights need about the per-GPU figure in the size table plus KV cache and "
                  "activations; add `--enable-expert-parallel` (vLLM) / `--ep-size` (SGLang) to "
                  "shard experts instead of slicing them.")
+    if f.sglang_no_shared_fusion:
+        lines += ["", ("`--disable-shared-experts-fusion`: the shared experts are BF16 and the routed "
+                       "ones INT4, and SGLang fuses the shared expert into the routed MoE kernel "
+                       "only when both share a scheme.")]
     if w4a8:
         lines += ["", ("W4AFP8: the INT4 weights are the same as a W4A16 checkpoint's at group 128; "
                        "the config declares dynamic per-token FP8 input activations, which the "

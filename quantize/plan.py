@@ -304,6 +304,16 @@ def _row_widths(ckpt: Checkpoint, units: list[Unit]) -> dict[str, set[int]]:
     return widths
 
 
+def _lint(opts: ConvertOptions, units: list[Unit]) -> list[Check]:
+    """quantize/lint.py's rules on the layout this plan writes."""
+    from quantize.lint import lint
+
+    acts = {"num_bits": 8, "type": "float"} if opts.scheme == "w4afp8" else None
+    qc = {"config_groups": {"group_0": {"targets": ["Linear"], "input_activations": acts, "weights": {
+        "group_size": opts.group_size, "symmetric": opts.symmetric}}}}
+    return lint(qc, [o.name for u in units for o in u.outputs])
+
+
 def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
     """Every output tensor, its shard and bytes, plus the serving checks at `tp`. Reads no data."""
     units = _units(ckpt, opts)
@@ -327,7 +337,8 @@ def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
         units=tuple(units),
         shards=tuple(_shards(units, opts.max_shard_size)),
         ignore=tuple(ignore),
-        checks=tuple(tp_checks(ckpt, opts, tp, width, _row_widths(ckpt, units))),
+        checks=tuple(tp_checks(ckpt, opts, tp, width, _row_widths(ckpt, units))
+                     + _lint(opts, units)),
         expert_width=width,
         tp=tp,
         hidden_size=int(ckpt.config.get("hidden_size") or 0),

@@ -27,6 +27,7 @@ from quantize.card import CalibrationFacts, CardFacts, Sizes, render_card
 from quantize.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from quantize.errors import QuantizeError
 from quantize.hub import hub_source, source_license, valid_repo_id
+from quantize.lint import needs_shared_fusion_off
 from quantize.manifest import read_manifest
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, make_plan, tp_checks
@@ -167,6 +168,7 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
         pictures=tuple((n, c) for n, c in PICTURES.items() if (dst / n).is_file()),
         scheme=opts.scheme,
         mtp=opts.mtp,
+        sglang_no_shared_fusion=needs_shared_fusion_off(names),
     )
 
 

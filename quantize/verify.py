@@ -271,6 +271,10 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
         expect_qc.pop(k, None)
     if got_qc != expect_qc:
         report.problems.append("config.json: quantization_config differs from the one the plan implies")
+    from quantize.lint import lint
+
+    report.problems += [f"config.json / index: {c.what}: {c.detail}"
+                        for c in lint(config.get("quantization_config") or {}, actual) if c.level == "fail"]
     # every other field is the source's, as convert copies it (an edited routed_scaling_factor
     # or rms_norm_eps would change what the engines compute, with every weight intact)
     want = {**src_ckpt.config, "torch_dtype": src_ckpt.config.get("torch_dtype", "bfloat16")}

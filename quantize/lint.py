@@ -1,0 +1,82 @@
+"""Known-bad layouts, found before an engine finds them (issue 13, item 4).
+
+    lint(quantization_config, tensor names) -> [Check]       `plan` (on what convert would
+                                                              write) and `verify` (on what it did)
+
+Each rule is one a serving engine enforces or trips on:
+
+    fail  no config group whose targets include `Linear`: SGLang builds (<= 0.5) read the scheme
+          of the group targeting literally "Linear"
+    fail  an INT4 `self_attn.indexer.weights_proj`: vLLM's DSA indexer loads it as a plain
+          BF16 weight (a KeyError on `weight_packed`); GLM-5 keeps it BF16 in the FP8 release
+    fail  an INT4 router (`mlp.gate`) or norm: engines build them unquantized
+    fail  FP8 input activations (W4AFP8) on a group that is not group 128, symmetric: the CUTLASS
+          W4A8 MoE kernels take nothing else
+    warn  routed experts INT4 while the shared experts are not: SGLang fuses the shared expert
+          into the routed MoE kernel (shared-experts fusion) only when both share a scheme, so
+          serve with `--disable-shared-experts-fusion` (the card's command says so)
+"""
+
+from __future__ import annotations
+
+import re
+
+from quantize.plan import Check
+
+__all__ = ["lint", "needs_shared_fusion_off"]
+
+_INDEXER_W = re.compile(r".*\.self_attn\.indexer\.weights_proj$")
+_ROUTER = re.compile(r".*\.mlp\.gate$")
+_NORM = re.compile(r".*norm[^.]*$")
+_ROUTED = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj$")
+_SHARED = re.compile(r".*\.mlp\.shared_experts\.(gate|up|down)_proj$")
+
+
+def _packed(names) -> set[str]:
+    return {n[: -len(".weight_packed")] for n in names if n.endswith(".weight_packed")}
+
+
+def needs_shared_fusion_off(names) -> bool:
+    """Routed experts INT4, shared experts present and not INT4."""
+    names = set(names)
+    packed = _packed(names)
+    routed = any(_ROUTED.match(m) for m in packed)
+    shared_int4 = any(_SHARED.match(m) for m in packed)
+    shared_any = any(".mlp.shared_experts." in n for n in names)
+    return routed and shared_any and not shared_int4
+
+
+def lint(qc: dict, names) -> list[Check]:
+    """The rules above on a `quantization_config` and the output's tensor names."""
+    names = set(names)
+    packed = _packed(names)
+    out: list[Check] = []
+    groups = (qc or {}).get("config_groups") or {}
+    if not any("Linear" in (g.get("targets") or []) for g in groups.values()):
+        out.append(Check("fail", "layout: a config group targeting Linear",
+                         f"config groups target {[g.get('targets') for g in groups.values()]}; "
+                         "SGLang reads the scheme of the group whose target is `Linear`"))
+    bad = sorted(m for m in packed if _INDEXER_W.match(m))
+    if bad:
+        out.append(Check("fail", "layout: INT4 indexer.weights_proj",
+                         f"{bad[0]} (+{len(bad) - 1}) is INT4: vLLM loads the DSA indexer's "
+                         "weights_proj as a BF16 weight (KeyError); keep attention out of --targets"))
+    bad = sorted(m for m in packed if _ROUTER.match(m) or _NORM.match(m))
+    if bad:
+        out.append(Check("fail", "layout: INT4 router or norm",
+                         f"{bad[0]} (+{len(bad) - 1}) is INT4: engines build routers and norms "
+                         "unquantized"))
+    for name, g in groups.items():
+        a, w = g.get("input_activations") or {}, g.get("weights") or {}
+        if a.get("type") == "float" and a.get("num_bits") == 8 and \
+                (w.get("group_size") != 128 or not w.get("symmetric", True)):
+            out.append(Check("fail", "layout: W4AFP8 group",
+                             f"{name}: FP8 activations with weights group {w.get('group_size')}, "
+                             f"symmetric={w.get('symmetric')}: the CUTLASS W4A8 MoE kernels need "
+                             "group 128, symmetric (convert with --scheme w4afp8 --group-size 128)"))
+    if needs_shared_fusion_off(names):
+        out.append(Check("warn", "layout: shared experts not INT4",
+                         "routed experts are INT4, the shared experts BF16: serve SGLang with "
+                         "--disable-shared-experts-fusion (its fused shared-expert path needs one "
+                         "scheme for both), or convert with --targets routed,shared"))
+    return out
