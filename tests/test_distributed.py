@@ -70,7 +70,10 @@ def descendants(pid: int) -> list[int]:
 
 
 def folder_bytes(d: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    """Every file of an output folder but the CLI's run record (quantize-run.toml: the options
+    as typed, the one-process reference here runs through the API)."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*"))
+            if p.is_file() and p.name != "quantize-run.toml"}
 
 
 def codes(out: Path, prefix: str) -> torch.Tensor:
