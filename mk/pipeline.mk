@@ -33,6 +33,7 @@ SEQ_LEN ?=
 # every other convert option, passed when set (empty: the CLI's default)
 SCHEME ?=
 MTP ?=
+KEEP_FP8 ?=
 ASYMMETRIC ?=
 SEED ?=
 EXPERT_CALIBRATION ?=
@@ -68,7 +69,7 @@ SRC_FLAGS := $(if $(REVISION),--revision $(REVISION))
 QUANT_FLAGS := --method $(METHOD) --group-size $(GROUP_SIZE) --targets $(TARGETS) $(if $(CALIB),--calib $(CALIB)) \
   $(if $(NUM_SAMPLES),--num-samples $(NUM_SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) \
   $(if $(ASYMMETRIC),--asymmetric) $(if $(SEED),--seed $(SEED)) $(if $(SCHEME),--scheme $(SCHEME)) \
-  $(if $(MTP),--mtp $(MTP)) $(if $(EXPERT_CALIBRATION),--expert-calibration $(EXPERT_CALIBRATION)) \
+  $(if $(MTP),--mtp $(MTP)) $(if $(KEEP_FP8),--keep-fp8) $(if $(EXPERT_CALIBRATION),--expert-calibration $(EXPERT_CALIBRATION)) \
   $(if $(MIN_EXPERT_TOKENS),--min-expert-tokens $(MIN_EXPERT_TOKENS)) \
   $(if $(PERCDAMP),--percdamp $(PERCDAMP)) $(if $(MSE_CLIP),--mse-clip) \
   $(if $(BASE_MODEL),--base-model $(BASE_MODEL)) $(if $(CONFIG),--config $(CONFIG))
@@ -76,7 +77,7 @@ CONVERT_FLAGS := --tp $(TP) --device $(DEVICE) --max-shard-size $(MAX_SHARD_SIZE
   $(if $(CHECKPOINT_INTERVAL),--checkpoint-interval $(CHECKPOINT_INTERVAL)) \
   $(if $(MAX_GPU_MEMORY),--max-gpu-memory $(MAX_GPU_MEMORY))
 PLAN_FLAGS := --tp $(TP) --group-size $(GROUP_SIZE) --targets $(TARGETS) --max-shard-size $(MAX_SHARD_SIZE) \
-  $(if $(ASYMMETRIC),--asymmetric) $(if $(SCHEME),--scheme $(SCHEME)) $(if $(MTP),--mtp $(MTP)) --method $(METHOD) $(if $(NUM_SAMPLES),--num-samples $(NUM_SAMPLES)) \
+  $(if $(ASYMMETRIC),--asymmetric) $(if $(SCHEME),--scheme $(SCHEME)) $(if $(MTP),--mtp $(MTP)) $(if $(KEEP_FP8),--keep-fp8) --method $(METHOD) $(if $(NUM_SAMPLES),--num-samples $(NUM_SAMPLES)) \
   $(if $(SEQ_LEN),--seq-len $(SEQ_LEN))
 PUSH_FLAGS := --revision $(REPO_REVISION) $(if $(PRIVATE),--private)
 

@@ -93,6 +93,7 @@ class CardFacts:
     scheme: str = "w4a16"  # w4a16 | w4afp8 (FP8 input activations declared)
     mtp: str = "int4"  # int4 | keep
     sglang_no_shared_fusion: bool = False  # routed INT4, shared BF16 (quantize/lint.py)
+    keep_fp8: bool = False  # --keep-fp8: a second, FP8 group
 
 
 def _bytes(n: int | None) -> str:
@@ -154,7 +155,11 @@ def _what(f: CardFacts) -> list[str]:
         ("| MTP layer (speculative decoding) | kept as in the source (BF16), `--mtp keep` |"
          if f.mtp == "keep" else "| MTP layer (speculative decoding) | INT4 like the decoder layers |"),
         f"| INT{f.num_bits} modules | {f.int4_linears:,} Linear layers of role(s): {', '.join(f.targets)} |",
-        (f"| kept in original precision | {f.kept_tensors:,} tensors: everything matched by the "
+        (f"| kept in original precision | {f.kept_tensors:,} tensors: the FP8 Linears FP8 with "
+         "their scales (`--keep-fp8`, a float-quantized group: vLLM reads this mixed-precision "
+         "format, SGLang does not), everything matched by the `ignore` list below BF16 |"
+         if f.keep_fp8 else
+         f"| kept in original precision | {f.kept_tensors:,} tensors: everything matched by the "
          "`ignore` list below (BF16; FP8 sources are dequantized exactly) |"),
         *_calibration(f),
         "",

@@ -408,7 +408,7 @@ def _detect_format(config: dict, tensors: dict[str, TensorInfo]) -> tuple[str, t
             w.get("strategy") in ("channel", "tensor") for w in weights
         ):
             return SourceFormat.FP8_CHANNEL, None
-        if fmt == "pack-quantized":
+        if fmt in ("pack-quantized", "mixed-precision"):
             raise QuantizeError("an INT4 checkpoint, not a source", [Problem(
                 "config.json", None, f"format={fmt!r} (INT4, e.g. written by `quantize convert`)",
                 "an FP8 or BF16 source checkpoint",

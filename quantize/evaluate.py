@@ -106,10 +106,20 @@ class Int4View(Checkpoint):
     engines and compressed-tensors' decompression compute it); every other tensor as stored."""
 
     packed: dict[str, str] = field(default_factory=dict)  # `<m>.weight` -> `<m>`
+    fp8_block: tuple[int, int] | None = None  # --keep-fp8 outputs of block-FP8 sources
 
     def read(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
         m = self.packed.get(name)
         if m is None:
+            t = self.tensors.get(name)
+            scale = name[: -len("weight")] + "weight_scale" if name.endswith(".weight") else None
+            if t is not None and t.dtype == "F8_E4M3" and scale in self.tensors:  # --keep-fp8
+                from quantize.fp8 import dequant_block, dequant_channel
+
+                w, s = super().read(name, device), super().read(scale, device)
+                # the FP8 values times their scales, exactly (float32): what the engines' FP8
+                # GEMMs multiply by, not the BF16 widening of it
+                return dequant_block(w, s, self.fp8_block) if self.fp8_block else dequant_channel(w, s)
             return super().read(name, device)
         N, K = self.tensors[name].shape
         shape = [int(x) for x in super().read(m + ".weight_shape")]
@@ -132,9 +142,14 @@ def open_output(dst: str | Path) -> Int4View:
     tensors, files, sizes = read_tensor_table(dst)
     config = json.loads((dst / "config.json").read_text())
     qc = config.get("quantization_config") or {}
-    groups = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
-    ok = (qc.get("format") == "pack-quantized" and len(groups) == 1 and groups[0].get("num_bits") == 4
-          and groups[0].get("type") == "int" and groups[0].get("strategy") == "group")
+    all_groups = list((qc.get("config_groups") or {}).values())
+    int4 = [g for g in all_groups if (g.get("weights") or {}).get("type") == "int"]
+    fp8 = [g for g in all_groups if (g.get("weights") or {}).get("type") == "float"]
+    groups = [g.get("weights") or {} for g in int4]
+    mixed = qc.get("format") == "mixed-precision" and len(fp8) == 1 and len(all_groups) == 2
+    ok = ((qc.get("format") == "pack-quantized" and len(all_groups) == 1) or mixed) and \
+        len(groups) == 1 and groups[0].get("num_bits") == 4 and groups[0].get("strategy") == "group"
+    block = (fp8[0].get("weights") or {}).get("block_structure") if mixed else None
     if not ok:
         raise QuantizeError("not a pack-quantized INT4 checkpoint", [Problem(
             str(dst / "config.json"), None, f"quantization_config format {qc.get('format')!r}, "
@@ -162,7 +177,8 @@ def open_output(dst: str | Path) -> Int4View:
         packed[m + ".weight"] = m
     if problems:
         raise QuantizeError("the INT4 tensors do not fit together", problems)
-    return Int4View(dst, str(dst), config, tensors, files, sizes, "compressed-tensors", packed=packed)
+    return Int4View(dst, str(dst), config, tensors, files, sizes, "compressed-tensors", packed=packed,
+                    fp8_block=tuple(block) if block else None)
 
 
 # ---------------------------------------------------------------------------------------------

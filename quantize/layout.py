@@ -20,6 +20,7 @@ import re
 
 __all__ = [
     "ROLES",
+    "fp8_targets",
     "fused_names",
     "ignore_patterns",
     "is_ignored",
@@ -96,11 +97,47 @@ def mtp_ignore(layers: list[int]) -> list[str]:
     return [rf"re:model\.layers\.({idx})\..*", r"re:model\.decoder\..*"]
 
 
+def fp8_targets(kept: list[str], num_hidden_layers: int) -> list[str]:
+    """The FP8 group's targets for the Linears `--keep-fp8` keeps, as regexes that match them
+    under every engine's names: a decoder-layer module by its path after `layers.N.` (e.g.
+    `re:.*\\.self_attn\\.q_a_proj$`, also the draft's `model.decoder.self_attn.q_a_proj`) and
+    its fused names (`fused_qkv_a_proj`, `gate_up_proj`, `qkv_proj`); routed experts of an MTP
+    layer kept out of INT4 (`--mtp keep`) by the MTP regexes of `mtp_ignore`."""
+    out: list[str] = []
+    mtp: set[int] = set()
+    for m in sorted(kept, key=natural_key):
+        L = layer_of(m + ".")
+        if L is not None and L >= num_hidden_layers and _ROUTED.match(m):
+            mtp.add(L)
+            continue
+        for n in fused_names(m):
+            tail = n.split(f"layers.{L}.", 1)[1] if L is not None else n
+            rx = "re:.*\\." + re.escape(tail) + "$" if L is not None else n
+            if rx not in out:
+                out.append(rx)
+    if mtp:
+        idx = "|".join(str(L) for L in sorted(mtp))
+        out += [rf"re:model\.layers\.({idx})\.(mtp_block\.)?mlp\.experts.*", r"re:model\.decoder\.mlp\.experts.*"]
+    return out
+
+
+# --keep-fp8: what stays ignored is what was BF16 in the release (routers, the DSA indexer's
+# weights_proj, the MTP eh_proj / shared_head, embeddings, lm_head), under every engine's name
+_KEEP_FP8_IGNORE = ("lm_head", r"re:.*embed_tokens.*", r"re:.*mlp\.gate$", r"re:.*eh_proj.*",
+                    r"re:.*shared_head.*", r"re:.*indexer\.weights_proj$")
+
+
 def ignore_patterns(targets: frozenset[str], other_linears: list[str],
-                    keep_layers: list[int] = ()) -> list[str]:
+                    keep_layers: list[int] = (), fp8_kept: list[str] = ()) -> list[str]:
     """The `ignore` list: fixed regexes for the roles left in BF16, the MTP layers kept out of
     INT4 (`keep_layers`, `mtp_ignore`), plus the exact name of any non-target Linear the regexes
-    miss (so every Linear is a target or ignored)."""
+    miss (so every Linear is a target or ignored). With `fp8_kept` (--keep-fp8: those are the
+    FP8 group's targets, not ignored), only exact names: the BF16 Linears and lm_head."""
+    if fp8_kept:
+        pats = list(_KEEP_FP8_IGNORE)
+        kept = set(fp8_kept)
+        return pats + sorted({m for m in other_linears if m not in kept and not is_ignored(m, pats)},
+                             key=natural_key)
     pats = list(_BASE_IGNORE) + mtp_ignore(list(keep_layers))
     if "routed" not in targets:
         pats.append(_IGNORE_ROUTED)

@@ -12,7 +12,8 @@ Each rule is one a serving engine enforces or trips on:
     fail  an INT4 router (`mlp.gate`) or norm: engines build them unquantized
     fail  FP8 input activations (W4AFP8) on a group that is not group 128, symmetric: the CUTLASS
           W4A8 MoE kernels take nothing else
-    warn  routed experts INT4 while the shared experts are not: SGLang fuses the shared expert
+    warn  routed experts INT4 while the shared experts are not (BF16, or FP8 with --keep-fp8):
+          SGLang fuses the shared expert
           into the routed MoE kernel (shared-experts fusion) only when both share a scheme, so
           serve with `--disable-shared-experts-fusion` (the card's command says so)
 """
@@ -68,7 +69,7 @@ def lint(qc: dict, names) -> list[Check]:
                          "unquantized"))
     for name, g in groups.items():
         a, w = g.get("input_activations") or {}, g.get("weights") or {}
-        if a.get("type") == "float" and a.get("num_bits") == 8 and \
+        if w.get("type", "int") == "int" and a.get("type") == "float" and a.get("num_bits") == 8 and \
                 (w.get("group_size") != 128 or not w.get("symmetric", True)):
             out.append(Check("fail", "layout: W4AFP8 group",
                              f"{name}: FP8 activations with weights group {w.get('group_size')}, "
@@ -76,7 +77,7 @@ def lint(qc: dict, names) -> list[Check]:
                              "group 128, symmetric (convert with --scheme w4afp8 --group-size 128)"))
     if needs_shared_fusion_off(names):
         out.append(Check("warn", "layout: shared experts not INT4",
-                         "routed experts are INT4, the shared experts BF16: serve SGLang with "
+                         "routed experts are INT4, the shared experts not: serve SGLang with "
                          "--disable-shared-experts-fusion (its fused shared-expert path needs one "
                          "scheme for both), or convert with --targets routed,shared"))
     return out

@@ -71,6 +71,9 @@ class ConvertOptions:
     # the serving scheme the config declares (SCHEMES); the INT4 integers are the same
     scheme: str = "w4a16"
     mtp: str = "int4"
+    # Non-target FP8 Linears stay FP8 with their scales (a second, float-quantized config
+    # group) instead of being widened to BF16: GLM-5.2 704 -> 404.3 GiB instead of 419.9.
+    keep_fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -98,6 +101,10 @@ class ConvertOptions:
                              "or awq+gptq")
         if self.num_bits != 4:
             raise ValueError("only 4-bit weights are supported")
+        if self.keep_fp8 and "awq" in self.method:
+            raise ValueError("--keep-fp8 keeps the FP8 tensors byte for byte, and AWQ rescales the "
+                             "non-target Linears it feeds (shared experts, dense MLPs): use "
+                             "--method gptq or rtn with --keep-fp8")
         if self.mtp not in MTP_POLICIES:
             raise ValueError(f"--mtp must be one of {', '.join(MTP_POLICIES)}, got {self.mtp!r}")
         if self.scheme not in SCHEMES:

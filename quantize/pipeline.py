@@ -106,10 +106,24 @@ def quantization_config(plan: Plan) -> dict:
     if o.scheme == "w4afp8":  # compressed-tensors' W4AFP8 preset: dynamic per-token FP8 inputs
         acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token",
                                 dynamic=True, observer=None)
+    groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)}
+    if plan.fp8_targets:  # --keep-fp8: the FP8 Linears as they are, compressed-tensors' presets
+        if plan.source_format == SourceFormat.FP8_BLOCK:  # FP8_BLOCK: 128x128 weights, per-group
+            w8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block",
+                                  block_structure=list(plan.block_size), dynamic=False, observer=None)
+            a8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group",
+                                  group_size=128, dynamic=True, observer=None)
+        else:  # FP8_DYNAMIC: per-channel weights, per-token activations (GLM-4.x's own scheme)
+            w8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel",
+                                  dynamic=False, observer=None)
+            a8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token",
+                                  dynamic=True, observer=None)
+        groups["group_0"].format = "pack-quantized"
+        groups["group_1"] = QuantizationScheme(targets=list(plan.fp8_targets), weights=w8,
+                                               input_activations=a8, format="float-quantized")
     qc = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args,
-                                                     input_activations=acts)},
-        format="pack-quantized",
+        config_groups=groups,
+        format="mixed-precision" if plan.fp8_targets else "pack-quantized",
         quantization_status="compressed",
         ignore=list(plan.ignore),
         kv_cache_scheme=None,
@@ -125,7 +139,7 @@ def read_unit(ckpt: Checkpoint, unit: Unit, device: torch.device | str = "cpu"
     """The source tensors a unit needs (weight, and its FP8 scale), read from disk onto
     `device` (a copied tensor always stays on the host: it goes straight back to disk)."""
     names = [unit.source] + ([unit.scale] if unit.scale else [])
-    dev = "cpu" if unit.action == "copy" else device
+    dev = "cpu" if unit.action in ("copy", "keep") else device
     return {n: ckpt.read(n, dev) for n in names}
 
 
@@ -192,6 +206,9 @@ def _compute(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.d
     if unit.action == "copy":
         t = raw[unit.source]
         return [t], torch.isfinite(t).all() if t.is_floating_point() else None
+    if unit.action == "keep":  # FP8 weight and its scale, byte for byte (the scale renamed)
+        w, sc = raw[unit.source], raw[unit.scale]
+        return [w, sc], torch.isfinite(w.float()).all() & torch.isfinite(sc.float()).all()
     W = source_weight(ckpt, unit, device, raw)  # (N, K) float32
     if unit.action == "dequant":
         return [W.to(torch.bfloat16)], torch.isfinite(W).all()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from quantize.checkpoint import DTYPES, Checkpoint, SourceFormat
 from quantize.errors import Problem, QuantizeError
 from quantize.layout import (
+    fp8_targets,
     fused_names,
     ignore_patterns,
     is_ignored,
@@ -54,7 +55,7 @@ class Unit:
     """One source tensor (with its scale) and what it becomes."""
 
     source: str  # source tensor name
-    action: str  # "quantize" | "dequant" | "copy"
+    action: str  # "quantize" | "dequant" | "copy" | "keep" (FP8 weight + scale as they are)
     role: str  # layout role of the module, or "tensor" for non-Linear tensors
     scale: str | None  # the FP8 scale tensor consumed with it
     outputs: tuple[OutTensor, ...]
@@ -103,6 +104,8 @@ class Plan:
     tp: int  # the tensor-parallel size it was planned for (the card's serving commands)
     hidden_size: int = 0  # config.json's (the size of a calibration checkpoint)
     index_topk: int = 0  # config.json's, DSA models (their checkpoints carry the top-k too)
+    fp8_targets: tuple[str, ...] = ()  # --keep-fp8: the FP8 config group's targets
+    block_size: tuple[int, int] | None = None  # the source's FP8 block (block FP8 sources)
 
     @property
     def output_bytes(self) -> int:
@@ -179,12 +182,22 @@ def _units(ckpt: Checkpoint, opts: ConvertOptions) -> list[Unit]:
                 continue
             units.append(Unit(name, "quantize", role, scale, _quantized_outputs(module_of(name), N, K, opts),
                               src_bytes))
+        elif scale is not None and opts.keep_fp8 and is_linear:  # FP8 + its scale, as they are
+            st = ckpt.tensors[scale]
+            units.append(Unit(name, "keep", role, scale, (
+                OutTensor(name, t.dtype, t.shape),
+                OutTensor(name[: -len("weight")] + "weight_scale", st.dtype, st.shape)), src_bytes))
         elif scale is not None:
             units.append(Unit(name, "dequant", role, scale, (OutTensor(name, "BF16", t.shape),), src_bytes))
         else:
             units.append(Unit(name, "copy", role, None, (OutTensor(name, t.dtype, t.shape),), src_bytes))
     if problems:
         raise QuantizeError("the group size does not tile these weights", problems)
+    if opts.keep_fp8 and not any(u.action == "keep" for u in units):
+        raise QuantizeError("--keep-fp8: nothing to keep", [Problem(
+            "config.json", None, f"a {ckpt.source_format} source with no FP8 Linear outside "
+            "--targets", "an FP8 release (GLM-5.x block FP8, GLM-4.x channel FP8)",
+            "drop --keep-fp8 (a BF16 source is written as BF16 anyway)")])
     if not any(u.action == "quantize" for u in units):
         raise QuantizeError("nothing to quantize", [Problem(
             "model.safetensors.index.json", None,
@@ -310,23 +323,31 @@ def _lint(opts: ConvertOptions, units: list[Unit]) -> list[Check]:
 
     acts = {"num_bits": 8, "type": "float"} if opts.scheme == "w4afp8" else None
     qc = {"config_groups": {"group_0": {"targets": ["Linear"], "input_activations": acts, "weights": {
-        "group_size": opts.group_size, "symmetric": opts.symmetric}}}}
+        "type": "int", "group_size": opts.group_size, "symmetric": opts.symmetric}}}}
     return lint(qc, [o.name for u in units for o in u.outputs])
 
 
 def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
     """Every output tensor, its shard and bytes, plus the serving checks at `tp`. Reads no data."""
     units = _units(ckpt, opts)
-    others = [module_of(u.source) for u in units if u.action != "quantize" and u.role != "tensor"]
+    others = [module_of(u.source) for u in units if u.action not in ("quantize", "keep")
+              and u.role != "tensor"]
     mtp_layers = sorted({L for u in units if (L := layer_of(u.source)) is not None
                          and L >= ckpt.num_hidden_layers}) if opts.mtp == "keep" else []
-    ignore = ignore_patterns(opts.targets, others, mtp_layers)
+    kept = [module_of(u.source) for u in units if u.action == "keep"]
+    ignore = ignore_patterns(opts.targets, others, mtp_layers, kept)
+    fp8 = fp8_targets(kept, ckpt.num_hidden_layers) if kept else []
     problems = []
     for u in units:
         mod = module_of(u.source)
-        if u.action == "quantize" and any(is_ignored(n, ignore) for n in fused_names(mod)):
+        if u.action in ("quantize", "keep") and any(is_ignored(n, ignore) for n in fused_names(mod)):
             problems.append(Problem("config.json", u.source, "a target matched by the ignore list",
                                     "targets outside `ignore`", "report this as a bug"))
+        hit = any(is_ignored(n, fp8) for n in fused_names(mod))  # (is_ignored: the same matching)
+        if (u.action == "keep") != hit and u.role != "tensor":
+            problems.append(Problem("config.json", u.source, f"{u.action}, FP8 group match {hit}",
+                                    "kept FP8 Linears, and only those, in the FP8 group",
+                                    "report this as a bug"))
     if problems:
         raise QuantizeError("internal: the ignore list would hide targets", problems)
     width = _expert_width(ckpt)
@@ -343,4 +364,6 @@ def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
         tp=tp,
         hidden_size=int(ckpt.config.get("hidden_size") or 0),
         index_topk=int(ckpt.config.get("index_topk") or 0) if ckpt.model_type == "glm_moe_dsa" else 0,
+        fp8_targets=tuple(fp8),
+        block_size=tuple(ckpt.block_size) if ckpt.block_size else None,
     )

@@ -168,6 +168,7 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
         pictures=tuple((n, c) for n, c in PICTURES.items() if (dst / n).is_file()),
         scheme=opts.scheme,
         mtp=opts.mtp,
+        keep_fp8=opts.keep_fp8,
         sglang_no_shared_fusion=needs_shared_fusion_off(names),
     )
 

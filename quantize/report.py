@@ -77,7 +77,7 @@ def int4_folder(path: str | Path) -> bool:
         qc = json.loads(cfg.read_text()).get("quantization_config") or {}
     except (OSError, ValueError, AttributeError):
         return False
-    return qc.get("format") == "pack-quantized"
+    return qc.get("format") in ("pack-quantized", "mixed-precision")
 
 
 def inspect_int4_data(dst: str | Path, tp: int = 8) -> dict:
@@ -91,15 +91,19 @@ def inspect_int4_data(dst: str | Path, tp: int = 8) -> dict:
 
     view = open_output(dst)
     qc = view.config.get("quantization_config") or {}
-    (group,) = (qc.get("config_groups") or {}).values()
+    groups = list((qc.get("config_groups") or {}).values())
+    group = next(g for g in groups if (g.get("weights") or {}).get("type") == "int")
+    fp8_group = next((g for g in groups if (g.get("weights") or {}).get("type") == "float"), None)
     w = group.get("weights") or {}
     by_role: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "dtypes": set()})
     linears: dict[str, int] = defaultdict(int)
     layers, experts = set(), set()
+    packed_modules = set(view.packed.values())
     for t in view.tensors.values():
         if t.name in view.packed:
             continue  # (the view's virtual float weights)
-        part = next((x for x in INT4_PARTS if t.name.endswith(x)), None)
+        part = next((x for x in INT4_PARTS if t.name.endswith(x)
+                     and t.name[: -len(x)] in packed_modules), None)
         if part is not None:
             role = f"{linear_role(t.name[: -len(part)])} INT4"
             if part == ".weight_packed":
@@ -129,6 +133,8 @@ def inspect_int4_data(dst: str | Path, tp: int = 8) -> dict:
         "group_size": opts.group_size, "symmetric": opts.symmetric,
         "scheme": "w4afp8" if fp8_acts else "w4a16",
         "input_activations": group.get("input_activations"),
+        "fp8_kept": None if fp8_group is None else {
+            "weights": fp8_group.get("weights"), "targets": len(fp8_group.get("targets") or [])},
         "ignore": len(qc.get("ignore") or []),
         "int4_linears": dict(sorted(linears.items())),
         "num_hidden_layers": L, "layers_on_disk": len(layers),

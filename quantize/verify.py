@@ -133,6 +133,12 @@ def _check_unit(src: Checkpoint, dst: Checkpoint, unit: Unit, opts: ConvertOptio
                                "AWQ-folded" if same else "differs from the AWQ-folded source")
         if unit.action == "quantize":
             return _check_quantized(dst, unit, opts, min_sqnr, device, want)
+    if unit.action == "keep":  # --keep-fp8: the FP8 weight and its scale, byte for byte
+        scale_out = unit.source[: -len("weight")] + "weight_scale"
+        same = torch.equal(_bytes(src, unit.source), _bytes(dst, unit.source)) and \
+            torch.equal(_bytes(src, unit.scale), _bytes(dst, scale_out))
+        return TensorCheck(unit.source, "keep", 0.0 if same else float("nan"), float("inf"), same,
+                           "" if same else "FP8 weight or scale bytes differ from the source")
     if unit.action == "copy":
         same = torch.equal(_bytes(src, unit.source), _bytes(dst, unit.source))
         return TensorCheck(unit.source, "copy", 0.0 if same else float("nan"), float("inf"), same,

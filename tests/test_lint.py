@@ -13,7 +13,7 @@ from quantize.shards import sha256_file
 from quantize.verify import verify
 
 GOOD_QC = {"config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
-                                         "weights": {"group_size": 32, "symmetric": True}}}}
+                                         "weights": {"type": "int", "group_size": 32, "symmetric": True}}}}
 ROUTED = [f"model.layers.1.mlp.experts.{e}.{p}_proj.weight_packed" for e in range(2) for p in ("gate", "up")]
 SHARED_BF16 = ["model.layers.1.mlp.shared_experts.gate_proj.weight"]
 

@@ -47,6 +47,12 @@ def test_plan_reproduces_published_glm52_figures(glm52_replica):
     assert max(s.data_bytes for s in plan.shards) <= 5 * 10**9
     # group 128 (published 387.9 GiB)
     assert round(make_plan(ckpt, ConvertOptions(group_size=128)).output_bytes / GiB, 1) == 387.9
+    # --keep-fp8: routed INT4 g32, every other FP8 Linear kept FP8 (published 404.3 GiB); the
+    # FP8 group's regexes cover every kept Linear and nothing INT4 (make_plan checks both)
+    keep = make_plan(ckpt, ConvertOptions(keep_fp8=True))
+    assert round(keep.output_bytes / GiB, 1) == 404.3
+    assert round(keep.output_bytes / 8 / GiB, 1) == 50.5  # per GPU at TP 8 (even split)
+    assert sum(u.action == "keep" for u in keep.units) > 0 and len(keep.fp8_targets) < 40
 
 
 def test_glm4_tp8_group128_fails_marlin_rule(tmp_path):
