@@ -152,17 +152,36 @@ def test_all_expert_down_hessians(ckpt_dir):
             assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), e
 
 
-def test_layer_error_below_rtn(ckpt_dir):
-    """Per-layer output error (same input, quantized vs source weights): GPTQ and AWQ < RTN."""
-    err = {m: [lay.get("output_rel_error") for lay in _calibrate(ckpt_dir, method=m)["layers"]]
-           for m in ("rtn", "gptq", "awq")}
-    calibrated = [i for i, e in enumerate(err["rtn"]) if e is not None]
-    assert calibrated, err
-    for i in calibrated:
-        # RTN's relative error here is ~0.13; GPTQ halves it, AWQ gains a few percent on
-        # the outlier channels. Strict inequality is the claim; the margins are printed.
-        assert err["gptq"][i] < err["rtn"][i], err
-        assert err["awq"][i] < err["rtn"][i], err
+def test_gptq_and_awq_beat_rtn_on_held_out_text(ckpt_dir, tmp_path):
+    """On text the calibration never saw, scored by `eval` (a forward of the source and of each
+    output through transformers' layer classes, independent of the calibrator, the logits
+    compared in float64): GPTQ's final hidden-state error and mean KL at most 0.85x RTN's;
+    AWQ's final hidden-state error at most 0.98x RTN's and its KL not worse than RTN's by
+    more than 2 %. The shipped text is split by document: even lines calibrate, odd lines
+    evaluate, the same windows for every method.
+
+    Measured (this fixture, 8 x 64 calibration tokens, 16 x 64 eval tokens): glm_moe_dsa
+    hidden error RTN 0.270 / GPTQ 0.202 / AWQ 0.258, KL 0.0378 / 0.0281 / 0.0376; glm4_moe
+    0.245 / 0.156 / 0.210, KL 0.0326 / 0.0177 / 0.0282."""
+    from quantize.calib_data import DEFAULT_CALIB
+    from quantize.evaluate import EvalOptions, evaluate
+
+    lines = DEFAULT_CALIB.read_text().splitlines()
+    calib, held = tmp_path / "calib.jsonl", tmp_path / "held.jsonl"
+    calib.write_text("\n".join(lines[::2]) + "\n")
+    held.write_text("\n".join(lines[1::2]) + "\n")
+    res = {}
+    for m in ("rtn", "gptq", "awq"):
+        out = tmp_path / m
+        convert(ckpt_dir, out, ConvertOptions(method=m, calib=str(calib), **CALIB), device="cpu")
+        r = evaluate(ckpt_dir, out, EvalOptions(num_samples=16, seq_len=64, data=str(held)),
+                     device="cpu", write=False)
+        assert r["data"]["disjoint"] and r["summary"]["tokens"] == 16 * 63
+        res[m] = (r["layers"][-1]["rel_error"], r["summary"]["kl_mean"], r["layers"][0]["rel_error"])
+    assert res["rtn"][2] == res["gptq"][2] == res["awq"][2]  # the same windows (layer 0: no INT4)
+    (h_r, kl_r, _), (h_g, kl_g, _), (h_a, kl_a, _) = res["rtn"], res["gptq"], res["awq"]
+    assert h_g <= 0.85 * h_r and kl_g <= 0.85 * kl_r, res
+    assert h_a <= 0.98 * h_r and kl_a <= 1.02 * kl_r, res
 
 
 def test_expert_counts_and_zero_token_fallback(tmp_path):
