@@ -51,8 +51,12 @@ def test_alpha_zero_is_rtn_so_awq_never_loses():
     X = torch.randn(64, 128, generator=_gen(4))
     res = awq_search([W], X, AWQConfig(n_grid=5))
     assert res.err_after <= res.err_before
-    if res.alpha.item() == 0:
-        assert torch.equal(res.scales, torch.ones(128))
+    # inputs of equal mean |x| in every channel (+-1): every alpha gives s = 1, the tie keeps
+    # alpha 0, and AWQ is exactly RTN
+    flat = torch.randn(64, 128, generator=_gen(8)).sign()
+    res = awq_search([W], flat, AWQConfig(n_grid=5))
+    assert res.alpha.item() == 0 and torch.equal(res.scales, torch.ones(128))
+    assert torch.equal(res.err_after, res.err_before)
 
 
 def test_batched_experts_with_shared_input_pairs_equal_a_loop():
