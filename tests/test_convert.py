@@ -198,11 +198,23 @@ def test_non_weight_files_copied_and_remote_code_not_run(dsa_fp8, tmp_path):
 
 
 def test_shards_respect_max_size(dsa_fp8, tmp_path):
+    """On the written files: each shard's tensor bytes (from its own header) at most
+    --max-shard-size unless it holds a single source tensor's outputs; the names as the Hub
+    expects; the planned files are the written ones."""
+    from quantize.checkpoint import read_safetensors_header
+
     opts = ConvertOptions(max_shard_size=250_000)
-    convert(dsa_fp8, tmp_path / "o", opts, device="cpu")
+    out = tmp_path / "o"
+    convert(dsa_fp8, out, opts, device="cpu")
     plan = make_plan(open_checkpoint(dsa_fp8), opts)
+    written = sorted(p.name for p in out.glob("*.safetensors"))
+    assert written == sorted(s.file for s in plan.shards) and len(written) > 3
     for s in plan.shards:
-        assert s.data_bytes <= 250_000 or len(s.units) == 1
+        header, _ = read_safetensors_header(out / s.file, s.file)
+        data = sum(e["data_offsets"][1] - e["data_offsets"][0] for k, e in header.items()
+                   if k != "__metadata__")
+        assert data == s.data_bytes and (out / s.file).stat().st_size == s.file_bytes
+        assert data <= 250_000 or len(s.units) == 1, (s.file, data)
         assert re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", s.file)
 
 
