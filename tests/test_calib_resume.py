@@ -217,6 +217,50 @@ def test_other_calibration_tokens_or_device_are_not_resumed(src, tmp_path):
     assert json.loads((out / MANIFEST).read_text())["calibration"] == recorded["calibration"]
 
 
+def test_resume_refused_after_the_seed_the_tokenizer_or_config_changed(tmp_path):
+    """An interrupted calibrated run, then the same command after one change each: another
+    --seed (an option: named), an edited tokenizer (other token ids: the calibration tokens
+    differ), a touched config.json (a source file: named). Each is refused before anything is
+    written; the unchanged command resumes."""
+    import shutil
+
+    cfg = tiny_config("glm_moe_dsa")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-block", seed=3)
+    write_tokenizer(src, cfg["vocab_size"])
+    out = tmp_path / "out"
+    opts = ConvertOptions(method="gptq", max_shard_size=200_000, **CALIB)
+    with pytest.raises(Stop):
+        convert(src, out, opts, device="cpu", on_unit=stop_at(lambda u: layer_of(u.source) == 2))
+    text = (out / MANIFEST).read_text()
+
+    def refused(o, why):
+        with pytest.raises(QuantizeError, match="cannot resume") as e:
+            convert(src, out, o, device="cpu", resume=True)
+        assert why in str(e.value), str(e.value)
+        assert (out / MANIFEST).read_text() == text
+
+    refused(ConvertOptions(method="gptq", max_shard_size=200_000, seed=1, **CALIB),
+            "option seed: was 0, now 1")
+    tok = src / "tokenizer.json"
+    original = tok.read_bytes()
+    shutil.copy(tok, tmp_path / "tok.bak")
+    t = json.loads(original)
+    vocab = t["model"]["vocab"]  # swap two frequent merges' ids: other token ids, same size
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    tok.write_text(json.dumps(t))
+    refused(opts, "calibration tokens differ")
+    tok.write_bytes(original)
+    os.utime(tok, ns=(tok.stat().st_atime_ns, tok.stat().st_mtime_ns))
+    cfg_file = src / "config.json"
+    st = cfg_file.stat()
+    os.utime(cfg_file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    refused(opts, "source file config.json changed (size/mtime)")
+    os.utime(cfg_file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    res = convert(src, out, opts, device="cpu", resume=True)
+    assert res.skipped and res.written
+
+
 # --- killed from outside (see tests/test_resume.py for the stall hook) -----------------------
 
 
