@@ -18,6 +18,7 @@ from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.plan import make_plan
 from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.verify import verify
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
@@ -259,6 +260,24 @@ def test_converted_checkpoint_loads_in_transformers(ckpt_dir, tmp_path, method):
                                         dst[m + ".weight_scale"], None), torch.float32)
             sqnr.append(float(20 * torch.log10(want.norm() / (got - want).norm())))
         assert min(sqnr) > 12, min(sqnr)  # INT4 g32 of Gaussian weights: ~18-20 dB
+        # verify re-applies the shipped scales: the AWQ output passes, and a norm whose fold
+        # was lost (the source's values written back) is named
+        rep = verify(ckpt_dir, out, write=False)
+        assert rep.ok and any(t.note == "AWQ-folded" for t in rep.tensors)
+        norm = "model.layers.1.post_attention_layernorm.weight"
+        f = out / index[norm]
+        ts = load_file(f)
+        ts[norm] = src.read(norm).to(ts[norm].dtype)
+        save_file(ts, f, metadata={"format": "pt"})
+        m = json.loads((out / "quantize-manifest.json").read_text())
+        from quantize.shards import sha256_file
+
+        m["files"][index[norm]] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+        (out / "quantize-manifest.json").write_text(json.dumps(m))
+        bad = verify(ckpt_dir, out, write=False)
+        assert not bad.ok and [t.name for t in bad.tensors if not t.ok] == [norm]
+        save_file({**ts, norm: (src.read(norm).float() / scales["model.layers.1.mlp.awq_input_scale"])
+                   .to(ts[norm].dtype)}, f, metadata={"format": "pt"})  # (restored for the load)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     ids = torch.tensor([[0, 5, 17, 42, 99, 3]])
     with torch.no_grad():

@@ -298,3 +298,18 @@ def test_scores_of_different_models_against_float64():
     assert summ["ppl_source"] == pytest.approx(math.exp(nll_s / T), rel=1e-5)
     assert summ["ppl_ratio"] == pytest.approx(math.exp((nll_q - nll_s) / T), rel=1e-5)
     assert summ["kl_mean"] == pytest.approx(kl / T, rel=1e-5)
+
+
+def test_seq_len_is_capped_to_the_models_context(tmp_path):
+    """--seq-len beyond max_position_embeddings: eval says so and scores windows of the
+    model's context instead (the windows' length is what the report records)."""
+    cfg = tiny_config("glm4_moe", max_position_embeddings=48)
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    dst = tmp_path / "out"
+    convert(src, dst, ConvertOptions(), device="cpu")
+    said = []
+    rep = evaluate(src, dst, EvalOptions(num_samples=2, seq_len=2048), device="cpu",
+                   log=said.append, write=False)
+    assert any("--seq-len 2048 is beyond max_position_embeddings 48" in s for s in said), said
+    assert rep["data"]["seq_len"] == 48 and rep["summary"]["tokens"] == 2 * 47

@@ -164,3 +164,22 @@ def test_make_passes_every_convert_option(tmp_path):
     plain = _make(_wrapper(tmp_path), "-n", "convert", "MODEL=m", f"OUT={out}")
     (cmd,) = [x for x in plain.stdout.splitlines() if "app()' convert" in x]
     assert "--seed" not in cmd and "--asymmetric" not in cmd and "--percdamp" not in cmd
+
+
+def test_a_failing_verify_leaves_no_report_and_nothing_is_pushed(tmp_path):
+    """verify failing its floor (MIN_SQNR=99: no INT4 tensor reaches it): make stops, removes
+    the failing verify.json (so the next make runs verify again), never runs push, leaves no
+    push stamp; the default floor then verifies and pushes (dry run)."""
+    mk = _wrapper(tmp_path)
+    src, out = tmp_path / "GLM-tiny-FP8", tmp_path / "GLM-tiny-INT4"
+    write_checkpoint(src, tiny_config(moe_intermediate_size=512))
+    args = ("all", f"MODEL={src}", f"OUT={out}", "REPO=my-org/GLM-tiny-INT4", "TP=2", "DRY_RUN=1")
+    r = _make(mk, *args, "MIN_SQNR=99")
+    assert r.returncode != 0 and _ran(r) == ["plan", "convert", "verify"], r.stdout + r.stderr
+    assert not (out / "verify.json").exists()
+    assert not list(out.glob(".pushed-*"))
+    again = _make(mk, "-n", *args)
+    assert _ran(again) == ["verify", "push"]  # verify runs again, convert is up to date
+    ok = _make(mk, *args)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert json.loads((out / "verify.json").read_text())["summary"]["ok"] is True
