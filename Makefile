@@ -35,7 +35,7 @@ endef
 
 # the dev install: the newest supported set, reproducible (constraints.txt)
 $(VENV)/.installed: pyproject.toml constraints.txt
-	$(call make_venv,$(VENV),test,constraints.txt)
+	$(call make_venv,$(VENV),test$(COMMA)kernels,constraints.txt)
 
 # the lowest supported set (pyproject's lower bounds: constraints-lowest.txt)
 .venv-lowest/.installed: pyproject.toml constraints-lowest.txt
