@@ -83,6 +83,15 @@ def test_convert_downloads_and_card_names_base_model(hub, tmp_path):
     assert (out / "generation_config.json").is_file()  # non-weight files came along
     v = _run(hub, home, "verify", "zai-org/GLM-tiny-FP8", str(out))  # main resolves to hub.sha
     assert v.returncode == 0, v.stderr
+    # the same conversion from the local folder the Hub repo was seeded from: every weight
+    # shard, the index and config.json byte for byte
+    local = tmp_path / "local"
+    r = _run(hub, home, "convert", str(hub.src), str(local))
+    assert r.returncode == 0, r.stderr
+    names = sorted(p.name for p in out.glob("*.safetensors"))
+    assert names and names == sorted(p.name for p in local.glob("*.safetensors"))
+    for n in [*names, "model.safetensors.index.json", "config.json"]:
+        assert (out / n).read_bytes() == (local / n).read_bytes(), n
 
 
 def test_missing_repo_and_local_revision_are_clear_errors(hub, tmp_path):
