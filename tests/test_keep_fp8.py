@@ -116,3 +116,29 @@ def test_transformers_and_a_keep_fp8_moe(glm4_fp8, tmp_path):
     ids = torch.randint(0, m.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(m(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_the_serving_options_together(tmp_path):
+    """--keep-fp8, --scheme w4afp8, --mtp keep and GPTQ in one run (expert width 512, so W4AFP8
+    serves at TP 1-2): it verifies, the MTP experts are FP8-kept (not INT4), and inspect reads
+    the scheme, the FP8 group and the TP sizes back."""
+    from quantize.report import inspect_int4_data
+    from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+
+    cfg = tiny_config("glm_moe_dsa", moe_intermediate_size=512)
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-block")
+    write_tokenizer(src, cfg["vocab_size"])
+    out = tmp_path / "out"
+    opts = ConvertOptions(method="gptq", num_samples=8, seq_len=64, group_size=128,
+                          scheme="w4afp8", keep_fp8=True, mtp="keep")
+    convert(src, out, opts, device="cpu", tp=1)
+    rep = verify(src, out)
+    assert rep.ok and not rep.problems
+    mtp = cfg["num_hidden_layers"]
+    got = _tensors(out)
+    assert f"model.layers.{mtp}.mlp.experts.0.gate_proj.weight_scale" in got
+    assert got[f"model.layers.{mtp}.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    d = inspect_int4_data(out, tp=1)
+    n_int4 = (cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]) * cfg["n_routed_experts"] * 3
+    assert d["scheme"] == "w4afp8" and d["int4_linears"] == {"routed": n_int4}
+    assert d["fp8_kept"]["weights"]["strategy"] == "block" and d["valid_tp"] == [1, 2]
