@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from quantize.errors import Problem, QuantizeError
+from quantize.options import EXPERT_CALIBRATION, METHODS, MTP_POLICIES, SCHEMES
 
 app = typer.Typer(
     help="Stream FP8/BF16 GLM MoE checkpoints into compressed-tensors INT4 (W4A16) checkpoints.\n\n"
@@ -36,38 +37,24 @@ err = Console(stderr=True, soft_wrap=True)  # messages stay one line for logs an
 VERBOSITY = {"quiet": False, "verbose": False}
 
 
-class Method(str, Enum):
-    rtn = "rtn"
-    gptq = "gptq"
-    awq = "awq"
-    awq_gptq = "awq+gptq"
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A str Enum of the values options.py validates (one list: --help shows exactly those)."""
+    return Enum(name, {v.replace("+", "_"): v for v in values}, type=str)
 
 
-class Scheme(str, Enum):
-    w4a16 = "w4a16"
-    w4afp8 = "w4afp8"
-
+Method = _choices("Method", METHODS)
+Scheme = _choices("Scheme", SCHEMES)
+Mtp = _choices("Mtp", MTP_POLICIES)
+ExpertCalibration = _choices("ExpertCalibration", EXPERT_CALIBRATION)
 
 SchemeOpt = Annotated[Scheme, typer.Option(
     "--scheme", help="w4a16: INT4 weights, BF16 activations (Marlin/WNA16). w4afp8: the same INT4 "
                      "weights with dynamic per-token FP8 activations declared (CUTLASS W4A8 MoE on "
                      "Hopper; needs --group-size 128, symmetric; plan says which TP sizes work).")]
-
-
-class Mtp(str, Enum):
-    int4 = "int4"
-    keep = "keep"
-
-
 MtpOpt = Annotated[Mtp, typer.Option(
     "--mtp", help="The MTP (speculative decoding) layer's Linears: int4 like the others, or keep "
                   "them as in the source (BF16): published runs saw an INT4 MTP head collapse "
                   "the draft acceptance rate.")]
-
-
-class ExpertCalibration(str, Enum):
-    routed = "routed"
-    all = "all"
 
 
 class EvalDtype(str, Enum):

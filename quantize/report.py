@@ -34,11 +34,12 @@ def _role(name: str, ndim: int) -> str:
     return "norms/biases/other"
 
 
-def inspect_data(ckpt: Checkpoint) -> dict:
+def _tally(tensors, role_of) -> tuple[dict[str, dict], set[int], set[str]]:
+    """Tensors, bytes and dtypes by `role_of(tensor)`; the layers and routed experts seen."""
     by_role: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "dtypes": set()})
     layers, experts = set(), set()
-    for t in ckpt.tensors.values():
-        r = by_role[_role(t.name, len(t.shape))]
+    for t in tensors:
+        r = by_role[role_of(t)]
         r["tensors"] += 1
         r["bytes"] += t.nbytes
         r["dtypes"].add(t.dtype)
@@ -46,6 +47,11 @@ def inspect_data(ckpt: Checkpoint) -> dict:
             layers.add(layer)
         if ".experts." in t.name:
             experts.add(t.name.split(".experts.")[1].split(".")[0])
+    return by_role, layers, experts
+
+
+def inspect_data(ckpt: Checkpoint) -> dict:
+    by_role, layers, experts = _tally(ckpt.tensors.values(), lambda t: _role(t.name, len(t.shape)))
     L = ckpt.num_hidden_layers
     return {
         "source": ckpt.name,
@@ -95,29 +101,21 @@ def inspect_int4_data(dst: str | Path, tp: int = 8) -> dict:
     group = next(g for g in groups if (g.get("weights") or {}).get("type") == "int")
     fp8_group = next((g for g in groups if (g.get("weights") or {}).get("type") == "float"), None)
     w = group.get("weights") or {}
-    by_role: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "dtypes": set()})
     linears: dict[str, int] = defaultdict(int)
-    layers, experts = set(), set()
     packed_modules = set(view.packed.values())
-    for t in view.tensors.values():
-        if t.name in view.packed:
-            continue  # (the view's virtual float weights)
+
+    def role_of(t) -> str:
         part = next((x for x in INT4_PARTS if t.name.endswith(x)
                      and t.name[: -len(x)] in packed_modules), None)
-        if part is not None:
-            role = f"{linear_role(t.name[: -len(part)])} INT4"
-            if part == ".weight_packed":
-                linears[linear_role(t.name[: -len(part)])] += 1
-        else:
-            role = _role(t.name, len(t.shape))
-        r = by_role[role]
-        r["tensors"] += 1
-        r["bytes"] += t.nbytes
-        r["dtypes"].add(t.dtype)
-        if (layer := layer_of(t.name)) is not None:
-            layers.add(layer)
-        if ".experts." in t.name:
-            experts.add(t.name.split(".experts.")[1].split(".")[0])
+        if part is None:
+            return _role(t.name, len(t.shape))
+        if part == ".weight_packed":
+            linears[linear_role(t.name[: -len(part)])] += 1
+        return f"{linear_role(t.name[: -len(part)])} INT4"
+
+    # (the view's virtual float weights left out)
+    by_role, layers, experts = _tally([t for t in view.tensors.values() if t.name not in view.packed],
+                                      role_of)
     manifest = read_manifest(Path(dst))
     acts = group.get("input_activations") or {}
     fp8_acts = acts.get("type") == "float" and acts.get("num_bits") == 8
@@ -156,25 +154,24 @@ def inspect_int4_data(dst: str | Path, tp: int = 8) -> dict:
 def inspect_int4_table(d: dict) -> Table:
     conv = d.get("conversion") or {}
     made = f", {conv.get('method')} from {conv.get('source')}" if conv else ""
-    t = Table(title=f"{d['source']}: {d['model_type']}, {d['format']} g{d['group_size']} "
-                    f"{'symmetric' if d['symmetric'] else 'asymmetric'}{made}; "
-                    f"{d['num_hidden_layers']} layers + MTP {d['mtp_layers'] or 'none'}, "
-                    f"{d['routed_experts_per_layer']} experts x {d['expert_width']}; "
-                    f"serves at TP {', '.join(map(str, d['valid_tp'])) or 'none of 1..16'}")
-    for c in ("category", "tensors", "dtypes", "bytes", "share"):
-        t.add_column(c, justify="right" if c in ("tensors", "bytes", "share") else "left")
-    for role, v in sorted(d["by_role"].items(), key=lambda kv: -kv[1]["bytes"]):
-        t.add_row(role, f"{v['tensors']:,}", ",".join(v["dtypes"]), fmt_bytes(v["bytes"]),
-                  f"{100 * v['bytes'] / max(d['bytes'], 1):.1f}%")
-    t.add_row("total", f"{d['tensors']:,}", "", fmt_bytes(d["bytes"]), "100.0%", style="bold")
-    return t
+    return _bytes_table(
+        f"{d['source']}: {d['model_type']}, {d['format']} g{d['group_size']} "
+        f"{'symmetric' if d['symmetric'] else 'asymmetric'}{made}; "
+        f"{d['num_hidden_layers']} layers + MTP {d['mtp_layers'] or 'none'}, "
+        f"{d['routed_experts_per_layer']} experts x {d['expert_width']}; "
+        f"serves at TP {', '.join(map(str, d['valid_tp'])) or 'none of 1..16'}", d)
 
 
 def inspect_table(d: dict) -> Table:
-    t = Table(title=f"{d['source']}: {d['model_type']}, {d['format']}"
-                    f"{' ' + str(d['block_size']) if d['block_size'] else ''}, "
-                    f"{d['num_hidden_layers']} layers + MTP {d['mtp_layers'] or 'none'}, "
-                    f"{d['routed_experts_per_layer']} experts x {d['expert_width']}")
+    return _bytes_table(f"{d['source']}: {d['model_type']}, {d['format']}"
+                        f"{' ' + str(d['block_size']) if d['block_size'] else ''}, "
+                        f"{d['num_hidden_layers']} layers + MTP {d['mtp_layers'] or 'none'}, "
+                        f"{d['routed_experts_per_layer']} experts x {d['expert_width']}", d)
+
+
+def _bytes_table(title: str, d: dict) -> Table:
+    """inspect's table: tensors, dtypes and bytes by category, and the total."""
+    t = Table(title=title)
     for c in ("category", "tensors", "dtypes", "bytes", "share"):
         t.add_column(c, justify="right" if c in ("tensors", "bytes", "share") else "left")
     for role, v in sorted(d["by_role"].items(), key=lambda kv: -kv[1]["bytes"]):
