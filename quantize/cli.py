@@ -51,6 +51,10 @@ SchemeOpt = Annotated[Scheme, typer.Option(
     "--scheme", help="w4a16: INT4 weights, BF16 activations (Marlin/WNA16). w4afp8: the same INT4 "
                      "weights with dynamic per-token FP8 activations declared (CUTLASS W4A8 MoE on "
                      "Hopper; needs --group-size 128, symmetric; plan says which TP sizes work).")]
+KeepFp8 = Annotated[bool, typer.Option(
+    "--keep-fp8", help="Keep the non-target FP8 Linears FP8 with their scales (a second, "
+                       "float-quantized config group; vLLM reads mixed-precision, SGLang does "
+                       "not) instead of widening them to BF16: GLM-5.2 404.3 GiB instead of 419.9.")]
 MtpOpt = Annotated[Mtp, typer.Option(
     "--mtp", help="The MTP (speculative decoding) layer's Linears: int4 like the others, or keep "
                   "them as in the source (BF16): published runs saw an INT4 MTP head collapse "
@@ -186,10 +190,7 @@ def plan(
         help="Calibrated methods add their resume checkpoints to the disk needed.")] = Method.rtn,
     scheme: SchemeOpt = Scheme.w4a16,
     mtp: MtpOpt = Mtp.int4,
-    keep_fp8: Annotated[bool, typer.Option(
-        "--keep-fp8", help="Keep the non-target FP8 Linears FP8 with their scales (a second, "
-                           "float-quantized config group; vLLM reads mixed-precision, SGLang does "
-                           "not) instead of widening them to BF16: GLM-5.2 404.3 GiB instead of 419.9.")] = False,
+    keep_fp8: KeepFp8 = False,
     num_samples: Annotated[int, typer.Option(help="Calibration sequences (calibrated methods).")] = 128,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 2048,
     json_: Json = False,
@@ -353,10 +354,7 @@ def convert(
     group_size: GroupSize = 32,
     scheme: SchemeOpt = Scheme.w4a16,
     mtp: MtpOpt = Mtp.int4,
-    keep_fp8: Annotated[bool, typer.Option(
-        "--keep-fp8", help="Keep the non-target FP8 Linears FP8 with their scales (a second, "
-                           "float-quantized config group; vLLM reads mixed-precision, SGLang does "
-                           "not) instead of widening them to BF16: GLM-5.2 404.3 GiB instead of 419.9.")] = False,
+    keep_fp8: KeepFp8 = False,
     targets: Targets = "routed",
     asymmetric: Asym = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")] = "5GB",
