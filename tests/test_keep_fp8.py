@@ -110,8 +110,10 @@ def test_transformers_and_a_keep_fp8_moe(glm4_fp8, tmp_path):
     convert(glm4_fp8, wide, ConvertOptions(), device="cpu", tp=1)
     try:
         m = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    except AttributeError as e:
-        pytest.xfail(f"transformers cannot load a mixed-precision MoE checkpoint: {e}")
+    except (AttributeError, RuntimeError) as e:  # 5.23: AttributeError; 5.17: RuntimeError
+        # ("issues during automatic conversion of the weights"), both in the expert mapping
+        pytest.xfail(f"transformers cannot load a mixed-precision MoE checkpoint: {type(e).__name__}: "
+                     f"{str(e)[:200]}")
     ref = AutoModelForCausalLM.from_pretrained(wide, dtype=torch.float32)
     ids = torch.randint(0, m.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
