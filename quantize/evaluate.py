@@ -487,9 +487,8 @@ def evaluate(src: str | Path, dst: str | Path, opts: EvalOptions = EvalOptions()
     tok = _tokenizer(src_ckpt, dst)
     data = Path(opts.data) if opts.data else DEFAULT_CALIB
     doc_ids, _, _ = tokenize_documents(read_documents(data), tok)
-    rep = dst / CALIB_REPORT
-    recorded = (json.loads(rep.read_text()).get("calibration") or {}).get("sha256") \
-        if rep.is_file() else None
+    calib_rep = json.loads((dst / CALIB_REPORT).read_text()) if (dst / CALIB_REPORT).is_file() else None
+    recorded = ((calib_rep or {}).get("calibration") or {}).get("sha256")
     calib, relation = _calib_windows(conv, data, recorded)
     es = select_windows(doc_ids, tok.eos_token_id, opts.num_samples, seq_len, opts.seed, calib,
                         str(data), relation)
@@ -528,7 +527,6 @@ def evaluate(src: str | Path, dst: str | Path, opts: EvalOptions = EvalOptions()
         write_json_atomic(dst / EVAL_JSON, report)  # a report: not among the manifest's files
         from quantize import plots
 
-        calib_rep = json.loads((dst / CALIB_REPORT).read_text()) if (dst / CALIB_REPORT).is_file() else None
         plots.errors_by_layer(report, calib_rep, dst / "eval-layers.png")
         refresh_readme(dst)
     return report
