@@ -1,0 +1,85 @@
+"""The MSE clip search as one Triton kernel against the eager loop: bit-identical scales and zps.
+
+`gptq_triton.mse_clip_qparams` repeats `gptq._group_qparams`' arithmetic op for op (IEEE
+division, round half to even, the bf16 roundings of `rtn_qparams` / `_dequant`) and adds each
+group's errors in the eager loop's fixed order (`gptq._tree_sum`), launched without FMA
+contraction, so no tolerance is needed: near-tie groups (different scales whose errors differ
+in the last bits) are decided the same way. Measured: every scale and zero point equal, under
+the interpreter here and compiled on an H200 (scripts/check_mse_gpu.py, 32 GLM-5.2 experts).
+
+On a GPU this runs the compiled kernel (and `_group_qparams`' dispatch to it); without one,
+Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported, hence the subprocess)
+on small shapes. Skipped where triton is not installed: the eager loop is what those run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton not installed (CPU torch): the eager loop is used")
+
+SCRIPT = textwrap.dedent("""
+    import os
+    import torch
+    from dataclasses import replace
+    import quantize.gptq as G
+    from quantize.int4 import QMAX, QMIN, rtn_qparams
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    # (B, N, K, g, shared Hdiag): odd row counts, G from 1 to 6, a g that is no power of two
+    shapes = [(2, 7, 192, 32, False), (1, 9, 256, 64, True), (3, 5, 256, 128, False),
+              (2, 6, 96, 48, True)]
+    groups = moved = 0
+    for B, N, K, g, shared in shapes:
+        for symmetric in (True, False):
+            for bf16 in (True, False):
+                W = torch.randn(B, N, K, generator=gen) * torch.rand(B, N, 1, generator=gen)
+                W[0, 0, :g] = 0.0  # an all-zero group: eps scale
+                W[-1, -1, -g:] = W[-1, -1, -g:].abs()  # min > 0: clamped through 0
+                if bf16:
+                    W = W.bfloat16().float()  # (B, N, K) bf16 values, as checkpoints give
+                Hd = torch.rand(1 if shared else B, K, generator=gen)  # (Bh, K) > 0
+                Hd[torch.rand(Hd.shape, generator=gen) < 0.1] = 0.0  # dead inputs
+                Hd[0, :g] = 0.0  # a group of dead inputs: every p ties, RTN is kept
+                W, Hd = W.to(dev), Hd.to(dev)
+                cfg = G.GPTQConfig(group_size=g, symmetric=symmetric, mse_clip=True)
+                ref_s, ref_z = G._group_qparams(W, Hd, replace(cfg, fused=False))
+                got_s, got_z = G.gptq_triton.mse_clip_qparams(W, Hd, G.MSE_SHRINK, g, symmetric,
+                                                              QMIN, QMAX)
+                case = (seed, B, N, K, g, shared, symmetric, bf16)
+                assert got_s.dtype == ref_s.dtype and got_s.shape == ref_s.shape, case
+                same = (got_s == ref_s).double().mean().item()
+                assert torch.equal(got_s, ref_s), (case, same)
+                if symmetric:
+                    assert got_z is None and ref_z is None, case
+                else:
+                    assert got_z.dtype == torch.int8 and torch.equal(got_z, ref_z), case
+                if dev == "cuda":  # the dispatch in _group_qparams takes the kernel there
+                    via = G._group_qparams(W, Hd, cfg)
+                    assert torch.equal(via[0], ref_s), case
+                rtn, _ = rtn_qparams(W.reshape(B * N, K), g, symmetric)
+                groups += ref_s.numel()
+                moved += (ref_s.reshape(B * N, -1) != rtn).sum().item()
+    assert moved > groups // 4, (moved, groups)  # the search is not trivially p = 1
+    print(dev, groups, moved)
+""")
+
+
+def test_mse_clip_kernel_matches_the_eager_loop():
+    env = dict(os.environ)
+    import torch
+
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                       check=False, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
