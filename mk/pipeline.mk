@@ -71,7 +71,7 @@ QUANT_FLAGS := --method $(METHOD) --group-size $(GROUP_SIZE) --targets $(TARGETS
   $(if $(ASYMMETRIC),--asymmetric) $(if $(SEED),--seed $(SEED)) $(if $(SCHEME),--scheme $(SCHEME)) \
   $(if $(MTP),--mtp $(MTP)) $(if $(KEEP_FP8),--keep-fp8) $(if $(EXPERT_CALIBRATION),--expert-calibration $(EXPERT_CALIBRATION)) \
   $(if $(MIN_EXPERT_TOKENS),--min-expert-tokens $(MIN_EXPERT_TOKENS)) \
-  $(if $(PERCDAMP),--percdamp $(PERCDAMP)) $(if $(MSE_CLIP),--mse-clip) \
+  $(if $(PERCDAMP),--percdamp $(PERCDAMP)) $(if $(filter 0 no false off,$(MSE_CLIP)),--no-mse-clip,$(if $(MSE_CLIP),--mse-clip)) \
   $(if $(BASE_MODEL),--base-model $(BASE_MODEL)) $(if $(CONFIG),--config $(CONFIG))
 CONVERT_FLAGS := --tp $(TP) --device $(DEVICE) --max-shard-size $(MAX_SHARD_SIZE) \
   $(if $(CHECKPOINT_INTERVAL),--checkpoint-interval $(CHECKPOINT_INTERVAL)) \

@@ -31,18 +31,20 @@ import torch
 from quantize.errors import Problem, QuantizeError
 from quantize.shards import sha256_file
 
-__all__ = ["DEFAULT_CALIB", "CalibrationSet", "data_sha256", "join_documents", "load_calibration",
+__all__ = ["DEFAULT_CALIB", "HELDOUT_ENGLISH", "CalibrationSet", "data_sha256", "join_documents", "load_calibration",
            "read_documents", "tokenize_documents", "window_starts"]
 
-def _default_calib() -> Path:
-    """The shipped default set: inside the package in an installed wheel
-    (quantize/_shipped/default.jsonl, pyproject's package-data), calib_data/ in a checkout."""
+def _shipped(name: str) -> Path:
+    """A shipped data file: inside the package in an installed wheel (quantize/_shipped/NAME,
+    pyproject's package-data), calib_data/NAME in a checkout."""
     here = Path(__file__).resolve().parent
-    wheel = here / "_shipped" / "default.jsonl"
-    return wheel if wheel.is_file() else here.parent / "calib_data" / "default.jsonl"
+    wheel = here / "_shipped" / name
+    return wheel if wheel.is_file() else here.parent / "calib_data" / name
 
 
-DEFAULT_CALIB = _default_calib()
+DEFAULT_CALIB = _shipped("default.jsonl")
+# General English written for the project, in no calibration set: eval's out-of-domain text.
+HELDOUT_ENGLISH = _shipped("heldout_english.md")
 
 
 @dataclass(frozen=True)

@@ -289,6 +289,11 @@ EVAL_ROWS = (
     ("top1_agreement", "same top-1 next token as the source", _pct),
     ("tokens", "tokens scored", lambda x: f"{x:,}" if isinstance(x, int) else _num(x)),
     ("data", "evaluation text", lambda x: str(x)),
+    ("ood_ppl_ratio", "out of domain: perplexity ratio", _ratio),
+    ("ood_kl_mean", "out of domain: mean KL divergence (nats per token)", lambda x: _metric(x)),
+    ("ood_top1_agreement", "out of domain: same top-1 next token", _pct),
+    ("ood_data", ("out-of-domain text (general English; a calibrated method that fits its "
+                  "calibration text too closely shows here first)"), lambda x: str(x)),
 )
 
 

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from quantize import SCHEMA_VERSION, __version__
 from quantize.calib_data import (
     DEFAULT_CALIB,
+    HELDOUT_ENGLISH,
     data_sha256,
     join_documents,
     read_documents,
@@ -87,10 +88,17 @@ class EvalOptions:
     seq_len: int = 2048  # capped to the model's max_position_embeddings (the log says so)
     seed: int = 0  # shuffles the held-out documents before the windows are cut
     dtype: str = "auto"  # auto: bfloat16 on a GPU (what the engines run), float32 on the CPU
+    # Out-of-domain text scored beside `data`, so overfitting to the calibration text shows
+    # before publishing: None = the shipped general-English text (in no calibration set),
+    # "none" = skip. Up to `ood_samples` windows of seq_len (the text is ~6k tokens).
+    ood: str | None = None
+    ood_samples: int = 4
 
     def __post_init__(self) -> None:
         if self.num_samples < 1 or self.seq_len < 2:
             raise ValueError("--num-samples must be >= 1 and --seq-len >= 2 (a next token to score)")
+        if self.ood_samples < 1:
+            raise ValueError("--ood-samples must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
 
@@ -255,6 +263,20 @@ def select_windows(doc_ids: list[list[int]], eos: int | None, num_samples: int, 
             "pass --data with more text, or lower --seq-len")])
     tokens = ids[: n * seq_len].view(n, seq_len).clone()  # (n, S) consecutive, non-overlapping
     return EvalSet(tokens, source, len(doc_ids), len(held), len(ids), note, disjoint, avoidable)
+
+
+def ood_windows(path: Path, tok, num_samples: int, seq_len: int) -> torch.Tensor:
+    """Up to `num_samples` consecutive windows of the out-of-domain text, one document; when it
+    holds fewer than seq_len tokens, one window of all of them."""
+    from quantize.calib_data import _read_text
+
+    ids = tok(_read_text(path), add_special_tokens=False)["input_ids"]
+    if len(ids) < 2:
+        raise QuantizeError("too little out-of-domain text", [Problem(
+            str(path), None, f"{len(ids)} tokens", "at least 2", "pass --ood with more text, or --ood none")])
+    length = min(seq_len, len(ids))
+    n = min(num_samples, len(ids) // length)
+    return torch.tensor(ids[: n * length], dtype=torch.int64).view(n, length)  # (n, length)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,13 +527,29 @@ def evaluate(src: str | Path, dst: str | Path, opts: EvalOptions = EvalOptions()
     relation = ("no calibration (rtn)" if conv.method == "rtn" else
                 "disjoint from the calibration text" if es.disjoint else "overlaps the calibration text")
     summary["data"] = f"{Path(es.source).name}, {es.tokens.shape[0]} x {es.tokens.shape[1]} tokens, {relation}"
+    ood = None
+    if (opts.ood or "").lower() != "none":
+        ood_path = Path(opts.ood) if opts.ood else HELDOUT_ENGLISH
+        if not ood_path.is_file():
+            raise QuantizeError("out-of-domain text not found", [Problem(
+                str(ood_path), None, "no such file", "a text file", "pass --ood FILE, or --ood none")])
+        ood_tokens = ood_windows(ood_path, tok, opts.ood_samples, seq_len)
+        log(f"out-of-domain data: {ood_tokens.shape[0]} x {ood_tokens.shape[1]} tokens from {ood_path.name}")
+        ood_scores = Evaluator(src_ckpt, units, view, ood_tokens, dev, dtype,
+                               lambda m: log(f"out-of-domain {m}")).run()
+        ood = {**summarize(ood_scores), "data": f"{ood_path.name}, {ood_tokens.shape[0]} x "
+               f"{ood_tokens.shape[1]} tokens, in no calibration set" if ood_path == HELDOUT_ENGLISH
+               else f"{ood_path.name}, {ood_tokens.shape[0]} x {ood_tokens.shape[1]} tokens"}
+        summary.update({"ood_ppl_ratio": ood["ppl_ratio"], "ood_kl_mean": ood["kl_mean"],
+                        "ood_top1_agreement": ood["top1_agreement"], "ood_data": ood["data"]})
     report = {
         "schema_version": SCHEMA_VERSION,
         "summary": summary,
         "layers": ev.layers,
         "data": es.summary(),
+        "out_of_domain": ood,
         "options": {"num_samples": opts.num_samples, "seq_len": seq_len, "seed": opts.seed,
-                    "data": Path(data).name},  # names, not paths: the card quotes this report
+                    "data": Path(data).name, "ood": None if ood is None else ood["data"].split(",")[0]},  # names, not paths: the card quotes this report
         "method": conv.method,
         "source": source_identity(src)["name"] if Path(src).exists() else str(src),
         "device": str(dev),

@@ -277,4 +277,10 @@ def eval_tables(rep: dict) -> list[Table]:
     u.add_row("scored tokens", f"{s['tokens']:,}")
     u.add_row("data", s["data"])
     u.add_row("calibration", d["calibration"])
+    o = rep.get("out_of_domain")
+    if o:
+        u.add_row("out of domain: ratio", f"{o['ppl_ratio']:.4f}")
+        u.add_row("out of domain: KL per token", f"{o['kl_mean']:.5f}")
+        u.add_row("out of domain: top-1 agreement", f"{100 * o['top1_agreement']:.2f}%")
+        u.add_row("out of domain: data", o["data"])
     return [t, u]

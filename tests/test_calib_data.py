@@ -9,7 +9,13 @@ import re
 import pytest
 import torch
 
-from quantize.calib_data import DEFAULT_CALIB, data_sha256, load_calibration, read_documents
+from quantize.calib_data import (
+    DEFAULT_CALIB,
+    HELDOUT_ENGLISH,
+    data_sha256,
+    load_calibration,
+    read_documents,
+)
 from quantize.errors import QuantizeError
 from quantize.synth import write_tokenizer
 
@@ -29,6 +35,17 @@ def test_default_set_checksum_matches_readme():
     assert hashlib.sha256(DEFAULT_CALIB.read_bytes()).hexdigest() == want
     docs = read_documents(DEFAULT_CALIB)
     assert any(isinstance(d, list) for d in docs) and any(isinstance(d, str) for d in docs)
+
+
+def test_heldout_english_is_in_no_calibration_set():
+    """eval's out-of-domain text: shipped, CC0 as its header says, and no sentence of it in the
+    default calibration set (which would make it in-domain)."""
+    text = HELDOUT_ENGLISH.read_text(encoding="utf-8")
+    assert "CC0-1.0" in text.split("-->")[0] and len(text.split()) > 4000
+    calib = DEFAULT_CALIB.read_text(encoding="utf-8")
+    sentences = [x.strip() for x in re.split(r"[.!?]\s", text) if len(x.strip()) > 40]
+    assert len(sentences) > 150
+    assert not [x for x in sentences if x in calib]
 
 
 def test_default_sampling_is_deterministic(tok):

@@ -377,6 +377,10 @@ def test_mse_clip_reaches_gptq_and_verifies(tmp_path):
 
     with pytest.raises(ValueError, match="--mse-clip"):
         ConvertOptions(method="awq", mse_clip=True)
+    # the default: on for the GPTQ methods (BENCHMARKS.md, SmolLM2), off for the others
+    assert ConvertOptions(method="gptq").mse_clip is True and ConvertOptions(method="awq+gptq").mse_clip
+    assert ConvertOptions().mse_clip is False and ConvertOptions(method="awq").mse_clip is False
+    assert ConvertOptions(method="gptq").percdamp == 0.1
     cfg = tiny_config("glm4_moe")
     src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
     write_tokenizer(src, cfg["vocab_size"])

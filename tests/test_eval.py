@@ -14,7 +14,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from quantize.calib_data import load_calibration, read_documents, tokenize_documents
+from quantize.calib_data import (
+    HELDOUT_ENGLISH,
+    load_calibration,
+    read_documents,
+    tokenize_documents,
+)
+from quantize.card import _metric
 from quantize.checkpoint import open_checkpoint
 from quantize.errors import QuantizeError
 from quantize.evaluate import (
@@ -148,6 +154,13 @@ def test_eval_report_card_and_cli(converted):
     assert f"({100 * (s['ppl_ratio'] - 1):+.2f} % perplexity)" in card
     assert f"| same top-1 next token as the source | {100 * s['top1_agreement']:.2f} % |" in card
     assert "| ppl_ratio |" not in card and "| kl_mean |" not in card
+    # out of domain, by default: the shipped general-English text, in no calibration set
+    o = rep["out_of_domain"]
+    assert o["data"] == "heldout_english.md, 4 x 48 tokens, in no calibration set"  # --ood-samples 4
+    assert o["tokens"] == 4 * 47
+    assert s["ood_ppl_ratio"] == o["ppl_ratio"] and s["ood_kl_mean"] == o["kl_mean"] > 1e-4
+    assert o["ppl_ratio"] != s["ppl_ratio"]  # another text, another figure
+    assert f"| out of domain: perplexity ratio | {_metric(o['ppl_ratio'])}" in card
 
     r = CliRunner().invoke(app, ["eval", str(src), str(dst), "--num-samples", "1", "--seq-len", "32",
                                  "--device", "cpu", "--json", "--max-ppl-ratio", "100"])
@@ -156,6 +169,24 @@ def test_eval_report_card_and_cli(converted):
     r = CliRunner().invoke(app, ["eval", str(src), str(dst), "--num-samples", "1", "--seq-len", "32",
                                  "--device", "cpu", "--max-ppl-ratio", "0.5"])
     assert r.exit_code == 1 and "relative error" in r.stdout and "max-ppl-ratio" in r.output
+
+
+def test_out_of_domain_scores_equal_an_eval_on_that_text(converted):
+    """The out-of-domain figures are the ordinary eval on that text: `--data heldout_english.md`
+    (one document, windows cut from its start, like the OOD windows) scores the same tokens
+    and gives the same numbers; `--ood none` skips it; a missing file is refused by name."""
+    src, dst = converted
+    rep = evaluate(src, dst, EvalOptions(num_samples=1, seq_len=48, ood_samples=2), device="cpu",
+                   write=False)
+    direct = evaluate(src, dst, EvalOptions(data=str(HELDOUT_ENGLISH), num_samples=2, seq_len=48,
+                                            ood="none"), device="cpu", write=False)
+    assert direct["out_of_domain"] is None and "ood_ppl_ratio" not in direct["summary"]
+    o, d = rep["out_of_domain"], direct["summary"]
+    for k in ("ppl_source", "ppl_quantized", "ppl_ratio", "kl_mean", "top1_agreement", "tokens"):
+        assert o[k] == pytest.approx(d[k], rel=1e-12, abs=0), k
+    with pytest.raises(QuantizeError, match="out-of-domain text not found"):
+        evaluate(src, dst, EvalOptions(num_samples=1, seq_len=32, ood=str(dst / "missing.txt")),
+                 device="cpu", write=False)
 
 
 def test_int4_view_equals_compressed_tensors_decompression(tmp_path):

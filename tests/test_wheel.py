@@ -27,6 +27,9 @@ def test_wheel_ships_the_default_calibration_set(tmp_path):
     assert "quantize/_shipped/default.jsonl" in names and "quantize/cli.py" in names
     shipped = zipfile.ZipFile(whl).read("quantize/_shipped/default.jsonl")
     assert shipped == (ROOT / "calib_data" / "default.jsonl").read_bytes()
+    # eval's out-of-domain text too
+    assert zipfile.ZipFile(whl).read("quantize/_shipped/heldout_english.md") == \
+        (ROOT / "calib_data" / "heldout_english.md").read_bytes()
     site = tmp_path / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(whl)],
                        capture_output=True, text=True, timeout=300, check=False)
