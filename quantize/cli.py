@@ -732,7 +732,7 @@ def eval_(
         help="Tokens per window (capped to max_position_embeddings).")] = 2048,
     ood: Annotated[str | None, typer.Option(
         help="Out-of-domain text scored beside --data, to show overfitting to the calibration "
-             "text (a text file; 'none' to skip). Default: the shipped general-English "
+             "text (any format --data reads; 'none' to skip). Default: the shipped general-English "
              "calib_data/heldout_english.md, in no calibration set.")] = None,
     ood_samples: Annotated[int, typer.Option(help="Out-of-domain windows, at most.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed for shuffling the held-out documents.")] = 0,

@@ -266,11 +266,11 @@ def select_windows(doc_ids: list[list[int]], eos: int | None, num_samples: int, 
 
 
 def ood_windows(path: Path, tok, num_samples: int, seq_len: int) -> torch.Tensor:
-    """Up to `num_samples` consecutive windows of the out-of-domain text, one document; when it
-    holds fewer than seq_len tokens, one window of all of them."""
-    from quantize.calib_data import _read_text
-
-    ids = tok(_read_text(path), add_special_tokens=False)["input_ids"]
+    """Up to `num_samples` consecutive windows of the out-of-domain text (any format --data
+    reads; its documents in file order); when it holds fewer than seq_len tokens, one window of
+    all of them."""
+    doc_ids, _, _ = tokenize_documents(read_documents(path), tok)
+    ids = [i for d in doc_ids for i in d]
     if len(ids) < 2:
         raise QuantizeError("too little out-of-domain text", [Problem(
             str(path), None, f"{len(ids)} tokens", "at least 2", "pass --ood with more text, or --ood none")])
@@ -320,21 +320,36 @@ def summarize(s: TokenScores) -> dict:
 SIDES = ("source", "quantized")
 
 
+@dataclass
+class _Stream:
+    """One token set through both models: its windows, layer inputs (positions for its window
+    length), samples per chunk, and per side the hidden-state chunks and routing state."""
+
+    tokens: torch.Tensor  # int64 (n, S)
+    inputs: object
+    b: int
+    hidden: dict[str, HiddenStates] = field(default_factory=dict)
+    topk: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)
+
+
 class Evaluator:
-    """The source and quantized models side by side over `tokens`, one layer at a time."""
+    """The source and quantized models side by side over `tokens`, one layer at a time; the
+    token sets in `extra` (e.g. out-of-domain text) ride along in the same pass, so every layer
+    of both checkpoints is read once. The per-layer error is the main set's."""
 
     def __init__(self, src: Checkpoint, units: dict[str, Unit], dst: Int4View, tokens: torch.Tensor,
                  device: torch.device, dtype: torch.dtype,
-                 log: Callable[[str], None] | None = None) -> None:
-        self.src, self.units, self.dst, self.tokens = src, units, dst, tokens
+                 log: Callable[[str], None] | None = None,
+                 extra: dict[str, torch.Tensor] | None = None) -> None:
+        self.src, self.units, self.dst = src, units, dst
         self.device, self.dtype = device, dtype
         self.log = log or (lambda msg: None)
         self.skeleton = build_skeleton(src.config)  # DST has the same config (checked by evaluate)
         self.num_layers = len(self.skeleton.model.layers)
-        self.inputs = layer_inputs(self.skeleton, tokens.shape[1], device, dtype)
-        self.b = max(1, chunk_tokens(self.device) // tokens.shape[1])  # samples per chunk
-        self.hidden: dict[str, HiddenStates] = {}
-        self.topk: dict[str, list[torch.Tensor | None]] = {}
+        self.streams = {name: _Stream(t, layer_inputs(self.skeleton, t.shape[1], device, dtype),
+                                      max(1, chunk_tokens(device) // t.shape[1]))  # samples per chunk
+                        for name, t in {"": tokens, **(extra or {})}.items()}
+        self.hidden = self.streams[""].hidden  # the main set's (logits, the per-layer error)
         self.layers: list[dict] = []
 
     def read(self, side: str, name: str) -> torch.Tensor:
@@ -349,17 +364,18 @@ class Evaluator:
         return self.src.read(name, self.device)
 
     def embed(self) -> None:
-        n, S = self.tokens.shape
         H = self.src.config["hidden_size"]
-        nbytes = n * S * H * torch.finfo(self.dtype).bits // 8
-        where = HiddenStates.placement(2 * nbytes, self.device)  # two streams
+        nbytes = sum(st.tokens.numel() for st in self.streams.values()) * H * torch.finfo(self.dtype).bits // 8
+        where = HiddenStates.placement(2 * nbytes, self.device)  # both sides
         for side in SIDES:
             emb = self.read(side, "model.embed_tokens.weight")  # (V, H)
-            chunks = [embed(self.skeleton, emb, self.tokens[i: i + self.b].to(self.device)).to(self.dtype)
-                      for i in range(0, n, self.b)]  # (b, S, H) each
-            self.hidden[side] = HiddenStates(chunks, self.device, where)
-            self.topk[side] = [None] * len(chunks)
-            del emb, chunks
+            for st in self.streams.values():
+                chunks = [embed(self.skeleton, emb, st.tokens[i: i + st.b].to(self.device)).to(self.dtype)
+                          for i in range(0, st.tokens.shape[0], st.b)]  # (b, S, H) each
+                st.hidden[side] = HiddenStates(chunks, self.device, where)
+                st.topk[side] = [None] * len(chunks)
+                del chunks
+            del emb
 
     @torch.no_grad()
     def run_layer(self, L: int) -> dict:
@@ -368,10 +384,11 @@ class Evaluator:
         for side in SIDES:
             ckpt, units = (self.src, self.units) if side == "source" else (self.dst, None)
             layer = load_layer(self.skeleton, ckpt, units, L, self.device, self.dtype)
-            hs, topk = self.hidden[side], self.topk[side]
-            for i in range(len(hs)):
-                h, topk[i] = run_layer(self.skeleton, layer, self.inputs, hs.on_device(i), topk[i])
-                hs.put(i, h)
+            for st in self.streams.values():
+                hs, topk = st.hidden[side], st.topk[side]
+                for i in range(len(hs)):
+                    h, topk[i] = run_layer(self.skeleton, layer, st.inputs, hs.on_device(i), topk[i])
+                    hs.put(i, h)
             free_layer(layer)
         err = ref = 0.0
         for i in range(len(self.hidden["source"])):
@@ -403,15 +420,17 @@ class Evaluator:
             return F.linear(norm(self.hidden[side].on_device(i)), W).float()
 
     @torch.no_grad()
-    def score(self) -> TokenScores:
-        heads = {side: self.head(side) for side in SIDES}
+    def score(self, name: str = "", heads: dict | None = None) -> TokenScores:
+        """Token set `name`'s scores ("" the main one), after the last layer."""
+        heads = heads or {side: self.head(side) for side in SIDES}
+        st = self.streams[name]
         total = TokenScores(0, 0.0, 0.0, 0.0, 0)
-        for i in range(len(self.hidden["source"])):
-            targets = self.tokens[i * self.b: (i + 1) * self.b, 1:].reshape(-1)  # (b * (S-1),)
+        for i in range(len(st.hidden["source"])):
+            targets = st.tokens[i * st.b: (i + 1) * st.b, 1:].reshape(-1)  # (b * (S-1),)
             x = {}
             for side in SIDES:
                 norm, _ = heads[side]
-                h = norm(self.hidden[side].on_device(i))[:, :-1]  # (b, S-1, H): the last has no target
+                h = norm(st.hidden[side].on_device(i))[:, :-1]  # (b, S-1, H): the last has no target
                 x[side] = h.reshape(-1, h.shape[-1])
             for a in range(0, targets.numel(), LOGIT_TOKENS):
                 piece = slice(a, a + LOGIT_TOKENS)
@@ -420,13 +439,15 @@ class Evaluator:
                                              targets[piece])
         return total
 
-    def run(self) -> TokenScores:
+    def run(self) -> dict[str, TokenScores]:
+        """Every layer, then each token set's scores by name ("" the main one)."""
         self.embed()
         for L in range(self.num_layers):
             e = self.run_layer(L)
             self.log(f"layer {L}/{self.num_layers - 1}: {e['int4_linears']} INT4 Linears, hidden-state "
                      f"relative error {e['rel_error']:.4f}, {e['seconds']} s")
-        return self.score()
+        heads = {side: self.head(side) for side in SIDES}
+        return {name: self.score(name, heads) for name in self.streams}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,26 +541,28 @@ def evaluate(src: str | Path, dst: str | Path, opts: EvalOptions = EvalOptions()
         log("warning: the eval windows overlap the calibration text; the figures flatter the "
             "calibrated method (pass --data with held-out text)")
 
-    t0 = time.perf_counter()
-    ev = Evaluator(src_ckpt, units, view, es.tokens, dev, dtype, log)
-    scores = ev.run()
-    summary = summarize(scores)
-    relation = ("no calibration (rtn)" if conv.method == "rtn" else
-                "disjoint from the calibration text" if es.disjoint else "overlaps the calibration text")
-    summary["data"] = f"{Path(es.source).name}, {es.tokens.shape[0]} x {es.tokens.shape[1]} tokens, {relation}"
-    ood = None
+    extra, ood_path = {}, None
     if (opts.ood or "").lower() != "none":
         ood_path = Path(opts.ood) if opts.ood else HELDOUT_ENGLISH
         if not ood_path.is_file():
             raise QuantizeError("out-of-domain text not found", [Problem(
                 str(ood_path), None, "no such file", "a text file", "pass --ood FILE, or --ood none")])
-        ood_tokens = ood_windows(ood_path, tok, opts.ood_samples, seq_len)
-        log(f"out-of-domain data: {ood_tokens.shape[0]} x {ood_tokens.shape[1]} tokens from {ood_path.name}")
-        ood_scores = Evaluator(src_ckpt, units, view, ood_tokens, dev, dtype,
-                               lambda m: log(f"out-of-domain {m}")).run()
-        ood = {**summarize(ood_scores), "data": f"{ood_path.name}, {ood_tokens.shape[0]} x "
-               f"{ood_tokens.shape[1]} tokens, in no calibration set" if ood_path == HELDOUT_ENGLISH
-               else f"{ood_path.name}, {ood_tokens.shape[0]} x {ood_tokens.shape[1]} tokens"}
+        extra["ood"] = ood_windows(ood_path, tok, opts.ood_samples, seq_len)
+        log(f"out-of-domain data: {extra['ood'].shape[0]} x {extra['ood'].shape[1]} tokens from "
+            f"{ood_path.name} (scored in the same pass)")
+
+    t0 = time.perf_counter()
+    ev = Evaluator(src_ckpt, units, view, es.tokens, dev, dtype, log, extra=extra)
+    scores = ev.run()
+    summary = summarize(scores[""])
+    relation = ("no calibration (rtn)" if conv.method == "rtn" else
+                "disjoint from the calibration text" if es.disjoint else "overlaps the calibration text")
+    summary["data"] = f"{Path(es.source).name}, {es.tokens.shape[0]} x {es.tokens.shape[1]} tokens, {relation}"
+    ood = None
+    if ood_path is not None:
+        n, S = extra["ood"].shape
+        ood = {**summarize(scores["ood"]), "data": f"{ood_path.name}, {n} x {S} tokens"
+               + (", in no calibration set" if ood_path == HELDOUT_ENGLISH else "")}
         summary.update({"ood_ppl_ratio": ood["ppl_ratio"], "ood_kl_mean": ood["kl_mean"],
                         "ood_top1_agreement": ood["top1_agreement"], "ood_data": ood["data"]})
     report = {
@@ -549,7 +572,7 @@ def evaluate(src: str | Path, dst: str | Path, opts: EvalOptions = EvalOptions()
         "data": es.summary(),
         "out_of_domain": ood,
         "options": {"num_samples": opts.num_samples, "seq_len": seq_len, "seed": opts.seed,
-                    "data": Path(data).name, "ood": None if ood is None else ood["data"].split(",")[0]},  # names, not paths: the card quotes this report
+                    "data": Path(data).name, "ood": ood_path and ood_path.name},  # names, not paths: the card quotes this report
         "method": conv.method,
         "source": source_identity(src)["name"] if Path(src).exists() else str(src),
         "device": str(dev),

@@ -95,7 +95,7 @@ def parse_run(spec: str) -> tuple[str, dict]:
     kw: dict = {}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")
-        kw[k] = json.loads(v) if v not in ("true", "false") else v == "true"
+        kw[k] = json.loads(v)  # 0.1 -> 0.1, true -> True
     return method, kw
 
 
