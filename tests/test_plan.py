@@ -20,16 +20,98 @@ def glm52_replica(tmp_path_factory):
                             shard_bytes=5 * 10**9, sparse=True)
 
 
-def test_glm52_release_layout_counts():
+# What the GLM-5.2 FP8 release itself publishes, as far as public pages and code show it (found
+# with the search tool; nothing here is derived from our replica):
+# - microarch-flow/bpc_engine @ 4ca035f4ca66ab4c4917db678bf0b2792346c9ce,
+#   configs/2026/glm_5_2_fp8_dsa_fp8kv.json and studies/decode_trend/models.json: zai-org/GLM-5.2-FP8
+#   at revision ba978f7d347eaf65d22f1a86833408afdb953541, figures taken from that revision's
+#   model.safetensors.index.json and config.json: payload 755,617,140,416 bytes, of which the MTP
+#   layer (model.layers.78) 10,032,632,960; elements per dtype; parameters per group; the 21
+#   layers with a full indexer (IndexShare).
+# - A public Megatron-Bridge load audit of the same release (a script that reads the index and
+#   every shard header and pins EXPECTED_FP8_* constants; the search index does not name its
+#   repository): 118,629 tensors in 141 shards, tensors and bytes per dtype, routed-expert tensors
+#   and bytes, 1,569 MTP tensors, the largest tensor 1,903,165,440 bytes.
+# - vllm-project/vllm issue #46367 (GLM-5.2-FP8 on 8xB200): vLLM's loader counts 141 shards.
+PUBLISHED_GLM52_FP8 = {
+    "total_bytes": 755_617_140_416,
+    "tensors": 118_629,
+    "tensors_by_dtype": {"BF16": 465, "F32": 59_120, "F8_E4M3": 59_044},
+    "bytes_by_dtype": {"BF16": 4_207_458_304, "F32": 183_490_240, "F8_E4M3": 751_226_191_872},
+    "elements_by_dtype": {"BF16": 2_103_729_152, "F32": 45_872_560, "F8_E4M3": 751_226_191_872},
+    "routed_expert_tensors": 116_736,  # weights + weight_scale_inv, MTP layer included
+    "routed_expert_bytes": 734_618_714_112,
+    "mtp_tensors": 1_569,
+    "mtp_bytes": 10_032_632_960,
+    "largest_tensor_bytes": 1_903_165_440,
+    # parameters (weight elements) per group, the 78 decoder layers (MTP layer excluded)
+    "params": {"mla": 12_871_532_544, "dense_mlp": 679_477_248, "shared_experts": 2_831_155_200,
+               "indexer_wq_b_wk": 192_675_840, "indexer_weights_proj": 4_128_768,
+               "routers": 117_964_800, "lm_head": 951_582_720, "per_routed_expert": 37_748_736},
+    "full_indexer_layers": [0, 1, 2, *range(6, 78, 4)],
+}
+
+
+def test_glm52_replica_matches_what_the_release_publishes():
+    """Our replica's tensor list (quantize.synth.release_tensors with GLM52_CONFIG) against the
+    release's own published figures above: counts, bytes, dtypes, shapes by group."""
+    import math
+    import re
+
+    pub = PUBLISHED_GLM52_FP8
     specs = release_tensors(GLM52_CONFIG, "fp8-block")
-    assert len(specs) == 118_629
-    assert sum(n.endswith("weight_scale_inv") for n in specs) == 59_044
+    width = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
+    nbytes = {n: math.prod(shape) * width[dt] for n, (dt, shape) in specs.items()}
+    assert len(specs) == pub["tensors"]
+    assert sum(nbytes.values()) == pub["total_bytes"]
+    assert round(pub["total_bytes"] / GiB, 1) == 703.7  # the figure the README and plan quote
+    for dt in width:
+        of = [n for n in specs if specs[n][0] == dt]
+        assert len(of) == pub["tensors_by_dtype"][dt], dt
+        assert sum(nbytes[n] for n in of) == pub["bytes_by_dtype"][dt], dt
+        assert sum(math.prod(specs[n][1]) for n in of) == pub["elements_by_dtype"][dt], dt
+    # every FP8 weight has its 128x128-block F32 scale, and F32 is nothing else but the routers'
+    # correction biases (as the audit requires of the release)
+    fp8 = [n for n in specs if specs[n][0] == "F8_E4M3"]
+    assert all(n.endswith(".weight") and specs[n + "_scale_inv"][0] == "F32" for n in fp8)
+    assert all(specs[n + "_scale_inv"][1] == tuple(math.ceil(d / 128) for d in specs[n][1])
+               for n in fp8)
+    f32 = [n for n in specs if specs[n][0] == "F32" and not n.endswith("_scale_inv")]
+    assert f32 and all(n.endswith(".mlp.gate.e_score_correction_bias") for n in f32)
+    expert = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\."
+                        r"(?:gate_proj|up_proj|down_proj)\.weight(?:_scale_inv)?$")
+    routed = [n for n in specs if expert.match(n)]
+    assert len(routed) == pub["routed_expert_tensors"]
+    assert sum(nbytes[n] for n in routed) == pub["routed_expert_bytes"]
+    mtp = [n for n in specs if n.startswith("model.layers.78.")]
+    assert len(mtp) == pub["mtp_tensors"] and sum(nbytes[n] for n in mtp) == pub["mtp_bytes"]
+    assert max(nbytes.values()) == pub["largest_tensor_bytes"]
+
+    def params(pattern: str) -> int:
+        rx = re.compile(pattern)
+        return sum(math.prod(specs[n][1]) for n in specs
+                   if rx.search(n) and n.endswith(".weight") and not n.startswith("model.layers.78."))
+
+    p = pub["params"]
+    assert params(r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)\.") == p["mla"]
+    assert params(r"layers\.\d+\.mlp\.(gate|up|down)_proj\.") == p["dense_mlp"]
+    assert params(r"mlp\.shared_experts\.") == p["shared_experts"]
+    assert params(r"indexer\.(wq_b|wk)\.") == p["indexer_wq_b_wk"]
+    assert params(r"indexer\.weights_proj\.") == p["indexer_weights_proj"]
+    assert params(r"mlp\.gate\.weight$") == p["routers"]
+    assert params(r"^lm_head\.") == p["lm_head"]
+    assert params(r"^model\.layers\.3\.mlp\.experts\.0\.") == p["per_routed_expert"]
+    indexed = sorted({int(n.split(".")[2]) for n in specs if ".indexer." in n})
+    assert indexed == [*pub["full_indexer_layers"], 78]  # and the MTP layer's own indexer
+    # not checked: the shard count (141). The release's split is its writer's; the replica's is set
+    # by write_checkpoint's shard_bytes, and plan/convert never depend on the source's split.
 
 
 def test_plan_reproduces_published_glm52_figures(glm52_replica):
     ckpt = open_checkpoint(glm52_replica)
     plan = make_plan(ckpt, ConvertOptions(), tp=8)
     # published: 703.7 GiB FP8 -> 419.9 GiB (routed INT4 g32, rest BF16); 88.0 -> 52.5 per GPU
+    assert plan.source_bytes == PUBLISHED_GLM52_FP8["total_bytes"]  # 703.7 GiB
     assert round(plan.source_bytes / GiB, 1) == 703.7
     assert round(plan.output_bytes / GiB, 1) == 419.9
     assert round(plan.source_bytes / 8 / GiB, 1) == 88.0
