@@ -3,7 +3,9 @@
 `release_tensors(config, fmt)` lists every tensor a GLM release of that config holds, with
 its on-disk dtype and shape (GLM-5.x `glm_moe_dsa` block FP8, GLM-4.x `glm4_moe` channel
 FP8, or BF16), the MTP layer `num_hidden_layers` included. With the real GLM-5.2 config it
-gives the release's 118,629 tensors and 703.7 GiB (tests/test_plan.py).
+gives the release's 118,629 tensors and 755,617,140,416 bytes (703.7 GiB), checked with tensors
+and bytes per dtype and parameters per group against what the release publishes
+(tests/test_plan.py).
 
 `write_checkpoint` fills them with seeded random weights (or, `sparse=True`, writes only the
 headers into sparse files: a full-size replica for `plan` that costs no disk), in several
