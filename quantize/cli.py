@@ -563,12 +563,12 @@ def convert(
     err.print(f"[green]done[/] in {dt:.1f} s on {res.device}: {len(res.written)} shard(s) written, "
               f"{len(res.skipped)} kept from an earlier run; {fmt_bytes(res.plan.output_bytes)} "
               f"({fmt_bytes(total)} read, {total / dt / 2**20:,.0f} MiB/s)", highlight=False)
-    if res.calibration is not None:
-        _calibration_summary(res.calibration, dst)
+    if res.calibration is not None:  # a table: stdout, unless stdout is the JSON's
+        _calibration_summary(res.calibration, dst, err if json_ else out)
     err.print(f"next: quantize verify {src} {dst}", highlight=False)
 
 
-def _calibration_summary(rep: dict, dst: Path) -> None:
+def _calibration_summary(rep: dict, dst: Path, console) -> None:
     """Per layer: Linears rounded, tokens, experts' routed-token range, fallbacks, time."""
     from rich.table import Table
 
@@ -589,7 +589,7 @@ def _calibration_summary(rep: dict, dst: Path) -> None:
         t.add_row(str(lay["layer"]), str(lay.get("mlp", "-")), str(lay.get("quantized", 0)), spread,
                   (", ".join(str(f["expert"]) for f in fb[:12]) + (" ..." if len(fb) > 12 else ""))
                   if fb else "-", f"{seconds.get(lay['layer'], 0):.1f}")
-    out.print(t)
+    console.print(t)
     if c.get("overlapping"):
         err.print(f"[yellow]note:[/] the {c['num_samples']} calibration windows overlap: "
                   f"{c['source']} holds {c['stream_tokens']:,} tokens", highlight=False)

@@ -210,6 +210,29 @@ def test_choices_in_help_quiet_verbose_and_convert_json(dsa_fp8, tmp_path):
     assert r.exit_code == 2 and "error:" in r.output
 
 
+def test_calibrated_convert_json_leaves_stdout_to_the_json(tmp_path):
+    """With --json, a calibrated convert's per-layer table goes to stderr: stdout is exactly the
+    JSON summary (it was followed by the table, which broke `quantize convert ... --json | jq`)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+
+    cfg = tiny_config("glm4_moe")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel", seed=3)
+    write_tokenizer(src, cfg["vocab_size"])
+    args = [sys.executable, "-m", "quantize", "convert", str(src), str(tmp_path / "o"),
+            "--method", "gptq", "--num-samples", "4", "--seq-len", "32", "--device", "cpu",
+            "--tp", "1", "--json"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)  # nothing after it
+    assert d["method"] == "gptq" and d["calibration_layers"] == cfg["num_hidden_layers"] + 1
+    assert "calibration: gptq, 4 x 32 tokens" in r.stderr  # the table is still shown
+
+
 def test_verify_json_is_strict_with_a_schema_version(dsa_fp8, tmp_path):
     """Reports hold numbers or null, never "inf" strings or NaN (strict parsers read them)."""
     from quantize.verify import VERIFY_JSON
