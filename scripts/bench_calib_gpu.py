@@ -45,6 +45,9 @@ RUNS = {
     "rtn": {"method": "rtn"},
     "gptq": {"method": "gptq", "expert_calibration": "routed"},
     "gptq-all": {"method": "gptq", "expert_calibration": "all"},
+    # the GPTQ defaults before issue 16 (no MSE clip, dampening 0.01): llm-compressor's choices
+    "gptq-noclip": {"method": "gptq", "expert_calibration": "routed", "mse_clip": False,
+                    "percdamp": 0.01},
     "awq": {"method": "awq"},
 }
 
@@ -90,7 +93,8 @@ def run_ours(src: Path, name: str, kw: dict, tokens: torch.Tensor, dev: torch.de
     layers = [{k: v for k, v in lay.items() if k not in ("expert_tokens", "modified_bf16")}
               for lay in rep["layers"]]
     moe = next(lay for lay in rep["layers"] if lay.get("mlp") == "moe")
-    out = {"run": name, **kw, "total_seconds": round(time.perf_counter() - t0, 2),
+    out = {"run": name, **kw, "mse_clip": opts.mse_clip, "percdamp": opts.percdamp,
+           "total_seconds": round(time.perf_counter() - t0, 2),
            "peak_gpu_gib": peak_gib, "layers": layers,
            "moe_expert_tokens_min_max": [min(moe["expert_tokens"]), max(moe["expert_tokens"])]}
     del c
@@ -177,7 +181,7 @@ def main() -> None:
     ours = [n for n in args.runs.split(",") if n and n != "none"]
     if ours and not (src / "config.json").exists():
         t0 = time.perf_counter()
-        write_checkpoint(src, cfg, "fp8-block", shard_bytes=4 * 10**9)
+        write_checkpoint(src, cfg, "fp8-block", shard_bytes=4 * 10**9, device=dev.type)
         print(f"wrote {src} in {time.perf_counter() - t0:.0f} s", flush=True)
     tokens = torch.randint(0, args.vocab, (args.samples, args.seq_len),
                            generator=torch.Generator().manual_seed(0))
