@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -158,7 +159,8 @@ def main() -> None:
     import llmcompressor
 
     res = {"command": "python scripts/bench_llmc_gptq.py --out " + str(a.out),
-           "machine": {"cpus": torch.get_num_threads(), "python": platform.python_version(),
+           "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                       "python": platform.python_version(),
                        "platform": platform.platform()},
            "torch": torch.__version__, "llmcompressor": llmcompressor.__version__,
            "cases": [case(s, sym) for sym in (True, False) for s in range(a.seeds)],
