@@ -7,6 +7,9 @@ Accepted `--calib` sources (the default is the shipped `calib_data/default.jsonl
     *.txt / *.md       plain UTF-8 text, the whole file one document
     *.parquet          a `text` or `messages` column (needs pyarrow)
     a folder           a dataset saved with `datasets` `save_to_disk` (read with pyarrow)
+    ORG/NAME[@REV][:SPLIT]  a dataset on the Hugging Face Hub (no local file of that name): the
+                       split's .parquet / .jsonl / .txt files (default: train, else all),
+                       fetched into the Hub cache at the revision's commit (`hub.resolve_dataset`)
 
 Sampling is deterministic for a given `seed`: the documents are shuffled with
 `torch.Generator().manual_seed(seed)`, tokenized, joined with the EOS token into one
@@ -32,7 +35,7 @@ from quantize.errors import Problem, QuantizeError
 from quantize.shards import sha256_file
 
 __all__ = ["DEFAULT_CALIB", "HELDOUT_ENGLISH", "CalibrationSet", "data_sha256", "join_documents", "load_calibration",
-           "read_documents", "tokenize_documents", "window_starts"]
+           "read_documents", "resolve_calib", "tokenize_documents", "window_starts"]
 
 def _shipped(name: str) -> Path:
     """A shipped data file: inside the package in an installed wheel (quantize/_shipped/NAME,
@@ -221,18 +224,37 @@ def window_starts(stream_tokens: int, num_samples: int, seq_len: int, seed: int)
     return starts.tolist(), True
 
 
+def resolve_calib(calib: str | Path | None) -> tuple[str, list[Path], str]:
+    """`--calib` -> (its name in reports, the local files to read, their sha256).
+
+    None: the shipped default set. A local file or folder: itself, by name. ORG/NAME[@REV][:SPLIT]
+    with no local file of that name: a Hub dataset, its split's files downloaded
+    (`hub.resolve_dataset`); the sha256 is over their repo paths and contents."""
+    from quantize.hub import is_dataset_spec, resolve_dataset
+
+    if isinstance(calib, str) and is_dataset_spec(calib):
+        name, files = resolve_dataset(calib)
+        h = hashlib.sha256()
+        for rel, local in files:
+            h.update(f"{rel}\0{sha256_file(local)}\n".encode())
+        return name, [local for _, local in files], h.hexdigest()
+    p = Path(calib) if calib is not None else DEFAULT_CALIB
+    return p.name, [p], (data_sha256(p) if p.exists() else "")
+
+
 def load_calibration(path: str | Path | None, tokenizer, num_samples: int, seq_len: int,
                      seed: int = 0) -> CalibrationSet:
-    """`num_samples` windows of `seq_len` token ids from `path` (default set when None)."""
-    p = Path(path) if path is not None else DEFAULT_CALIB
-    docs = read_documents(p)
+    """`num_samples` windows of `seq_len` token ids from `path` (default set when None; a Hub
+    dataset ORG/NAME[@REV][:SPLIT] too, see `resolve_calib`)."""
+    name, files, sha = resolve_calib(path)
+    docs = [d for f in files for d in read_documents(f)]
     doc_ids, chats, templated = tokenize_documents(docs, tokenizer)
     ids, _ = join_documents(doc_ids, seed, tokenizer.eos_token_id)
     if len(ids) < seq_len:
-        raise _error(str(p), f"{len(ids)} tokens in all", f"at least --seq-len {seq_len} tokens",
-                     "add text, or lower --seq-len")
+        raise _error(str(path if path is not None else DEFAULT_CALIB), f"{len(ids)} tokens in all",
+                     f"at least --seq-len {seq_len} tokens", "add text, or lower --seq-len")
     starts, overlapping = window_starts(len(ids), num_samples, seq_len, seed)
     tokens = torch.stack([ids[s: s + seq_len] for s in starts])  # (num_samples, seq_len)
     template = "unused" if not chats else (
         "checkpoint" if templated == chats else "plain role: content (the tokenizer has none)")
-    return CalibrationSet(tokens, p.name, len(docs), len(ids), overlapping, template, data_sha256(p))
+    return CalibrationSet(tokens, name, len(docs), len(ids), overlapping, template, sha)

@@ -359,8 +359,9 @@ def convert(
     asymmetric: Asym = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")] = "5GB",
     calib: Annotated[str | None, typer.Option(
-        help="Calibration text: .jsonl (text or chat messages), .txt/.md, .parquet or a saved "
-             "datasets folder. Default: the shipped calib_data/default.jsonl.",
+        help="Calibration text: .jsonl (text or chat messages), .txt/.md, .parquet, a saved "
+             "datasets folder, or a Hub dataset ORG/NAME[@REVISION][:SPLIT] (default split: "
+             "train). Default: the shipped calib_data/default.jsonl.",
         rich_help_panel="Calibration (gptq, awq)")] = None,
     num_samples: Annotated[int, typer.Option(
         help="Calibration sequences.", rich_help_panel="Calibration (gptq, awq)")] = 128,
@@ -432,6 +433,7 @@ def convert(
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --base-model zai-org/GLM-5.2-FP8
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 512
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --calib HuggingFaceH4/ultrachat_200k:train_sft
       torchrun --nproc-per-node 8 -m quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq
       quantize convert --config run.toml ./GLM-5.2-FP8 ./GLM-5.2-INT4   # options from a file
       quantize convert --from ./GLM-5.2-INT4 ./GLM-5.2-INT4-again       # replay a recorded run
@@ -441,7 +443,7 @@ def convert(
     """
     from quantize.checkpoint import open_checkpoint
     from quantize.distributed import init
-    from quantize.hub import resolve_source
+    from quantize.hub import is_dataset_spec, resolve_source
     from quantize.manifest import read_manifest
     from quantize.pipeline import convert as run_convert
     from quantize.plan import make_plan
@@ -457,7 +459,7 @@ def convert(
               "keep_fp8": keep_fp8,
               "targets": targets,
               "asymmetric": asymmetric, "max_shard_size": max_shard_size,
-              "calib": None if calib is None else str(Path(calib).resolve()),
+              "calib": None if calib is None or is_dataset_spec(calib) else str(Path(calib).resolve()),
               "num_samples": num_samples, "seq_len": seq_len, "seed": seed,
               "expert_calibration": expert_calibration, "min_expert_tokens": min_expert_tokens,
               "percdamp": percdamp, "mse_clip": mse_clip, "checkpoint_interval": checkpoint_interval,

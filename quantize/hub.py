@@ -29,19 +29,24 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
+from contextlib import contextmanager
+from pathlib import Path, PurePosixPath
 
 from quantize.checkpoint import Checkpoint, checkpoint_from_headers, open_checkpoint
 from quantize.errors import Problem, QuantizeError
 
 __all__ = [
     "http_errors",
+    "hub_errors",
     "hub_source",
+    "is_dataset_spec",
     "is_repo_id",
     "local_path_problem",
+    "resolve_dataset",
     "resolve_source",
     "source_identity",
     "source_license",
+    "split_files",
     "valid_repo_id",
 ]
 
@@ -58,6 +63,37 @@ def http_errors() -> tuple[type[BaseException], ...]:
         except (ImportError, AttributeError):
             pass
     return tuple(errs)
+
+
+@contextmanager
+def hub_errors(shown: str, expected: str, not_found: str = "check the repo id and --revision"):
+    """Hub failures -> a QuantizeError naming `shown` (repo[@revision]) and the fix: offline with
+    nothing cached, HTTP 401 / 403 / 404, a broken download."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    try:
+        yield
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
+        from huggingface_hub import constants
+
+        offline = constants.HF_HUB_OFFLINE
+        raise QuantizeError("the Hub cannot be reached and nothing is cached", [Problem(
+            shown, None, type(e).__name__ + (" (HF_HUB_OFFLINE is set)" if offline else ""),
+            "network access or a cached snapshot",
+            "unset HF_HUB_OFFLINE to download it" if offline else
+            "check the network (and HF_ENDPOINT), or the repo id if it was meant as a local "
+            "path")]) from None
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else None
+        fix = {401: "log in: set HF_TOKEN (read access) or run `hf auth login`",
+               403: "accept the repo's terms on its Hub page, or use a token with access",
+               404: not_found}.get(status, "retry; the download resumes")
+        raise QuantizeError("the Hub refused the request", [Problem(
+            shown, None, f"HTTP {status}: {type(e).__name__}", expected, fix)]) from None
+    except (OSError, *http_errors()) as e:
+        raise QuantizeError("the Hub download failed", [Problem(
+            shown, None, f"{type(e).__name__}: {e}", "a finished download",
+            "check the network and HF_ENDPOINT, then re-run: finished files are not fetched again")]) from None
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 # Formats in source repos that the tool never reads (it reads safetensors + config + tokenizer).
@@ -181,44 +217,19 @@ def resolve_source(src: str, revision: str | None, headers_only: bool) -> Checkp
                 src, None, "a local folder", "a Hub repo id org/name", "drop --revision")])
         return open_checkpoint(src) if headers_only else Path(src)
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
-    from huggingface_hub.errors import (
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        NotASafetensorsRepoError,
-        OfflineModeIsEnabled,
-    )
+    from huggingface_hub.errors import NotASafetensorsRepoError
 
     shown = f"{src}@{revision}" if revision else src
     try:
-        if not headers_only:
-            return Path(snapshot_download(src, revision=revision, ignore_patterns=_SKIP_DOWNLOAD))
-        config = json.loads(Path(hf_hub_download(src, "config.json", revision=revision)).read_text())
-        meta = HfApi().get_safetensors_metadata(src, revision=revision)
+        with hub_errors(shown, "a readable model repo"):
+            if not headers_only:
+                return Path(snapshot_download(src, revision=revision, ignore_patterns=_SKIP_DOWNLOAD))
+            config = json.loads(Path(hf_hub_download(src, "config.json", revision=revision)).read_text())
+            meta = HfApi().get_safetensors_metadata(src, revision=revision)
     except NotASafetensorsRepoError:
         raise QuantizeError("no safetensors weights in this Hub repo", [Problem(
             shown, None, "neither model.safetensors nor model.safetensors.index.json",
             "a safetensors checkpoint", "pick the repo's safetensors release (e.g. the -FP8 one)")]) from None
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
-        from huggingface_hub import constants
-
-        offline = constants.HF_HUB_OFFLINE
-        raise QuantizeError("the Hub cannot be reached and nothing is cached", [Problem(
-            shown, None, type(e).__name__ + (" (HF_HUB_OFFLINE is set)" if offline else ""),
-            "network access or a cached snapshot",
-            "unset HF_HUB_OFFLINE to download it" if offline else
-            "check the network (and HF_ENDPOINT), or the repo id if it was meant as a local "
-            "folder")]) from None
-    except HfHubHTTPError as e:
-        status = e.response.status_code if e.response is not None else None
-        fix = {401: "log in: set HF_TOKEN (read access) or run `hf auth login`",
-               403: "accept the model's terms on its Hub page, or use a token with access",
-               404: "check the repo id and --revision"}.get(status, "retry; the download resumes")
-        raise QuantizeError("the Hub refused the request", [Problem(
-            shown, None, f"HTTP {status}: {type(e).__name__}", "a readable model repo", fix)]) from None
-    except (OSError, *http_errors()) as e:
-        raise QuantizeError("the Hub download failed", [Problem(
-            shown, None, f"{type(e).__name__}: {e}", "a finished download",
-            "check the network and HF_ENDPOINT, then re-run: finished files are not fetched again")]) from None
     headers = {
         fname: {name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": list(t.data_offsets)}
                 for name, t in fm.tensors.items()}
@@ -226,3 +237,82 @@ def resolve_source(src: str, revision: str | None, headers_only: bool) -> Checkp
     }
     return checkpoint_from_headers(shown, config, headers)
 
+
+
+# `--calib ORG/NAME[@REVISION][:SPLIT]`: a dataset repo on the Hub (no local file of that name).
+_DATASET_SPEC = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)"
+                           r"(?:@(?P<rev>[^:@/\s]+))?(?::(?P<split>[\w.-]+))?$")
+# The formats calib_data reads, as files of a dataset repo (README.md and the like are not data).
+_DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".txt")
+
+
+def is_dataset_spec(calib: str | Path | None) -> bool:
+    """`--calib` names a Hub dataset: ORG/NAME[@REVISION][:SPLIT], no local file or folder of that
+    name, and ORG not a local folder (then it is a mistyped path, which read_documents names)."""
+    if not isinstance(calib, str) or Path(calib).exists():
+        return False
+    m = _DATASET_SPEC.match(calib)
+    return m is not None and is_repo_id(m["repo"])
+
+
+def split_files(files: list[str], split: str | None) -> list[str]:
+    """The data files of `split` among a dataset repo's files, by the Hub's layout conventions:
+    a folder named SPLIT, or a file named SPLIT.*, SPLIT-*.* or *-SPLIT.* / *_SPLIT.*
+    (`data/train-00000-of-00003.parquet`, `train.jsonl`, `train/part-0.parquet`). No split
+    given: the train split when there is one, else every data file. Sorted; [] when none."""
+    data = sorted(f for f in files if PurePosixPath(f).suffix in _DATA_SUFFIXES
+                  and not any(part.startswith(".") for part in PurePosixPath(f).parts))
+
+    def of(f: str, sp: str) -> bool:
+        pp = PurePosixPath(f)
+        stem = pp.name.split(".", 1)[0]
+        return (sp in pp.parts[:-1] or stem == sp or stem.startswith(sp + "-")
+                or stem.endswith(("-" + sp, "_" + sp)))
+
+    if split is not None:
+        return [f for f in data if of(f, split)]
+    return [f for f in data if of(f, "train")] or data
+
+
+def resolve_dataset(spec: str) -> tuple[str, list[tuple[str, Path]]]:
+    """A Hub dataset `--calib` -> (its name as reports show it, [(path in the repo, local file)]).
+
+    The revision is pinned to the commit sha the Hub answers for REVISION (default main), the
+    split's files are fetched with `hf_hub_download` into the standard Hub cache (so a dataset
+    already downloaded, with `hf download --repo-type dataset` or by `datasets`, is not fetched
+    again) and read in path order. The name is ORG/NAME@SHA:SPLIT, which pins what was read."""
+    from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+
+    m = _DATASET_SPEC.match(spec)
+    repo, rev, split = m["repo"], m["rev"], m["split"]
+    shown = f"{repo}@{rev}" if rev else repo
+    with hub_errors(shown, "a readable dataset repo",
+                    "check the dataset id (org/name, as on its Hub page) and @revision"):
+        if constants.HF_HUB_OFFLINE:  # what an earlier run fetched, from the cache alone
+            snap = Path(snapshot_download(repo, repo_type="dataset", revision=rev,
+                                          local_files_only=True))
+            sha = snap.name
+            files = sorted(q.relative_to(snap).as_posix() for q in snap.rglob("*") if q.is_file())
+        else:
+            info = HfApi().dataset_info(repo, revision=rev)
+            sha = info.sha
+            files = [x.rfilename for x in info.siblings or []]
+        chosen = split_files(files, split)
+        if not chosen:
+            have = ", ".join(f for f in files if PurePosixPath(f).suffix in _DATA_SUFFIXES)[:300]
+            raise QuantizeError("no calibration data in this Hub dataset", [Problem(
+                spec, None, (f"no data file of split {split!r}" if split else "no data file")
+                + f" (data files: {have or 'none'})",
+                ".parquet / .jsonl / .txt files with a text or messages column",
+                "name the split after a colon (org/name:SPLIT), or pass a local file")])
+        # by the revision as given, so the cache records refs/REV (an offline rerun finds it);
+        # each file must come from the commit the listing was of
+        local = [(f, Path(hf_hub_download(repo, f, repo_type="dataset", revision=rev)))
+                 for f in chosen]
+    moved = [f for f, q in local if f"/snapshots/{sha}/" not in q.as_posix()]
+    if moved:
+        raise QuantizeError("the Hub dataset changed during the download", [Problem(
+            spec, None, f"{moved[0]} is not from commit {sha[:12]}", "one commit's files",
+            f"re-run, or pin the commit: {repo}@{sha}" + (f":{split}" if split else ""))])
+    used = split or ("train" if split_files(files, "train") else "all")
+    return f"{repo}@{sha[:12]}:{used}", local

@@ -127,6 +127,8 @@ class ConvertOptions:
         manifest is published; the calibration tokens' sha256 pins the content for resume)."""
         d = asdict(self)
         d["targets"] = sorted(self.targets)
-        if d["calib"] is not None:
+        from quantize.hub import is_dataset_spec
+
+        if d["calib"] is not None and not is_dataset_spec(d["calib"]):  # a Hub id is no path
             d["calib"] = Path(d["calib"]).name
         return d

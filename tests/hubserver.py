@@ -19,6 +19,8 @@ The real client runs unmodified against it (`HF_ENDPOINT=http://127.0.0.1:PORT`,
                                                             ?create_pr=1: onto refs/pr/N, pullRequestUrl
     GET  /api/whoami-v2                                     whoami: user `user_name` for the token
     HEAD/GET /{repo}/resolve/{rev}/{path}                   downloads, with Range (safetensors headers)
+    GET  /api/datasets/{repo}[/revision/{rev}], .../tree/{rev}, HEAD/GET /datasets/{repo}/resolve/...
+                                                            the same for dataset repos (read only)
 
 Not covered (only the real Hub shows them): the Xet storage protocol (chunk dedup, the default
 upload path when hf_xet is installed), LFS multipart, auth scopes and orgs, rate limits,
@@ -81,17 +83,21 @@ class HubState:
         self.auth_seen: list[str] = []
         self.lock = threading.Lock()
 
-    def add_repo(self, repo_id: str, folder, private: bool = False) -> str:
-        """Seed `repo_id` with the files of a local folder (one commit); return its sha."""
+    def add_repo(self, repo_id: str, folder, private: bool = False, repo_type: str = "model") -> str:
+        """Seed `repo_id` with the files of a local folder (one commit); return its sha. A
+        "dataset" repo takes the folder's files recursively (`data/train-....parquet`) and is
+        served under /api/datasets/ and /datasets/."""
         from pathlib import Path
 
-        files = {p.name: RepoFile(p.read_bytes(), p.name.endswith(LFS_SUFFIXES))
-                 for p in sorted(Path(folder).iterdir()) if p.is_file()}
+        root = Path(folder)
+        found = sorted(root.rglob("*")) if repo_type == "dataset" else sorted(root.iterdir())
+        files = {p.relative_to(root).as_posix(): RepoFile(p.read_bytes(), p.name.endswith(LFS_SUFFIXES))
+                 for p in found if p.is_file()}
         sha = hashlib.sha1(repr(sorted((n, f.oid) for n, f in files.items())).encode()).hexdigest()
         r = Repo(repo_id, private, {"main": files}, {"main": sha})
         r.commits.append({"oid": sha, "revision": "main", "summary": "seed", "files": sorted(files)})
         with self.lock:
-            self.repos[repo_id] = r
+            self.repos[("datasets/" if repo_type == "dataset" else "") + repo_id] = r
         return sha
 
     def files(self, repo_id: str, rev: str = "main") -> dict[str, bytes]:
@@ -105,6 +111,11 @@ ROUTES = [
     ("POST", re.compile(r"^/api/validate-yaml$"), "validate_yaml"),
     ("GET", re.compile(rf"^/api/models/{_REPO}(?:/revision/(?P<rev>[^/]+))?$"), "repo_info"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/tree/(?P<rev>[^/]+)/?$"), "tree"),
+    # dataset repos (read only): keyed "datasets/ORG/NAME" in HubState.repos
+    ("GET", re.compile(rf"^/api/(?P<kind>datasets)/{_REPO}(?:/revision/(?P<rev>[^/]+))?$"), "repo_info"),
+    ("GET", re.compile(rf"^/api/(?P<kind>datasets)/{_REPO}/tree/(?P<rev>[^/]+)/?$"), "tree"),
+    ("GET", re.compile(rf"^/(?P<kind>datasets)/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "resolve"),
+    ("HEAD", re.compile(rf"^/(?P<kind>datasets)/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "resolve"),
     ("POST", re.compile(rf"^/api/models/{_REPO}/branch/(?P<rev>[^/]+)$"), "create_branch"),
     ("POST", re.compile(rf"^/api/models/{_REPO}/preupload/(?P<rev>[^/]+)$"), "preupload"),
     ("POST", re.compile(rf"^/{_REPO}\.git/info/lfs/objects/batch$"), "lfs_batch"),
@@ -180,8 +191,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_GET = do_POST = do_PUT = do_HEAD = _dispatch
 
-    def _repo(self, repo: str) -> Repo | None:
-        r = self.state.repos.get(repo)
+    def _repo(self, repo: str, kind: str | None = None) -> Repo | None:
+        r = self.state.repos.get(f"{kind}/{repo}" if kind else repo)
         if r is None:
             self._error(404, f"Repository not found: {repo}", "RepoNotFound")
         return r
@@ -214,8 +225,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(400, {"errors": [{"message": "unterminated YAML front matter"}]})
         self._json(200, {"errors": [], "warnings": []})
 
-    def repo_info(self, repo: str, rev: str | None = None) -> None:
-        r = self._repo(repo)
+    def repo_info(self, repo: str, rev: str | None = None, kind: str | None = None) -> None:
+        r = self._repo(repo, kind)
         if r is None:
             return
         branch = self._branch(r, rev or "main")
@@ -227,8 +238,8 @@ class _Handler(BaseHTTPRequestHandler):
             "siblings": [{"rfilename": p, "size": len(f.data)} for p, f in sorted(files.items())],
         })
 
-    def tree(self, repo: str, rev: str) -> None:
-        r = self._repo(repo)
+    def tree(self, repo: str, rev: str, kind: str | None = None) -> None:
+        r = self._repo(repo, kind)
         if r is None:
             return
         branch = self._branch(r, rev)
@@ -358,8 +369,8 @@ class _Handler(BaseHTTPRequestHandler):
                          "pullRequestUrl": f"{self._base()}/{repo}/discussions/{rev.rsplit('/', 1)[-1]}"
                          if pr else None})
 
-    def resolve(self, repo: str, rev: str, path: str) -> None:
-        r = self._repo(repo)
+    def resolve(self, repo: str, rev: str, path: str, kind: str | None = None) -> None:
+        r = self._repo(repo, kind)
         if r is None:
             return
         branch = self._branch(r, rev)
