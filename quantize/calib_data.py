@@ -72,9 +72,15 @@ def data_sha256(path: Path) -> str:
     and sha256s in sorted order."""
     if not path.is_dir():
         return sha256_file(path)
+    return _files_sha256((f.relative_to(path).as_posix(), f)
+                         for f in sorted(p for p in path.rglob("*") if p.is_file()))
+
+
+def _files_sha256(files) -> str:
+    """sha256 over (relative name, file) pairs in the given order: each name and its sha256."""
     h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(f"{f.relative_to(path).as_posix()}\0{sha256_file(f)}\n".encode())
+    for rel, f in files:
+        h.update(f"{rel}\0{sha256_file(f)}\n".encode())
     return h.hexdigest()
 
 
@@ -234,10 +240,7 @@ def resolve_calib(calib: str | Path | None) -> tuple[str, list[Path], str]:
 
     if isinstance(calib, str) and is_dataset_spec(calib):
         name, files = resolve_dataset(calib)
-        h = hashlib.sha256()
-        for rel, local in files:
-            h.update(f"{rel}\0{sha256_file(local)}\n".encode())
-        return name, [local for _, local in files], h.hexdigest()
+        return name, [local for _, local in files], _files_sha256(files)
     p = Path(calib) if calib is not None else DEFAULT_CALIB
     return p.name, [p], (data_sha256(p) if p.exists() else "")
 

@@ -238,7 +238,6 @@ def resolve_source(src: str, revision: str | None, headers_only: bool) -> Checkp
     return checkpoint_from_headers(shown, config, headers)
 
 
-
 # `--calib ORG/NAME[@REVISION][:SPLIT]`: a dataset repo on the Hub (no local file of that name).
 _DATASET_SPEC = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)"
                            r"(?:@(?P<rev>[^:@/\s]+))?(?::(?P<split>[\w.-]+))?$")
