@@ -27,7 +27,8 @@ Where the scales go (GLM MoE layer, the folds `fold_into_norm`, `fold_into_linea
 - gate_proj and up_proj of one expert share the expert's input; across the layer, every expert,
   the shared expert and the router read the post-attention-norm output. One s for that input is
   searched over all the quantized ones (pass the experts' weights as (E * N, K)) and folded into
-  the norm; every reader, quantized or not (the router), gets `scale_linear_inputs`.
+  the norm; every reader, quantized or not (the router), gets `scale_linear_inputs`. Which norm
+  and how (`fold_into_norm` is the `x * w` form only) is quantize/folds.py's: found on the layer.
 - down_proj's input act(gate x) * (up x) is per expert: s (E, I) folds into up_proj's rows.
 Zero rows that pad experts to a common T change neither s (the normalisation cancels the
 dilution of the mean) nor the error, so padded per-expert inputs can be searched in one batch.

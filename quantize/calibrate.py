@@ -65,7 +65,8 @@ from quantize.capture import MLPStats, dense_forward, moe_forward
 from quantize.checkpoint import DTYPES, Checkpoint
 from quantize.distributed import Dist
 from quantize.errors import Problem, QuantizeError
-from quantize.int4 import Int4Weight, dequantize, int4_outputs
+from quantize.folds import NormFold, find_norm_fold
+from quantize.int4 import Int4Weight, dequantize, int4_outputs, quantize_rtn
 from quantize.layers import (
     MOE_CLASSES,
     HiddenStates,
@@ -75,6 +76,7 @@ from quantize.layers import (
     embed,
     free_layer,
     layer_inputs,
+    layer_weight,
     limit_gpu_memory,
     load_layer,
     mlp_group_tokens,
@@ -97,12 +99,20 @@ CALIB_REPORT = "calibration-report.json"
 CALIB_TIMINGS = "calibration/timings.json"
 TIMING_KEYS = ("seconds", "timing_s", "peak_gpu_gib", "peak_gpu_gib_by_phase")
 # The AWQ scales as applied, for `verify` (a subfolder: engines never load it as weights):
-#   model.layers.L.mlp.awq_input_scale (H,): the post-attention norm's output is divided by it,
-#       so written norm = norm / s, and every reader of it (experts' and shared gate/up, dense
+#   model.layers.L.mlp.awq_input_scale (H,): the MLP input's norm output is divided by it (the
+#       norm and its formula in the file's metadata under the same key: folds.NormFold, e.g.
+#       written norm = norm / s, or (1 + norm) / s - 1 for Gemma's), and every reader of it (experts' and shared gate/up, dense
 #       gate/up, router) has written = source * s along its input columns;
 #   <...>.down_proj.awq_input_scale (I,): written down_proj = source * s (columns) and the same
 #       expert's / MLP's up_proj = source / s (rows).
 AWQ_SCALES = "calibration/awq-scales.safetensors"
+# A calibrated layer whose MLP output error (chunk 0, against the unrounded layer) exceeds this
+# many times round-to-nearest's on the same tokens stops the run (`--rtn-fallback`: that layer is
+# rounded to nearest instead). In sample, GPTQ and AWQ land below RTN (tests/test_awq_families.py,
+# six families: 0.2-0.95x); the Gemma3 fold into the wrong norm landed at 1.2-2.2x on the tiny
+# models (GPTQ after it hides part of the damage in sample; verify's layer check on other tokens
+# sees 1.8-3x) and far above on the real model.
+REGRESSION_MARGIN = 1.1
 class _Clock:
     """Wall-clock laps of a layer's phases (device-synchronized), and on CUDA each phase's peak
     allocated memory, for the report."""
@@ -252,10 +262,15 @@ class Calibrator:
             (out / AWQ_SCALES).parent.mkdir(exist_ok=True)  # (calibration/, also the timings')
         except OSError as e:
             raise write_failed((out / AWQ_SCALES).parent, e) from None
-        if self.awq_scales:
+        if "awq" in self.opts.method:  # (no scales at all when every layer fell back to RTN)
             # serialized in memory (a few floats per channel), written like every other output:
             # atomically, and a full disk is the same clean error
-            write_bytes_atomic(out / AWQ_SCALES, save(self.awq_scales, metadata={"format": "pt"}))
+            # each MLP input scale's norm fold (folds.NormFold), so verify re-applies the same
+            folds = {f"model.layers.{lay['layer']}.mlp.awq_input_scale": NormFold(
+                f["norm"], f["formula"], f["bias"]).to_meta() for lay in self.layers
+                if (f := (lay.get("awq") or {}).get("norm_fold"))}
+            write_bytes_atomic(out / AWQ_SCALES, save(self.awq_scales, metadata={
+                "format": "pt", **folds}))
             names.append(AWQ_SCALES)
         from quantize import plots
 
@@ -724,6 +739,7 @@ class Calibrator:
         method = o.method
         mlp = layer.mlp
         E = mlp.experts.num_experts if kind == "moe" else 0
+        fold = self._norm_fold(L, layer, targets) if "awq" in method else None
         # the routed Hessians keep the layer's MLP inputs (one more copy of the hidden states)
         # where they fit in a quarter of the free memory; else running sums (bounded size)
         kept = 0 if self.spilled else \
@@ -735,33 +751,55 @@ class Calibrator:
         ref0, h0, halves = self._pass1(L, layer, kind, stats)
         clock.lap("pass1_forward_statistics")
         self._reduce_stats(stats)  # several ranks: counts and shared statistics summed
+        quant = [n for n, t in targets.items() if t.quantize]
+        # what round-to-nearest would give on chunk 0 (the module's targets rounded in place:
+        # the rounding below reads the source from the checkpoint and overwrites every one)
+        for n in quant:
+            v = layer_weight(layer, L, n)
+            v.copy_(dequantize(quantize_rtn(v.float(), o.group_size, o.symmetric), torch.float32))
+        rtn_err = _relerr(self._chunk0_output(layer, halves) - h0, ref0 - h0)
+        clock.lap("rtn_reference")
 
         rounding = LayerRounding(L, mlp, kind, targets, stats, self.ckpt, self.units, o,
-                                 self.device, self.dtype, self.dist, self._check_stop)
+                                 self.device, self.dtype, self.dist, self._check_stop, fold)
         nq = 0
 
         def done(n: str, w: Int4Weight) -> None:
-            """A rounded weight: into the module for pass 2, packed to the host for the writer."""
             nonlocal nq
             nq += 1
-            self._set_weight(L, layer, n, dequantize(w, torch.float32))
-            if self.dist is not None and not self.dist.leader:
-                return  # only rank 0 writes the output
-            outs = int4_outputs(w)  # packed where it was computed: 1/2 of the int8 codes' bytes
-            if self.device.type == "cuda":  # to the host on a copy thread and stream: the
-                # solves queued behind it go on (resolved in `result`, at the latest at layer end)
-                self.results[n] = self._host.submit(lambda ts: [to_host(t) for t in ts], outs)
-            else:
-                self.results[n] = outs
+            self._emit(L, layer, n, w)
 
         report = rounding.run(done, clock.lap)
-        self.awq_scales.update(rounding.awq_scales)
         mods = rounding.mods
         for n, t in mods.items():  # the BF16 tensors AWQ rescaled, as they will be written
             t = t.to(DTYPES[self.units[n].outputs[0].dtype][0])
             self.results[n] = t.cpu()
             self._set_weight(L, layer, n, t.float())
         clock.lap("rounding")
+
+        # ---- the calibrated layer against round-to-nearest, on chunk 0 (in sample)
+        err = _relerr(self._chunk0_output(layer, halves) - h0, ref0 - h0)
+        report["check"] = {"chunk0_rel_error": err, "rtn_rel_error": rtn_err,
+                           "margin": REGRESSION_MARGIN}
+        worse = err > REGRESSION_MARGIN * rtn_err + 1e-12
+        if self.dist is not None:  # every rank takes the same branch (collectives follow)
+            worse = bool(self.dist.all_reduce(torch.tensor([int(worse)])).item())
+        if worse:
+            where = f"layer {L}{' (MTP)' if L >= self.num_layers else ''}"
+            if not o.rtn_fallback:
+                raise QuantizeError(
+                    f"{where}: --method {method} made the MLP's output worse than round-to-nearest "
+                    f"(relative error {err:.4g}, RTN's {rtn_err:.4g} on the same tokens, margin "
+                    f"{REGRESSION_MARGIN}x); stopped. Fix: pass --rtn-fallback to round such layers "
+                    "to nearest (the report and the card list them), or use --method gptq / rtn")
+            self.log(f"warning: {where}: {method} error {err:.4g} > {REGRESSION_MARGIN} x RTN's "
+                     f"{rtn_err:.4g}: rounded to nearest instead (--rtn-fallback)")
+            self._fall_back_to_rtn(L, layer, quant, mods)
+            mods = {}
+            report["rtn_fallback"] = {"method": method, "rel_error": err, "rtn_rel_error": rtn_err}
+            report.pop("awq", None)
+        else:
+            self.awq_scales.update(rounding.awq_scales)
 
         # ---- pass 2: the next layer's inputs through the quantized layer
         out0 = self._pass2(layer, halves)
@@ -774,6 +812,48 @@ class Calibrator:
         report["quantized"] = nq
         report["modified_bf16"] = sorted(mods)
         return report
+
+    def _emit(self, L: int, layer, n: str, w: Int4Weight) -> None:
+        """A rounded weight: into the module for pass 2, packed to the host for the writer."""
+        self._set_weight(L, layer, n, dequantize(w, torch.float32))
+        if self.dist is not None and not self.dist.leader:
+            return  # only rank 0 writes the output
+        outs = int4_outputs(w)  # packed where it was computed: 1/2 of the int8 codes' bytes
+        if self.device.type == "cuda":  # to the host on a copy thread and stream: the
+            # solves queued behind it go on (resolved in `result`, at the latest at layer end)
+            self.results[n] = self._host.submit(lambda ts: [to_host(t) for t in ts], outs)
+        else:
+            self.results[n] = outs
+
+    def _fall_back_to_rtn(self, L: int, layer, quant: list[str], mods: dict) -> None:
+        """The layer rounded to nearest from the source instead (`--rtn-fallback`): every target
+        re-emitted, every tensor AWQ rescaled back to the source's value (and not written:
+        the plain path copies it), the layer's AWQ scales dropped."""
+        W = LayerWeights(self.ckpt, self.units, self.device)
+        for n in quant:
+            self._emit(L, layer, n, quantize_rtn(W.source(n), self.opts.group_size,
+                                                 self.opts.symmetric))
+        for n in mods:
+            self.results.pop(n, None)
+            self._set_weight(L, layer, n, W.source(n))
+
+    def _chunk0_output(self, layer, halves: SplitLayer | None) -> torch.Tensor:
+        """Chunk 0's layer output through the layer as it is now (after pass 1: chunk 0 holds
+        h1 where the layer splits, else the layer's input)."""
+        if halves is not None:
+            return halves.mlp(self.hidden.on_device(0))
+        return run_layer(self.skeleton, layer, self.inputs, self.hidden.on_device(0), self.topk[0])[0]
+
+    def _norm_fold(self, L: int, layer, targets: dict[str, Target]) -> NormFold | None:
+        """Where this layer's AWQ input scale goes (folds.find_norm_fold, proven on the layer
+        with one sample of chunk 0), when AWQ rounds a gate/up target; else None."""
+        if not any(t.quantize and n.endswith(("gate_proj.weight", "up_proj.weight"))
+                   for n, t in targets.items()):
+            return None
+        h = self.hidden.on_device(0)[:1]
+        topk = None if self.topk[0] is None else self.topk[0][:1]
+        return find_norm_fold(layer, lambda: run_layer(self.skeleton, layer, self.inputs, h, topk),
+                              L, self.ckpt.model_type)
 
     def _pass1(self, L: int, layer, kind: str, stats: MLPStats
                ) -> tuple[torch.Tensor, torch.Tensor, SplitLayer | None]:
@@ -895,17 +975,5 @@ class Calibrator:
 
     def _set_weight(self, L: int, layer, name: str, t: torch.Tensor) -> None:
         """Copy a written value into the module (fused experts included)."""
-        key = name[len(f"model.layers.{L}."):]
         with torch.no_grad():
-            if ".experts." in key:
-                head, e, proj, _ = key.rsplit(".", 3)  # mlp.experts, E, gate_proj, weight
-                e = int(e)
-                if proj == "down_proj":
-                    layer.get_parameter(f"{head}.down_proj")[e].copy_(t)
-                else:
-                    fused = layer.get_parameter(f"{head}.gate_up_proj")  # (E, 2I, H): gate, up
-                    half = fused.shape[1] // 2
-                    rows = slice(0, half) if proj == "gate_proj" else slice(half, None)
-                    fused[e, rows].copy_(t)
-            else:
-                layer.get_parameter(key).copy_(t)
+            layer_weight(layer, L, name).copy_(t)

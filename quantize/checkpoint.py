@@ -96,6 +96,10 @@ class Checkpoint:
     source_format: str
     block_size: tuple[int, int] | None = None
     _handles: dict[str, object] = field(default_factory=dict, repr=False)
+    # when a dict: every `read` kept in it by (name, device) and answered from it (verify reads
+    # a layer's tensors for its per-tensor checks, then again for its layer forward; the caller
+    # empties it between layers, so it holds at most one layer). Callers never modify a result.
+    memo: dict | None = field(default=None, repr=False)
 
     @property
     def model_type(self) -> str:
@@ -119,9 +123,18 @@ class Checkpoint:
                 [Problem(self.name, name, "no local files", "a local folder",
                          "download it first: `quantize convert` accepts the repo id and downloads")],
             )
+        dev = torch.device(device)
+        if self.memo is None:
+            return self._read(name, dev)
+        key = (name, str(dev))
+        t = self.memo.get(key)
+        if t is None:
+            t = self.memo[key] = self._read(name, dev)
+        return t
+
+    def _read(self, name: str, dev: torch.device) -> torch.Tensor:
         info = self.tensors[name]
         torch_dtype, _ = DTYPES[info.dtype]
-        dev = torch.device(device)
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=torch_dtype, device=dev)
         with open(self.root / info.file, "rb", buffering=0) as f:

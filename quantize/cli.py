@@ -279,8 +279,8 @@ RUN_RECORD = "quantize-run.toml"  # in DST: convert's resolved options (local, n
 # convert's parameters a run record / --config file may set
 RUN_KEYS = ("src", "method", "group_size", "scheme", "mtp", "keep_fp8", "targets", "asymmetric", "max_shard_size", "calib",
             "num_samples", "seq_len", "seed", "expert_calibration", "min_expert_tokens",
-            "percdamp", "mse_clip", "checkpoint_interval", "max_gpu_memory", "device", "tp",
-            "revision", "base_model")
+            "percdamp", "mse_clip", "rtn_fallback", "checkpoint_interval", "max_gpu_memory",
+            "device", "tp", "revision", "base_model")
 
 
 def _read_run_file(path: Path, what: str) -> dict:
@@ -386,6 +386,11 @@ def convert(
         "Default: on for gptq and awq+gptq (held-out perplexity added ~3x smaller on SmolLM2; "
         "on CUDA one Triton kernel, under 1 s per GLM-5.2 MoE layer).",
         show_default=False, rich_help_panel="Calibration (gptq, awq)")] = None,
+    rtn_fallback: Annotated[bool, typer.Option(
+        help="A calibrated layer whose output error on the calibration tokens exceeds "
+             "round-to-nearest's by 1.1x stops the run by default; with this flag that layer is "
+             "rounded to nearest instead (the calibration report and the card list it).",
+        rich_help_panel="Calibration (gptq, awq)")] = False,
     checkpoint_interval: Annotated[float, typer.Option(
         help="Seconds between the calibration's resume checkpoints, at least (written in the "
              "background; a crash repeats about this much work; 0: after every layer; inf: "
@@ -462,7 +467,8 @@ def convert(
               "calib": None if calib is None or is_dataset_spec(calib) else str(Path(calib).resolve()),
               "num_samples": num_samples, "seq_len": seq_len, "seed": seed,
               "expert_calibration": expert_calibration, "min_expert_tokens": min_expert_tokens,
-              "percdamp": percdamp, "mse_clip": mse_clip, "checkpoint_interval": checkpoint_interval,
+              "percdamp": percdamp, "mse_clip": mse_clip, "rtn_fallback": rtn_fallback,
+              "checkpoint_interval": checkpoint_interval,
               "max_gpu_memory": max_gpu_memory, "device": device, "tp": tp, "revision": revision,
               "base_model": base_model}
     command = _public_command(sys.argv[1:], src, dst, base_model) \
@@ -474,7 +480,8 @@ def convert(
                         calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed,
                         expert_calibration=expert_calibration,
                         min_expert_tokens=min_expert_tokens, percdamp=percdamp,
-                        mse_clip=mse_clip, scheme=scheme, mtp=mtp, keep_fp8=keep_fp8)
+                        mse_clip=mse_clip, scheme=scheme, mtp=mtp, keep_fp8=keep_fp8,
+                        rtn_fallback=rtn_fallback)
         if base_model is not None:
             from quantize.hub import is_repo_id
 
@@ -608,6 +615,11 @@ def verify(
     dst: Dst,
     min_sqnr: Annotated[float, typer.Option(help="Fail when an INT4 tensor's SQNR (dB) is below this.")] = 12.0,
     device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
+    layer_check: Annotated[bool, typer.Option(
+        "--layer-check/--no-layer-check",
+        help="Also run every decoder layer of the source and of the output on the same 256 "
+             "tokens' hidden states and fail a layer whose output error exceeds 1.5x "
+             "round-to-nearest's (push refuses a report without it).")] = True,
     json_: Json = False,
     revision: Revision = None,
     debug: Debug = False,
@@ -616,9 +628,13 @@ def verify(
 
     INT4 tensors: relative error and SQNR against the dequantized source; everything else must
     be bit-identical (or the exact BF16 dequant of its FP8 source); index, config, shapes and
-    the manifest's checksums must agree. Exit 1 when any check fails.
+    the manifest's checksums must agree. Then the function: each decoder layer of the output,
+    as written, against the source's on the same hidden states, bounded by round-to-nearest's
+    error (a wrong AWQ fold passes every weight check and fails this). Exit 1 when any check fails.
 
-    Example:  quantize verify ./GLM-5.2-FP8 ./GLM-5.2-INT4 --min-sqnr 15
+    Examples:
+      quantize verify ./GLM-5.2-FP8 ./GLM-5.2-INT4
+      quantize verify ./GLM-5.2-FP8 ./GLM-5.2-INT4 --min-sqnr 15 --json
     """
     from quantize.hub import resolve_source
     from quantize.manifest import finished_manifest
@@ -632,7 +648,8 @@ def verify(
             task = bar.add_task("verify", total=None, rate="")
             rep = run_verify(local, dst, min_sqnr, device,
                              on_start=lambda total: bar.update(task, total=total),
-                             on_unit=lambda u: bar.advance(task, u.source_bytes))
+                             on_unit=lambda u: bar.advance(task, u.source_bytes),
+                             layer_check=layer_check)
     except (QuantizeError, ValueError) as e:
         _fail(e, debug)
     if json_:
@@ -741,8 +758,11 @@ def eval_(
     device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
     dtype: Annotated[EvalDtype, typer.Option(
         help="auto: bfloat16 on a GPU, float32 on the CPU.")] = EvalDtype.auto,
-    max_ppl_ratio: Annotated[float | None, typer.Option(
-        help="Exit 1 when quantized / source perplexity exceeds this (default: no gate).")] = None,
+    max_ppl_ratio: Annotated[float, typer.Option(
+        help="The output is broken (exit 1; push refuses it) when quantized / source perplexity "
+             "exceeds this on the held-out or the out-of-domain text.")] = 2.0,
+    max_kl: Annotated[float, typer.Option(
+        help="... or when the mean per-token KL(source || quantized), in nats, exceeds this.")] = 1.0,
     json_: Json = False,
     revision: Revision = None,
     debug: Debug = False,
@@ -768,7 +788,8 @@ def eval_(
 
     try:
         opts = EvalOptions(data=data, num_samples=num_samples, seq_len=seq_len, seed=seed,
-                           dtype=_value(dtype), ood=ood, ood_samples=ood_samples)
+                           dtype=_value(dtype), ood=ood, ood_samples=ood_samples,
+                           max_ppl_ratio=max_ppl_ratio, max_kl=max_kl)
         local = resolve_source(src, revision, headers_only=False)
         rep = evaluate(local, dst, opts, device=device,
                        log=lambda text: err.print(text, highlight=False, markup=False))
@@ -779,8 +800,8 @@ def eval_(
     else:
         for t in eval_tables(rep):
             out.print(t)
-    ratio = rep["summary"]["ppl_ratio"]
-    if max_ppl_ratio is not None and ratio > max_ppl_ratio:
-        err.print(f"[red]fail:[/] perplexity ratio {ratio:.4f} > --max-ppl-ratio {max_ppl_ratio}",
-                  highlight=False)
+    v = rep["verdict"]
+    if not v["ok"]:
+        err.print(f"[red]fail:[/] the output is broken: {'; '.join(v['failed'])} (eval.json; push "
+                  "refuses it)", highlight=False)
         raise typer.Exit(1)

@@ -46,6 +46,7 @@ __all__ = [
     "free_layer",
     "layer_inputs",
     "layer_type",
+    "layer_weight",
     "limit_gpu_memory",
     "load_layer",
     "mlp_group_tokens",
@@ -300,6 +301,20 @@ def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit] | None, L: int
         raise _nonfinite(ckpt, n, get(n))
     layer.eval()
     return layer
+
+
+def layer_weight(layer: torch.nn.Module, L: int, name: str) -> torch.Tensor:
+    """The module's view of checkpoint tensor `name` of layer L (a slice of the fused expert
+    parameters for `...experts.E.gate_proj/up_proj/down_proj.weight`): copy into it to set it."""
+    key = name[len(f"model.layers.{L}."):]
+    if ".experts." in key:
+        head, e, proj, _ = key.rsplit(".", 3)  # mlp.experts, E, gate_proj, weight
+        if proj == "down_proj":
+            return layer.get_parameter(f"{head}.down_proj")[int(e)]
+        fused = layer.get_parameter(f"{head}.gate_up_proj")  # (E, 2I, H): gate rows, then up
+        half = fused.shape[1] // 2
+        return fused[int(e), :half] if proj == "gate_proj" else fused[int(e), half:]
+    return layer.get_parameter(key)
 
 
 def free_layer(layer: torch.nn.Module) -> None:

@@ -79,6 +79,10 @@ class ConvertOptions:
     # Non-target FP8 Linears stay FP8 with their scales (a second, float-quantized config
     # group) instead of being widened to BF16: GLM-5.2 704 -> 404.3 GiB instead of 419.9.
     keep_fp8: bool = False
+    # A calibrated layer whose output error exceeds round-to-nearest's on the same tokens by
+    # calibrate.REGRESSION_MARGIN stops the run; with this, that layer is rounded to nearest
+    # instead (the calibration report and the card list it).
+    rtn_fallback: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -106,6 +110,8 @@ class ConvertOptions:
         if self.mse_clip and "gptq" not in self.method:
             raise ValueError("--mse-clip chooses GPTQ's group scales: use it with --method gptq "
                              "or awq+gptq")
+        if self.rtn_fallback and self.method == "rtn":
+            raise ValueError("--rtn-fallback applies to calibrated methods (gptq, awq, awq+gptq)")
         if self.num_bits != 4:
             raise ValueError("only 4-bit weights are supported")
         if self.keep_fp8 and "awq" in self.method:

@@ -127,6 +127,25 @@ def _check_publishable(dst: Path, repo_id: str, skip_verify_check: bool) -> dict
         raise QuantizeError("verify failed: refusing to publish it", [Problem(
             str(vpath), None, f"ok={summary.get('ok')}, problems={summary.get('problems', [])[:3]}, "
             f"failed={summary.get('failed', [])[:3]}", "ok=true", fix)])
+    epath = dst / EVAL_JSON
+    if epath.is_file():
+        try:
+            ev = json.loads(epath.read_text())
+        except ValueError:
+            ev = None
+        v = ev.get("verdict") if isinstance(ev, dict) else None
+        if isinstance(v, dict) and v.get("ok") is False:
+            raise QuantizeError("eval found the output broken: refusing to publish it", [Problem(
+                str(epath), None, "; ".join(map(str, v.get("failed") or []))[:300],
+                "a passing eval verdict", "reconvert (e.g. --method gptq), then run verify "
+                "and eval again")])
+    lc = summary.get("layer_check")
+    if not isinstance(lc, dict) or lc.get("skipped") == "--no-layer-check" or \
+            (lc.get("ok") is not True and "skipped" not in lc):
+        raise QuantizeError("verify.json has no layer check: refusing to publish it", [Problem(
+            str(vpath), None, f"layer_check={lc}", "each decoder layer of the output run against "
+            "the source's (verify's default)", "run `quantize verify SRC DST` without "
+            "--no-layer-check (or pass --skip-verify-check to publish unverified)")])
     if report.get("manifest_sha256") != sha256_file(dst / MANIFEST):
         raise QuantizeError("verify.json is not a report of this conversion: refusing to publish it",
                             [Problem(str(vpath), None, "written for another manifest (another "

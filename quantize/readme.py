@@ -83,7 +83,11 @@ def _calibration(report: dict | None, opts: ConvertOptions) -> CalibrationFacts 
         fallbacks=tuple((lay["layer"], f["expert"], f["tokens"]) for lay in moe
                         for f in lay.get("fallback") or ()),
         rounded=tuple((lay["layer"], lay.get("reason", "")) for lay in report["layers"]
-                      if lay.get("method") == "rtn"),
+                      if lay.get("method") == "rtn") + tuple(
+            (lay["layer"], (f"{fb['method']} made its output worse than round-to-nearest "
+                            f"(relative error {fb['rel_error']:.3g} vs {fb['rtn_rel_error']:.3g}; "
+                            "--rtn-fallback)"))
+            for lay in report["layers"] if (fb := lay.get("rtn_fallback"))),
     )
 
 

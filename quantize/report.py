@@ -90,7 +90,7 @@ def inspect_int4_data(dst: str | Path, tp: int = 8) -> dict:
     """What an INT4 output holds (`inspect` / `plan` on it): its scheme, INT4 Linears by role,
     bytes by category (packed weights, scales, everything kept), the recorded conversion when a
     manifest is there, and the serving kernels' checks at each TP size."""
-    from quantize.evaluate import open_output
+    from quantize.int4view import open_output
     from quantize.manifest import read_manifest
     from quantize.options import ConvertOptions
     from quantize.plan import tp_checks
@@ -243,9 +243,17 @@ def plan_tables(d: dict) -> list[Table]:
 
 def verify_table(rep: VerifyReport) -> Table:
     s = rep.summary()
+    lc = s.get("layer_check") or {}
+    if "skipped" in lc:
+        layers = f"; layer check skipped ({lc['skipped']})"
+    elif lc.get("worst_ratio") is not None:
+        layers = (f"; layers {'ok' if lc['ok'] else '[red]FAIL[/]'}: worst {lc['worst_ratio']:.2f}x "
+                  f"RTN's error (bound {lc['max_ratio']:g}x)")
+    else:
+        layers = ""
     t = Table(title=f"verify: {'[green]PASS[/]' if rep.ok else '[red]FAIL[/]'}  "
                     f"{s['quantized']} INT4 tensors, min SQNR {s['min_sqnr_db']:.2f} dB, "
-                    f"mean {s['mean_sqnr_db']:.2f} dB; exact {s['exact_ok']}/{s['exact_total']}")
+                    f"mean {s['mean_sqnr_db']:.2f} dB; exact {s['exact_ok']}/{s['exact_total']}{layers}")
     for c in ("worst tensors", "rel err", "SQNR dB", "ok"):
         # names fold onto a second line in a narrow terminal instead of losing their end
         t.add_column(c, justify="left" if c == "worst tensors" else "right",

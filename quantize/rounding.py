@@ -15,8 +15,10 @@ to all-token statistics (the layer's all-token gate/up Hessian; down Hessian fro
 all tokens run through it), and the report says which and why.
 
 AWQ folds (quantize/awq.py does the search): each down_proj's input scale s (I,) goes into
-the same expert's up_proj rows; the post-attention norm's output scale s (H,) into the norm,
-with every reader (all experts' and the shared gate/up, the router) multiplied by s. In a MoE
+the same expert's up_proj rows; the MLP input's scale s (H,) into the norm that produces it
+(quantize/folds.py finds which norm and its formula on the layer itself: GLM / Llama / Qwen's
+post-attention norm, w / s; Gemma3's pre-feedforward norm, (1 + w) / s - 1), with every reader
+(all experts' and the shared gate/up, the router) multiplied by s. In a MoE
 layer that s is rounded to powers of two, so the BF16 norm and router are scaled exactly and no
 token changes experts; it is searched on the shared expert and the AWQ_SEARCH_EXPERTS busiest
 experts. The scales as applied go to `awq_scales` (`awq_expected` re-applies them).
@@ -39,16 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from quantize.awq import (
-    AWQConfig,
-    awq_search,
-    fold_into_linear_rows,
-    fold_into_norm,
-    scale_linear_inputs,
-)
+from quantize.awq import AWQConfig, awq_search, fold_into_linear_rows, scale_linear_inputs
 from quantize.capture import EXPERT_BATCH, MLPStats
 from quantize.checkpoint import Checkpoint
 from quantize.distributed import Dist, owned
+from quantize.folds import NormFold, awq_expected
 from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
 from quantize.int4 import Int4Weight, quantize_rtn
 from quantize.layers import ReadAhead, device_free
@@ -70,25 +67,6 @@ class Target:
 
     name: str  # checkpoint tensor name (`...weight`)
     quantize: bool  # a --targets Linear (else a BF16 tensor that AWQ may rescale)
-
-
-def awq_expected(name: str, W: torch.Tensor, scales: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The source tensor `name` (float) with the AWQ folds of AWQ_SCALES applied: what the
-    output holds (before INT4 rounding for targets). `verify` compares against this."""
-    layer = name.split(".mlp.")[0] if ".mlp." in name else name.rsplit(".", 2)[0]
-    s_in = scales.get(f"{layer}.mlp.awq_input_scale")
-    if s_in is not None:
-        if name == f"{layer}.post_attention_layernorm.weight":
-            W = fold_into_norm(W, s_in.to(W.device))
-        elif name.endswith(("gate_proj.weight", "up_proj.weight")) or name == f"{layer}.mlp.gate.weight":
-            W = scale_linear_inputs(W, s_in.to(W.device))
-    stem = name.rsplit(".", 2)[0]  # <...>.mlp[.experts.E | .shared_experts]
-    s_down = scales.get(f"{stem}.down_proj.awq_input_scale")
-    if s_down is not None and name.endswith("down_proj.weight"):
-        W = scale_linear_inputs(W, s_down.to(W.device))
-    elif s_down is not None and name.endswith("up_proj.weight"):
-        W = fold_into_linear_rows(W, s_down.to(W.device))
-    return W
 
 
 class LayerWeights:
@@ -153,7 +131,11 @@ class LayerRounding:
     def __init__(self, L: int, mlp: torch.nn.Module, kind: str, targets: dict[str, Target],
                  stats: MLPStats, ckpt: Checkpoint, units: dict[str, Unit], opts: ConvertOptions,
                  device: torch.device, dtype: torch.dtype, dist: Dist | None = None,
-                 check_stop: Callable[[], None] = lambda: None) -> None:
+                 check_stop: Callable[[], None] = lambda: None,
+                 norm_fold: NormFold | None = None) -> None:
+        """`norm_fold`: where the MLP input's AWQ scale goes (folds.find_norm_fold on this
+        layer); needed when AWQ rounds gate/up targets."""
+        self.norm_fold = norm_fold
         self.L, self.mlp, self.kind, self.targets, self.stats = L, mlp, kind, targets, stats
         self.ckpt, self.opts, self.device, self.dtype, self.dist = ckpt, opts, device, dtype, dist
         self.check_stop = check_stop
@@ -260,8 +242,15 @@ class LayerRounding:
             for n in targets:  # every consumer of the post-attention norm's output
                 if n.endswith(("gate_proj.weight", "up_proj.weight")):
                     W.col[n] = s_in
-            norm = f"model.layers.{self.L}.post_attention_layernorm.weight"
-            self.mods[norm] = fold_into_norm(self.ckpt.read(norm, self.device).float(), s_in)
+            fold = self.norm_fold
+            if fold is None:
+                raise RuntimeError(f"internal: layer {self.L}: AWQ on gate/up without a norm fold")
+            norm = fold.tensor(self.L)
+            self.mods[norm] = fold.apply(self.ckpt.read(norm, self.device).float(), s_in)
+            if fold.bias:
+                b = fold.tensor(self.L, "bias")
+                self.mods[b] = fold.apply_bias(self.ckpt.read(b, self.device).float(), s_in)
+            awq["norm_fold"] = {"norm": fold.module, "formula": fold.formula, "bias": fold.bias}
             if self.kind == "moe":
                 router = p + "gate.weight"
                 self.mods[router] = scale_linear_inputs(

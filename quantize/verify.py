@@ -11,9 +11,13 @@ in the manifest):
     dequant    must equal bf16(FP8 dequant of the source) bit for bit
     copy       must equal the source bytes bit for bit
     AWQ        (method awq, awq+gptq) the reference is the source with the folds recorded in
-               calibration/awq-scales.safetensors re-applied (`calibrate.awq_expected`): the
-               rescaled norms, routers and up_proj rows must equal it exactly in their dtype,
-               INT4 targets are compared with it as above
+               calibration/awq-scales.safetensors re-applied (`folds.awq_expected`, each norm
+               by its recorded formula): the rescaled norms, routers and up_proj rows must
+               equal it exactly in their dtype, INT4 targets are compared with it as above
+    layers     then the function (quantize/layercheck.py): every decoder layer of the output as
+               written against the source's on the same hidden states, its error bounded by
+               1.5x round-to-nearest's; a fold into the wrong norm agrees with every weight
+               check above and fails this
 
 plus: the manifest is `complete` and every file's sha256 matches it, no weight file lies in
 the folder that the manifest does not list (an engine globbing `*.safetensors` would load a
@@ -70,6 +74,7 @@ class VerifyReport:
     min_sqnr_db: float
     tensors: list[TensorCheck] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    layer_check: dict | None = None  # quantize/layercheck.py's report, or {"skipped": why}
 
     @property
     def ok(self) -> bool:
@@ -92,6 +97,8 @@ class VerifyReport:
             "max_rel_err": max((t.rel_err for t in q), default=0.0),
             "failed": [t.name for t in self.tensors if not t.ok][:50],
             "problems": self.problems,
+            "layer_check": None if self.layer_check is None else
+            {k: v for k, v in self.layer_check.items() if k != "layers"},
         }
 
     def to_json(self) -> dict:
@@ -103,6 +110,7 @@ class VerifyReport:
             "src": self.src, "dst": self.dst, "min_sqnr_db_threshold": self.min_sqnr_db,
             "summary": {k: (num(v) if isinstance(v, float) else v) for k, v in self.summary().items()},
             "worst": [asdict(t) | {"sqnr_db": num(t.sqnr_db)} for t in self.worst()],
+            "layer_check": self.layer_check,
             "tensors": [asdict(t) | {"sqnr_db": num(t.sqnr_db)} for t in self.tensors],
         }
 
@@ -119,12 +127,12 @@ def _error_stats(W: torch.Tensor, Wq: torch.Tensor) -> tuple[float, float]:
 
 def _check_unit(src: Checkpoint, dst: Checkpoint, unit: Unit, opts: ConvertOptions,
                 min_sqnr: float, device: torch.device,
-                awq_scales: dict[str, torch.Tensor] | None = None) -> TensorCheck:
+                awq_scales: tuple[dict, dict] | None = None) -> TensorCheck:
     if awq_scales:
-        from quantize.calibrate import awq_expected
+        from quantize.folds import awq_expected
 
         W = source_weight(src, unit, device)
-        want = awq_expected(unit.source, W, awq_scales)
+        want = awq_expected(unit.source, W, *awq_scales)
         if want is not W and unit.action != "quantize":  # a norm, router or expert AWQ rescaled
             got = dst.read(unit.source, device)
             same = torch.equal(got, want.to(got.dtype))
@@ -219,9 +227,12 @@ DEFAULT_MIN_SQNR_DB = 12.0  # verify's floor; push refuses a report checked agai
 
 def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQNR_DB, device: str = "cpu",
            on_unit: Callable[[Unit], None] | None = None, write: bool = True,
-           on_start: Callable[[int], None] | None = None) -> VerifyReport:
+           on_start: Callable[[int], None] | None = None, layer_check: bool = True,
+           log: Callable[[str], None] | None = None) -> VerifyReport:
     """Check `dst` against `src`; write `dst/verify.json`; return the report.
-    `on_start(source_bytes)` once the tensors are about to be read, `on_unit(unit)` after each."""
+    `on_start(source_bytes)` once the tensors are about to be read, `on_unit(unit)` after each;
+    `layer_check`: also run every decoder layer of both (quantize/layercheck.py); `log`: its
+    per-layer lines."""
     dst = Path(dst)
     manifest = finished_manifest(dst)
     # names, not this machine's paths (verify.json is published beside the weights): SRC's repo
@@ -295,20 +306,60 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     dev = resolve_device(device)  # auto: the GPU when there is one; cuda without one: exit 2
     awq_scales = None
     if AWQ_SCALES in manifest["files"]:  # AWQ folded scales into norms, routers and weights
-        from safetensors.torch import load_file
+        from quantize.folds import read_folds
 
-        awq_scales = load_file(dst / AWQ_SCALES)
+        awq_scales = read_folds(dst / AWQ_SCALES)
     elif "awq" in opts.method:
         report.problems.append(f"{AWQ_SCALES}: missing, but the manifest says method {opts.method}")
         return _finish(report, dst, write)
+    checker = _layer_check(src_ckpt, plan, dst, opts, dev, report, layer_check, log)
+    if checker is not None:  # the view the layers load from: the same tensors, one reader
+        dst_ckpt = checker.dst
+        src_ckpt.memo, dst_ckpt.memo = {}, {}  # a layer's reads, kept until its forward ran
     if on_start:
         on_start(sum(u.source_bytes for u in plan.units))
+    current = None
     for unit in plan.units:
+        L = layer_of(unit.source)
+        if checker is not None and L != current:
+            if current is not None:  # the previous layer's tensors were all checked: run it
+                checker.run(current, log)
+            src_ckpt.memo.clear()
+            dst_ckpt.memo.clear()
+            current = L
         report.tensors.append(_check_unit(src_ckpt, dst_ckpt, unit, opts, min_sqnr_db, dev,
                                           awq_scales))
         if on_unit:
             on_unit(unit)
+    if checker is not None:
+        checker.run(checker.num_layers - 1, log)
+        src_ckpt.memo = dst_ckpt.memo = None
+        report.layer_check = checker.report()
+        report.problems += checker.problems()
     return _finish(report, dst, write)
+
+
+def _layer_check(src: Checkpoint, plan, dst: Path, opts: ConvertOptions, device: torch.device,
+                 report: VerifyReport, wanted: bool, log: Callable[[str], None] | None):
+    """The function check (quantize/layercheck.py), or None with the reason in the report:
+    turned off, or a model whose layers the installed transformers cannot build (RTN outputs
+    of such models are checked tensor by tensor only; calibrated ones cannot exist)."""
+    if not wanted:
+        report.layer_check = {"skipped": "--no-layer-check"}
+        return None
+    from quantize.errors import QuantizeError
+    from quantize.int4view import open_output
+    from quantize.layercheck import LayerCheck
+
+    try:
+        return LayerCheck(src, {u.source: u for u in plan.units}, open_output(dst), opts, device)
+    except QuantizeError as e:
+        if opts.method != "rtn":
+            raise
+        report.layer_check = {"skipped": f"the layers cannot be built: {e.summary}"}
+        if log:
+            log(f"note: layer check skipped ({e.summary})")
+        return None
 
 
 def _unlisted_weights(dst: Path, listed: dict) -> list[str]:

@@ -93,6 +93,30 @@ def test_refuses_unfinished_and_unverified(converted, tmp_path):
         prepare_push(bad, "org/x", skip_verify_check=True, write_card=False)
 
 
+def test_refuses_a_report_without_the_layer_check_and_a_failed_eval(converted, tmp_path):
+    """A verify.json from before the layer check, or one run with --no-layer-check, is no proof
+    of function; an eval.json whose verdict failed says the output is broken: both refused."""
+    _, dst = converted
+    bad = tmp_path / "out"
+    bad.mkdir()
+    for p in dst.iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    report = json.loads((bad / VERIFY_JSON).read_text())
+    assert report["summary"]["layer_check"]["ok"] is True
+    for lc in (None, {"skipped": "--no-layer-check"}, {**report["summary"]["layer_check"], "ok": False}):
+        (bad / VERIFY_JSON).write_text(json.dumps({**report, "summary": {**report["summary"],
+                                                                          "layer_check": lc}}))
+        with pytest.raises(Exception, match="no layer check"):
+            prepare_push(bad, "org/x", write_card=False)
+    (bad / VERIFY_JSON).write_text(json.dumps(report))
+    prepare_push(bad, "org/x", write_card=False)
+    (bad / "eval.json").write_text(json.dumps({"summary": {}, "verdict": {
+        "ok": False, "failed": ["held-out perplexity ratio 1.2e+04 > --max-ppl-ratio 2"]}}))
+    with pytest.raises(Exception, match="eval found the output broken") as e:
+        prepare_push(bad, "org/x", write_card=False)
+    assert "1.2e+04" in str(e.value) and "eval.json" in str(e.value)
+
+
 def test_stale_verify_is_refused(converted, tmp_path):
     _, dst = converted
     bad = tmp_path / "out"
