@@ -65,7 +65,7 @@ from quantize.capture import MLPStats, dense_forward, moe_forward
 from quantize.checkpoint import DTYPES, Checkpoint
 from quantize.distributed import Dist
 from quantize.errors import Problem, QuantizeError
-from quantize.folds import NormFold, find_norm_fold
+from quantize.folds import FOLD_KEY, NormFold, find_norm_fold, fold_tensor
 from quantize.int4 import Int4Weight, dequantize, int4_outputs, quantize_rtn
 from quantize.layers import (
     MOE_CLASSES,
@@ -100,7 +100,7 @@ CALIB_TIMINGS = "calibration/timings.json"
 TIMING_KEYS = ("seconds", "timing_s", "peak_gpu_gib", "peak_gpu_gib_by_phase")
 # The AWQ scales as applied, for `verify` (a subfolder: engines never load it as weights):
 #   model.layers.L.mlp.awq_input_scale (H,): the MLP input's norm output is divided by it (the
-#       norm and its formula in the file's metadata under the same key: folds.NormFold, e.g.
+#       norm and its formula beside it as model.layers.L.mlp.awq_norm_fold: folds.NormFold, e.g.
 #       written norm = norm / s, or (1 + norm) / s - 1 for Gemma's), and every reader of it (experts' and shared gate/up, dense
 #       gate/up, router) has written = source * s along its input columns;
 #   <...>.down_proj.awq_input_scale (I,): written down_proj = source * s (columns) and the same
@@ -265,12 +265,14 @@ class Calibrator:
         if "awq" in self.opts.method:  # (no scales at all when every layer fell back to RTN)
             # serialized in memory (a few floats per channel), written like every other output:
             # atomically, and a full disk is the same clean error
-            # each MLP input scale's norm fold (folds.NormFold), so verify re-applies the same
-            folds = {f"model.layers.{lay['layer']}.mlp.awq_input_scale": NormFold(
-                f["norm"], f["formula"], f["bias"]).to_meta() for lay in self.layers
+            # each MLP input scale's norm fold (folds.NormFold), so verify re-applies the same:
+            # as tensors beside it (safetensors' metadata is a map written in no fixed order;
+            # these bytes must be the same for the same inputs)
+            folds = {f"model.layers.{lay['layer']}.mlp.{FOLD_KEY}": fold_tensor(NormFold(
+                f["norm"], f["formula"], f["bias"])) for lay in self.layers
                 if (f := (lay.get("awq") or {}).get("norm_fold"))}
-            write_bytes_atomic(out / AWQ_SCALES, save(self.awq_scales, metadata={
-                "format": "pt", **folds}))
+            write_bytes_atomic(out / AWQ_SCALES, save({**self.awq_scales, **folds},
+                                                      metadata={"format": "pt"}))
             names.append(AWQ_SCALES)
         from quantize import plots
 

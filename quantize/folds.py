@@ -20,9 +20,10 @@ a norm has one, is divided by s too). `find_norm_fold` proves both on the layer 
    must give its output divided by s (relative error < 1e-4); exactly one form may pass.
 
 Anything else is refused before the layer is rounded, naming the layer, the family and why.
-The fold found is recorded beside the scales (`to_meta` / `from_meta`: the safetensors metadata
-of calibration/awq-scales.safetensors), so `verify` re-applies the same fold; outputs written
-before the record existed carry none and were folded as `LEGACY` says.
+The fold found is recorded beside the scales (`fold_tensor`: its JSON record as bytes under
+model.layers.L.mlp.awq_norm_fold in calibration/awq-scales.safetensors), so `verify` re-applies
+the same fold; outputs written before the record existed carry none and were folded as `LEGACY`
+says.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from quantize.awq import fold_into_linear_rows, scale_linear_inputs
 from quantize.errors import Problem, QuantizeError
 from quantize.layout import layer_of
 
-__all__ = ["FORMULAS", "LEGACY", "NormFold", "awq_expected", "find_norm_fold", "read_folds"]
+__all__ = ["FOLD_KEY", "FORMULAS", "LEGACY", "NormFold", "awq_expected", "find_norm_fold",
+           "fold_tensor", "read_folds"]
 
 FORMULAS = ("x*w", "x*(1+w)")
 
@@ -211,16 +213,25 @@ def awq_expected(name: str, W: torch.Tensor, scales: dict[str, torch.Tensor],
     return W
 
 
+FOLD_KEY = "awq_norm_fold"  # model.layers.L.mlp.awq_norm_fold: the fold's record, UTF-8 bytes
+
+
+def fold_tensor(fold: NormFold) -> torch.Tensor:
+    """The fold's record as a uint8 tensor (stored beside the scales it belongs to)."""
+    return torch.tensor(list(fold.to_meta().encode()), dtype=torch.uint8)
+
+
 def read_folds(path) -> tuple[dict[str, torch.Tensor], dict[str, NormFold]]:
     """An AWQ scales file (calibrate.AWQ_SCALES): its scales and, per MLP input scale, the
-    recorded norm fold (none recorded: `LEGACY`)."""
-    from safetensors import safe_open
+    recorded norm fold (none recorded, as in files written before the record: `LEGACY`)."""
+    from safetensors.torch import load_file
 
-    scales, folds = {}, {}
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        for k in f.keys():
-            scales[k] = f.get_tensor(k)
-            if k.endswith(".mlp.awq_input_scale"):
-                folds[k] = NormFold.from_meta(meta.get(k))
+    scales, records = {}, {}
+    for k, t in load_file(str(path)).items():
+        if k.endswith("." + FOLD_KEY):
+            records[k[: -len(FOLD_KEY)] + "awq_input_scale"] = bytes(t.tolist()).decode()
+        else:
+            scales[k] = t
+    folds = {k: NormFold.from_meta(records.get(k)) for k in scales
+             if k.endswith(".mlp.awq_input_scale")}
     return scales, folds

@@ -8,7 +8,8 @@ layers, on the same hidden states, three ways:
                            through the source's embedding, then through the source's layers
     y_s = source layer L (h)        transformers' decoder layer filled from SRC (FP8 dequantized)
     y_r = the same layer with its INT4 targets rounded to nearest (RTN, the group size and
-          symmetry of the conversion): what the plainest correct output computes
+          symmetry of the conversion) and its FP8 tensors widened to BF16 as convert writes
+          them: what the plainest correct output computes (an RTN output: y_r == y_q)
     y_q = output layer L (h)        filled purely from DST (INT4 unpacked and dequantized as the
                                     engines do; AWQ-folded norms, routers, rescaled rows as written)
 
@@ -84,10 +85,15 @@ class LayerCheck:
         self.topk: torch.Tensor | None = None
         self.next = 0
         self.layers: list[dict] = []
-        self.targets: dict[int, list[str]] = {}
+        self.targets: dict[int, list[str]] = {}  # per layer: its INT4 targets
+        self.widened: dict[int, list[str]] = {}  # per layer: its FP8 tensors written as BF16
         for n, u in units.items():
-            if u.action == "quantize" and (L := layer_of(n)) is not None and L < self.num_layers:
+            if (L := layer_of(n)) is None or L >= self.num_layers:
+                continue
+            if u.action == "quantize":
                 self.targets.setdefault(L, []).append(n)
+            elif u.action == "dequant":
+                self.widened.setdefault(L, []).append(n)
 
     def _source_layer(self, L: int):
         return load_layer(self.skeleton, self.src, self.units, L, self.device, self.dtype)
@@ -110,11 +116,19 @@ class LayerCheck:
             y_s, topk_s = run_layer(self.skeleton, layer, self.inputs, h, topk)
             quant = self.targets.get(L, [])
             y_r = None
-            if quant:  # the source layer, its targets rounded to nearest in place
+            if quant:  # the source layer, its targets rounded to nearest in place, and its
+                # FP8 tensors widened to BF16 as the output holds them (so RTN's error has the
+                # same non-INT4 part as the output's)
                 for n in quant:
                     v = layer_weight(layer, L, n)
                     v.copy_(dequantize(quantize_rtn(v.float(), self.opts.group_size,
                                                     self.opts.symmetric), torch.float32))
+                for n in self.widened.get(L, []):
+                    try:
+                        v = layer_weight(layer, L, n)
+                    except AttributeError:  # a tensor the layer class does not hold
+                        continue
+                    v.copy_(v.to(torch.bfloat16))
                 y_r, _ = run_layer(self.skeleton, layer, self.inputs, h, topk)
             free_layer(layer)
             layer = load_layer(self.skeleton, self.dst, None, L, self.device, self.dtype)
