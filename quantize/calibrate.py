@@ -113,6 +113,7 @@ AWQ_SCALES = "calibration/awq-scales.safetensors"
 # models (GPTQ after it hides part of the damage in sample; verify's layer check on other tokens
 # sees 1.8-3x) and far above on the real model.
 REGRESSION_MARGIN = 1.1
+EXPERT_RTN_BATCH = 32  # experts rounded per call for that reference (GLM-5.2: ~3 GB float32)
 class _Clock:
     """Wall-clock laps of a layer's phases (device-synchronized), and on CUDA each phase's peak
     allocated memory, for the report."""
@@ -756,9 +757,7 @@ class Calibrator:
         quant = [n for n, t in targets.items() if t.quantize]
         # what round-to-nearest would give on chunk 0 (the module's targets rounded in place:
         # the rounding below reads the source from the checkpoint and overwrites every one)
-        for n in quant:
-            v = layer_weight(layer, L, n)
-            v.copy_(dequantize(quantize_rtn(v.float(), o.group_size, o.symmetric), torch.float32))
+        self._rtn_in_place(layer, L, quant)
         rtn_err = _relerr(self._chunk0_output(layer, halves) - h0, ref0 - h0)
         clock.lap("rtn_reference")
 
@@ -814,6 +813,30 @@ class Calibrator:
         report["quantized"] = nq
         report["modified_bf16"] = sorted(mods)
         return report
+
+    def _rtn_in_place(self, layer, L: int, quant: list[str]) -> None:
+        """The module's target weights rounded to nearest in place: a fused expert parameter
+        whose experts are all targets in batches of EXPERT_RTN_BATCH experts (rows are rounded
+        independently: the same values as one call per expert, in a few calls instead of 3 E),
+        the rest one by one."""
+        g, sym = self.opts.group_size, self.opts.symmetric
+        left = set(quant)
+        experts = getattr(layer.mlp, "experts", None)
+        E = getattr(experts, "num_experts", 0)
+        stem = f"model.layers.{L}.mlp.experts."
+        for key, projs in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            names = {f"{stem}{e}.{p}.weight" for e in range(E) for p in projs}
+            if not E or not names <= left or not hasattr(experts, key):
+                continue
+            fused = getattr(experts, key)  # (E, N, K)
+            for c in range(0, E, EXPERT_RTN_BATCH):
+                v = fused.data[c: c + EXPERT_RTN_BATCH]
+                w = v.float().reshape(-1, v.shape[-1])
+                v.copy_(dequantize(quantize_rtn(w, g, sym), torch.float32).reshape(v.shape))
+            left -= names
+        for n in sorted(left):
+            v = layer_weight(layer, L, n)
+            v.copy_(dequantize(quantize_rtn(v.float(), g, sym), torch.float32))
 
     def _emit(self, L: int, layer, n: str, w: Int4Weight) -> None:
         """A rounded weight: into the module for pass 2, packed to the host for the writer."""

@@ -133,6 +133,8 @@ class ConvertOptions:
         manifest is published; the calibration tokens' sha256 pins the content for resume)."""
         d = asdict(self)
         d["targets"] = sorted(self.targets)
+        if not d["rtn_fallback"]:  # (off: not recorded, so manifests stay readable by the
+            del d["rtn_fallback"]  # versions before it; a missing key reads back as off)
         from quantize.hub import is_dataset_spec
 
         if d["calib"] is not None and not is_dataset_spec(d["calib"]):  # a Hub id is no path

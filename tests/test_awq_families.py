@@ -262,3 +262,30 @@ def test_verify_fails_a_wrong_fold_that_every_weight_check_agrees_with(tmp_path,
     assert not r.ok and [t.name for t in r.tensors if not t.ok] == [norm]
     assert any(p.startswith("model.layers.1:") for p in r.problems), r.problems
     assert r.layer_check["layers"][0]["ok"] and not r.layer_check["layers"][1]["ok"]
+
+
+def test_rtn_reference_in_expert_batches_equals_one_call_per_expert(tmp_path):
+    """The run's RTN reference rounds a fused expert parameter in batches of experts: the same
+    values as rounding each expert's gate, up and down on its own."""
+    from types import SimpleNamespace
+
+    from quantize.int4 import dequantize, quantize_rtn
+    from quantize.layers import layer_weight
+
+    src = _glm_source(tmp_path / "glm", "glm4_moe")
+    ck = open_checkpoint(src)
+    opts = _opts("glm4_moe", method="gptq")
+    units = {u.source: u for u in make_plan(ck, opts).units}
+    sk = build_skeleton(ck.config)
+    quant = [n for n, u in units.items() if u.action == "quantize" and n.startswith("model.layers.1.")]
+    assert len(quant) > 6
+    a = load_layer(sk, ck, units, 1, torch.device("cpu"), torch.float32)
+    b = load_layer(build_skeleton(ck.config), ck, units, 1, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        Calibrator._rtn_in_place(SimpleNamespace(opts=opts), a, 1, quant)
+        for n in quant:
+            v = layer_weight(b, 1, n)
+            v.copy_(dequantize(quantize_rtn(v.float(), opts.group_size, opts.symmetric),
+                               torch.float32))
+    for n in quant:
+        assert torch.equal(layer_weight(a, 1, n), layer_weight(b, 1, n)), n
