@@ -64,6 +64,23 @@ class NormFold:
         out = (1 + w64) / s64 - 1 if self.formula == "x*(1+w)" else w64 / s64
         return out.to(w.dtype)
 
+    def realized(self, w: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The scale the stored norm really divides its output by: folded with s and stored in
+        `dtype`, the norm computes g(w_stored) = g(w) / s_eff (g(w) = w, or 1 + w), and s_eff is
+        not exactly s. The readers' columns are multiplied by s_eff instead, which keeps the
+        layer exact whatever the storage rounding: in Gemma's 1 + w form it is not small
+        (w' = (1 + w) / s - 1 near -1 keeps few bits of 1 + w'; the real Gemma-3-270M lost
+        layers to it). A channel whose stored value would vanish or change sign keeps s = 1;
+        one whose g(w) is 0 outputs 0 whatever s is. float32 (as recorded)."""
+        g = (lambda t: 1 + t) if self.formula == "x*(1+w)" else (lambda t: t)
+        num = g(w.double())
+        den = g(self.apply(w, s).to(dtype).double())
+        s64 = s.to(w.device).double()
+        s_eff = num / den
+        bad = ~torch.isfinite(s_eff) | (s_eff <= 0)
+        s_eff = torch.where(num == 0, s64, torch.where(bad, torch.ones_like(s_eff), s_eff))
+        return s_eff.float()
+
     def apply_bias(self, b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         return (b.double() / s.to(b.device).double()).to(b.dtype)
 

@@ -43,7 +43,7 @@ from torch.profiler import record_function
 
 from quantize.awq import AWQConfig, awq_search, fold_into_linear_rows, scale_linear_inputs
 from quantize.capture import EXPERT_BATCH, MLPStats
-from quantize.checkpoint import Checkpoint
+from quantize.checkpoint import DTYPES, Checkpoint
 from quantize.distributed import Dist, owned
 from quantize.folds import NormFold, awq_expected
 from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
@@ -237,16 +237,20 @@ class LayerRounding:
             # gained on the tiny models: layer error 0.141 vs 0.137 glm4_moe). Dense MLPs:
             # the exact scales (the norm's bf16 rounding, 2^-9 relative, is negligible).
             s_in = torch.exp2(torch.round(torch.log2(r.scales))) if self.kind == "moe" else r.scales
-            self.s_in = s_in
-            self.awq_scales[p + "awq_input_scale"] = s_in.float().cpu()
-            for n in targets:  # every consumer of the post-attention norm's output
-                if n.endswith(("gate_proj.weight", "up_proj.weight")):
-                    W.col[n] = s_in
             fold = self.norm_fold
             if fold is None:
                 raise RuntimeError(f"internal: layer {self.L}: AWQ on gate/up without a norm fold")
             norm = fold.tensor(self.L)
-            self.mods[norm] = fold.apply(self.ckpt.read(norm, self.device).float(), s_in)
+            w_norm = self.ckpt.read(norm, self.device).float()
+            # the scale the stored norm really applies (folds.NormFold.realized: the powers of
+            # two of a MoE layer's x * w norm are exact, s_eff == s)
+            s_in = fold.realized(w_norm, s_in, DTYPES[W.units[norm].outputs[0].dtype][0])
+            self.s_in = s_in
+            self.awq_scales[p + "awq_input_scale"] = s_in.float().cpu()
+            for n in targets:  # every consumer of the norm's output
+                if n.endswith(("gate_proj.weight", "up_proj.weight")):
+                    W.col[n] = s_in
+            self.mods[norm] = fold.apply(w_norm, s_in)
             if fold.bias:
                 b = fold.tensor(self.L, "bias")
                 self.mods[b] = fold.apply_bias(self.ckpt.read(b, self.device).float(), s_in)

@@ -313,9 +313,10 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
         report.problems.append(f"{AWQ_SCALES}: missing, but the manifest says method {opts.method}")
         return _finish(report, dst, write)
     checker = _layer_check(src_ckpt, plan, dst, opts, dev, report, layer_check, log)
-    if checker is not None:  # the view the layers load from: the same tensors, one reader
-        dst_ckpt = checker.dst
-        src_ckpt.memo, dst_ckpt.memo = {}, {}  # a layer's reads, kept until its forward ran
+    if checker is not None:  # a layer's reads, kept until its forward ran: the per-tensor
+        # checks read DST's stored tensors, the layers its dequantized view of the same ones
+        src_ckpt.memo = {}
+        dst_ckpt.memo = checker.dst.memo = {}
     if on_start:
         on_start(sum(u.source_bytes for u in plan.units))
     current = None
@@ -325,7 +326,7 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
             if current is not None:  # the previous layer's tensors were all checked: run it
                 checker.run(current, log)
             src_ckpt.memo.clear()
-            dst_ckpt.memo.clear()
+            dst_ckpt.memo.clear()  # (the view's too: one dict)
             current = L
         report.tensors.append(_check_unit(src_ckpt, dst_ckpt, unit, opts, min_sqnr_db, dev,
                                           awq_scales))
@@ -333,7 +334,7 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
             on_unit(unit)
     if checker is not None:
         checker.run(checker.num_layers - 1, log)
-        src_ckpt.memo = dst_ckpt.memo = None
+        src_ckpt.memo = dst_ckpt.memo = checker.dst.memo = None
         report.layer_check = checker.report()
         report.problems += checker.problems()
     return _finish(report, dst, write)

@@ -289,3 +289,25 @@ def test_rtn_reference_in_expert_batches_equals_one_call_per_expert(tmp_path):
                                torch.float32))
     for n in quant:
         assert torch.equal(layer_weight(a, 1, n), layer_weight(b, 1, n)), n
+
+
+def test_realized_scale_keeps_the_fold_exact_in_bf16():
+    """A Gemma norm weight near -1 folded with s and stored in BF16 keeps few bits of 1 + w':
+    the readers must be scaled by what the stored norm really applies (s_eff), which makes
+    g(stored) * s_eff == g(w) to float32 precision; with s itself the error is percents.
+    Powers of two in an x * w norm are exact: s_eff == s."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.cat([torch.full((8,), -0.97), -0.99 + 4 * torch.rand(56, generator=gen)])
+    w = w.to(torch.bfloat16).float()  # a BF16 source
+    s = 0.25 + 8 * torch.rand(64, generator=gen)
+    gemma = NormFold("pre_feedforward_layernorm", "x*(1+w)")
+    s_eff = gemma.realized(w, s, torch.bfloat16)
+    stored = gemma.apply(w, s_eff).to(torch.bfloat16).double()
+    exact = ((1 + stored) * s_eff.double() - (1 + w.double())).abs() / (1 + w.double()).abs()
+    assert float(exact.max()) < 1e-6
+    naive = ((1 + gemma.apply(w, s).to(torch.bfloat16).double()) * s.double()
+             - (1 + w.double())).abs() / (1 + w.double()).abs()
+    assert float(naive.max()) > 0.01
+    pow2 = torch.exp2(torch.randint(-3, 4, (64,), generator=gen).float())
+    glm = NormFold("post_attention_layernorm", "x*w")
+    assert torch.equal(glm.realized(w, pow2, torch.bfloat16), pow2)
