@@ -108,11 +108,12 @@ TIMING_KEYS = ("seconds", "timing_s", "peak_gpu_gib", "peak_gpu_gib_by_phase")
 AWQ_SCALES = "calibration/awq-scales.safetensors"
 # A calibrated layer whose MLP output error (chunk 0, against the unrounded layer) exceeds this
 # many times round-to-nearest's on the same tokens stops the run (`--rtn-fallback`: that layer is
-# rounded to nearest instead). In sample, GPTQ and AWQ land below RTN (tests/test_awq_families.py,
-# six families: 0.2-0.95x); the Gemma3 fold into the wrong norm landed at 1.2-2.2x on the tiny
-# models (GPTQ after it hides part of the damage in sample; verify's layer check on other tokens
-# sees 1.8-3x) and far above on the real model.
-REGRESSION_MARGIN = 1.1
+# rounded to nearest instead). A coarse guard, verify's layer check the finer one: in sample,
+# GPTQ and AWQ+GPTQ land below RTN (six tiny families: 0.2-0.95x; Gemma-3-270M: 0.31-0.63x and
+# 0.40-1.04x), AWQ alone can land a little above it (Gemma-3-270M layer 5: 1.19x: its search
+# bounds each Linear's error, not the layer's); the Gemma3 fold into the wrong norm landed at
+# 1.85-7.0x on the real model and 1.2-2.2x on the tiny ones (verify fails those at 1.8-3x).
+REGRESSION_MARGIN = 1.5
 EXPERT_RTN_BATCH = 32  # experts rounded per call for that reference (GLM-5.2: ~3 GB float32)
 class _Clock:
     """Wall-clock laps of a layer's phases (device-synchronized), and on CUDA each phase's peak

@@ -388,7 +388,7 @@ def convert(
         show_default=False, rich_help_panel="Calibration (gptq, awq)")] = None,
     rtn_fallback: Annotated[bool, typer.Option(
         help="A calibrated layer whose output error on the calibration tokens exceeds "
-             "round-to-nearest's by 1.1x stops the run by default; with this flag that layer is "
+             "round-to-nearest's by 1.5x stops the run by default; with this flag that layer is "
              "rounded to nearest instead (the calibration report and the card list it).",
         rich_help_panel="Calibration (gptq, awq)")] = False,
     checkpoint_interval: Annotated[float, typer.Option(

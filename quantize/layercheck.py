@@ -36,6 +36,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -54,7 +56,8 @@ from quantize.layout import layer_of
 from quantize.options import ConvertOptions
 from quantize.plan import Unit
 
-__all__ = ["LAYER_CHECK_SAMPLES", "LAYER_CHECK_SEQ", "MAX_LAYER_ERROR_RATIO", "LayerCheck"]
+__all__ = ["LAYER_CHECK_SAMPLES", "LAYER_CHECK_SEQ", "MAX_LAYER_ERROR_RATIO", "LayerCheck",
+           "Prepared", "prepare", "prepare_in_background"]
 
 MAX_LAYER_ERROR_RATIO = 1.5
 LAYER_CHECK_SAMPLES = 2
@@ -68,43 +71,79 @@ def _rel(a: torch.Tensor, ref: torch.Tensor, h: torch.Tensor) -> float:
 
 def _text_tokens(src: Checkpoint, n: int, S: int) -> tuple[torch.Tensor | None, str | None]:
     """(n, S) token ids of the shipped out-of-domain text (calib_data/heldout_english.md, in no
-    calibration set) by the source's own tokenizer, and the text's name; (None, None) when the
-    source has no loadable tokenizer or the text is too short for it."""
-    from quantize.calib_data import HELDOUT_ENGLISH, read_documents, tokenize_documents
+    calibration set) by the source's own tokenizer.json (the `tokenizers` library: its Rust
+    parser loads Gemma's 262k-entry vocabulary in a third of transformers' time; special
+    tokens as the tokenizer adds them), and the text's name; (None, None) when the source has
+    no tokenizer.json or the text is too short for it."""
+    from tokenizers import Tokenizer
 
+    from quantize.calib_data import HELDOUT_ENGLISH
+
+    path = src.root / "tokenizer.json" if src.root is not None else None
+    if path is None or not path.is_file():
+        return None, None
     try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(src.root), trust_remote_code=False)
-        ids, _, _ = tokenize_documents(read_documents(HELDOUT_ENGLISH), tok)
-    except (OSError, ValueError, TypeError, KeyError):
+        ids = Tokenizer.from_file(str(path)).encode(HELDOUT_ENGLISH.read_text(encoding="utf-8")).ids
+    except Exception:  # noqa: BLE001 - any tokenizer the library refuses: random ids instead
         return None, None
-    stream = [t for doc in ids for t in doc]
     V = int(src.tensors["model.embed_tokens.weight"].shape[0])
-    if len(stream) < n * S or max(stream) >= V:
+    if len(ids) < n * S or max(ids[: n * S]) >= V:
         return None, None
-    return torch.tensor(stream[: n * S]).reshape(n, S), HELDOUT_ENGLISH.name
+    return torch.tensor(ids[: n * S]).reshape(n, S), HELDOUT_ENGLISH.name
+
+
+@dataclass
+class Prepared:
+    """What the check needs before its first layer: the model's layer classes and the tokens."""
+
+    skeleton: object
+    tokens: torch.Tensor  # int64 (LAYER_CHECK_SAMPLES, S)
+    text: str | None  # the text's name; None: seeded random ids
+
+
+def prepare(src: Checkpoint, seed: int = 0) -> Prepared:
+    """The skeleton (transformers imported, the layer classes built on the meta device) and the
+    tokens (the source's tokenizer loaded): seconds on a CPU, so verify starts it on a thread
+    (`prepare_in_background`) while it hashes the files and checks the first tensors."""
+    skeleton = build_skeleton(src.config)
+    S = min(LAYER_CHECK_SEQ, int(src.config.get("max_position_embeddings") or LAYER_CHECK_SEQ))
+    tokens, text = _text_tokens(src, LAYER_CHECK_SAMPLES, S)
+    if tokens is None:  # no tokenizer: seeded random ids
+        V = int(src.tensors["model.embed_tokens.weight"].shape[0])
+        gen = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, V, (LAYER_CHECK_SAMPLES, S), generator=gen)
+    return Prepared(skeleton, tokens, text)
+
+
+def prepare_in_background(src: Checkpoint) -> Future:
+    """`prepare(src)` on its own thread; the Future holds its result or its error. transformers'
+    package itself is imported here first: two threads initializing it at once (verify's own
+    imports of compressed-tensors import it too) can see it half-made ("cannot import name
+    'AutoConfig'"); its model classes and the tokenizer then load on the thread."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="quantize-layercheck")
+    try:
+        return pool.submit(prepare, src)
+    finally:
+        pool.shutdown(wait=False)
 
 
 class LayerCheck:
     """The layers of SRC and DST side by side on one hidden-state stream; `run(L)` checks the
-    layers up to L (in order, each once), `report()` the figures for verify.json."""
+    layers up to L (in order, each once), `report()` the figures for verify.json. `prepared`:
+    `prepare`'s result or its Future (waited for at the first layer); None: prepared here."""
 
     def __init__(self, src: Checkpoint, units: dict[str, Unit], dst: Checkpoint,
-                 opts: ConvertOptions, device: torch.device, seed: int = 0,
+                 opts: ConvertOptions, device: torch.device,
+                 prepared: Prepared | Future | None = None,
                  max_ratio: float = MAX_LAYER_ERROR_RATIO) -> None:
         self.src, self.units, self.dst, self.opts, self.device = src, units, dst, opts, device
         self.max_ratio = max_ratio
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.skeleton = build_skeleton(src.config)
-        self.num_layers = len(self.skeleton.model.layers)
-        S = min(LAYER_CHECK_SEQ, int(src.config.get("max_position_embeddings") or LAYER_CHECK_SEQ))
-        self.tokens, self.text = _text_tokens(src, LAYER_CHECK_SAMPLES, S)
-        if self.tokens is None:  # no tokenizer: seeded random ids
-            V = int(src.tensors["model.embed_tokens.weight"].shape[0])
-            gen = torch.Generator().manual_seed(seed)
-            self.tokens = torch.randint(0, V, (LAYER_CHECK_SAMPLES, S), generator=gen)
-        self.inputs = layer_inputs(self.skeleton, S, device, self.dtype)
+        self._prepared = prepared if prepared is not None else prepare(src)
+        self.num_layers = src.num_hidden_layers
+        self.skeleton = self.tokens = self.text = self.inputs = None
         self.h: torch.Tensor | None = None
         self.topk: torch.Tensor | None = None
         self.next = 0
@@ -119,12 +158,23 @@ class LayerCheck:
             elif u.action == "dequant":
                 self.widened.setdefault(L, []).append(n)
 
+    def _ready(self) -> None:
+        """The prepared skeleton and tokens (raises `prepare`'s error, e.g. a QuantizeError for
+        a model the installed transformers cannot build)."""
+        if self.skeleton is not None:
+            return
+        p = self._prepared.result() if isinstance(self._prepared, Future) else self._prepared
+        self.skeleton, self.tokens, self.text = p.skeleton, p.tokens, p.text
+        self.num_layers = len(self.skeleton.model.layers)
+        self.inputs = layer_inputs(self.skeleton, self.tokens.shape[1], self.device, self.dtype)
+
     def _source_layer(self, L: int):
         return load_layer(self.skeleton, self.src, self.units, L, self.device, self.dtype)
 
     @torch.no_grad()
     def run(self, upto: int, log: Callable[[str], None] | None = None) -> None:
         """Check layers next .. min(upto, last decoder layer)."""
+        self._ready()
         if self.h is None:
             emb = self.src.read("model.embed_tokens.weight", self.device)
             u = self.units.get("model.embed_tokens.weight")

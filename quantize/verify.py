@@ -39,6 +39,7 @@ import torch
 
 from quantize import SCHEMA_VERSION
 from quantize.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor_table
+from quantize.errors import QuantizeError
 from quantize.int4 import Int4Weight, dequantize, rtn_qparams, unpack_int4
 from quantize.layout import layer_of
 from quantize.manifest import MANIFEST, finished_manifest
@@ -242,6 +243,14 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     ident = source_identity(src) if Path(src).exists() else {"repo_id": str(src)}
     src_name = ident["repo_id"] or (manifest.get("source") or {}).get("name") or Path(src).name
     report = VerifyReport(src_name, dst.name, min_sqnr_db)
+    prep = None
+    if layer_check:  # transformers, the layer classes and the tokenizer load meanwhile
+        try:
+            from quantize.layercheck import prepare_in_background
+
+            prep = prepare_in_background(open_checkpoint(src))
+        except (QuantizeError, OSError, ValueError):
+            prep = None  # (said where SRC is opened below)
     for name, rec in sorted(manifest["files"].items()):
         p = dst / name
         if not p.is_file():
@@ -312,7 +321,7 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     elif "awq" in opts.method:
         report.problems.append(f"{AWQ_SCALES}: missing, but the manifest says method {opts.method}")
         return _finish(report, dst, write)
-    checker = _layer_check(src_ckpt, plan, dst, opts, dev, report, layer_check, log)
+    checker = _layer_check(src_ckpt, plan, dst, opts, dev, report, layer_check, log, prep)
     if checker is not None:  # a layer's reads, kept until its forward ran: the per-tensor
         # checks read DST's stored tensors, the layers its dequantized view of the same ones
         src_ckpt.memo = {}
@@ -324,36 +333,59 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
         L = layer_of(unit.source)
         if checker is not None and L != current:
             if current is not None:  # the previous layer's tensors were all checked: run it
-                checker.run(current, log)
-            src_ckpt.memo.clear()
-            dst_ckpt.memo.clear()  # (the view's too: one dict)
+                checker = _run_layers(checker, current, report, opts, log)
+            if checker is None:  # (skipped: nothing more to keep)
+                src_ckpt.memo = dst_ckpt.memo = None
+            else:
+                src_ckpt.memo.clear()
+                dst_ckpt.memo.clear()  # (the view's too: one dict)
             current = L
         report.tensors.append(_check_unit(src_ckpt, dst_ckpt, unit, opts, min_sqnr_db, dev,
                                           awq_scales))
         if on_unit:
             on_unit(unit)
     if checker is not None:
-        checker.run(checker.num_layers - 1, log)
-        src_ckpt.memo = dst_ckpt.memo = checker.dst.memo = None
+        checker = _run_layers(checker, checker.num_layers - 1, report, opts, log)
+    if dst_ckpt.memo is not None:
+        dst_ckpt.memo.clear()  # (the layer view's too)
+    src_ckpt.memo = dst_ckpt.memo = None
+    if checker is not None:
         report.layer_check = checker.report()
         report.problems += checker.problems()
     return _finish(report, dst, write)
 
 
+def _run_layers(checker, upto: int, report: VerifyReport, opts: ConvertOptions,
+                log: Callable[[str], None] | None):
+    """The layer check up to layer `upto`; the checker, or None once it turned out that the
+    layers cannot be built (an RTN output of a model transformers does not know: skipped)."""
+    try:
+        checker.run(upto, log)
+        return checker
+    except QuantizeError as e:
+        if opts.method != "rtn":
+            raise
+        report.layer_check = {"skipped": f"the layers cannot be built: {e.summary}"}
+        if log:
+            log(f"note: layer check skipped ({e.summary})")
+        return None
+
+
 def _layer_check(src: Checkpoint, plan, dst: Path, opts: ConvertOptions, device: torch.device,
-                 report: VerifyReport, wanted: bool, log: Callable[[str], None] | None):
+                 report: VerifyReport, wanted: bool, log: Callable[[str], None] | None,
+                 prep=None):
     """The function check (quantize/layercheck.py), or None with the reason in the report:
     turned off, or a model whose layers the installed transformers cannot build (RTN outputs
     of such models are checked tensor by tensor only; calibrated ones cannot exist)."""
     if not wanted:
         report.layer_check = {"skipped": "--no-layer-check"}
         return None
-    from quantize.errors import QuantizeError
     from quantize.int4view import open_output
     from quantize.layercheck import LayerCheck
 
     try:
-        return LayerCheck(src, {u.source: u for u in plan.units}, open_output(dst), opts, device)
+        return LayerCheck(src, {u.source: u for u in plan.units}, open_output(dst), opts, device,
+                          prep)
     except QuantizeError as e:
         if opts.method != "rtn":
             raise
