@@ -55,11 +55,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save
 
+from quantize.names import CALIB_STATE
 from quantize.shards import PARTIAL, fsync_dir, sha256_file, stall_point, write_failed
 
 __all__ = ["CALIB_STATE", "Checkpointer", "Saved", "StateDir", "checkpoint_bytes"]
 
-CALIB_STATE = "calibration/state"
+
 _NAME = re.compile(r"layer-(\d+)")
 _META = "state.json"
 _SCALES = "awq-scales.safetensors"

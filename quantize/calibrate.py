@@ -85,6 +85,7 @@ from quantize.layers import (
     run_layer,
 )
 from quantize.layout import layer_of
+from quantize.names import AWQ_SCALES, CALIB_REPORT, CALIB_TIMINGS
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, Shard, Unit
 from quantize.rounding import LayerRounding, LayerWeights, Target, awq_expected
@@ -93,10 +94,10 @@ from quantize.staging import to_host
 __all__ = ["AWQ_SCALES", "CALIB_REPORT", "Calibrator", "LayerWeights", "Target", "awq_expected"]
 # a folder: the first calibrated layer runs under torch.profiler, its tables written there
 PROFILE_ENV = "QUANTIZE_TORCH_PROFILE"
-CALIB_REPORT = "calibration-report.json"
+
 # Per layer: wall-clock seconds and peak GPU memory (a report beside the output, like
 # verify.json: not in the manifest, so that the same inputs give the same checksummed bytes)
-CALIB_TIMINGS = "calibration/timings.json"
+
 TIMING_KEYS = ("seconds", "timing_s", "peak_gpu_gib", "peak_gpu_gib_by_phase")
 # The AWQ scales as applied, for `verify` (a subfolder: engines never load it as weights):
 #   model.layers.L.mlp.awq_input_scale (H,): the MLP input's norm output is divided by it (the
@@ -105,7 +106,6 @@ TIMING_KEYS = ("seconds", "timing_s", "peak_gpu_gib", "peak_gpu_gib_by_phase")
 #       gate/up, router) has written = source * s along its input columns;
 #   <...>.down_proj.awq_input_scale (I,): written down_proj = source * s (columns) and the same
 #       expert's / MLP's up_proj = source / s (rows).
-AWQ_SCALES = "calibration/awq-scales.safetensors"
 # A calibrated layer whose MLP output error (chunk 0, against the unrounded layer) exceeds this
 # many times round-to-nearest's on the same tokens stops the run (`--rtn-fallback`: that layer is
 # rounded to nearest instead). A coarse guard, verify's layer check the finer one: in sample,

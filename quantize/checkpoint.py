@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from quantize.errors import Problem, QuantizeError
+from quantize.names import INDEX_NAME, SINGLE_NAME
 
 __all__ = [
     "DTYPES",
@@ -58,8 +59,7 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
 }
 TORCH_TO_ST = {v[0]: k for k, v in DTYPES.items()}
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
+
 MAX_HEADER = 100 * 2**20  # safetensors' own limit is 100 MB
 
 

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from quantize.errors import Problem, QuantizeError
+from quantize.names import RUN_RECORD
 from quantize.options import EXPERT_CALIBRATION, METHODS, MTP_POLICIES, SCHEMES
 
 app = typer.Typer(
@@ -275,7 +276,7 @@ def _public_command(args: list[str], src: str, dst: Path, base_model: str | None
     return shlex.join(["quantize", *out])
 
 
-RUN_RECORD = "quantize-run.toml"  # in DST: convert's resolved options (local, never uploaded)
+
 # convert's parameters a run record / --config file may set
 RUN_KEYS = ("src", "method", "group_size", "scheme", "mtp", "keep_fp8", "targets", "asymmetric", "max_shard_size", "calib",
             "num_samples", "seq_len", "seed", "expert_calibration", "min_expert_tokens",
@@ -452,7 +453,7 @@ def convert(
     from quantize.manifest import read_manifest
     from quantize.pipeline import convert as run_convert
     from quantize.plan import make_plan
-    from quantize.report import fmt_bytes
+    from quantize.sizes import fmt_bytes
 
     if dst is None and from_ is not None and src is not None:  # `--from OLD NEW`: NEW is DST
         dst, src = Path(src), _read_run_file(from_ / RUN_RECORD, "--from").get("src")
@@ -701,7 +702,7 @@ def push(
       quantize push ./GLM-5.2-INT4 their-org/GLM-5.2-INT4 --create-pr
     """
     from quantize.push import prepare_push, resolve_repo_id, upload
-    from quantize.report import fmt_bytes
+    from quantize.sizes import fmt_bytes
 
     try:
         repo_id = resolve_repo_id(repo_id, token)

@@ -53,7 +53,6 @@ from quantize.calib_data import (
     tokenize_documents,
     window_starts,
 )
-from quantize.calibrate import CALIB_REPORT
 from quantize.checkpoint import Checkpoint, open_checkpoint
 from quantize.errors import Problem, QuantizeError
 from quantize.hub import source_identity
@@ -69,9 +68,9 @@ from quantize.layers import (
     run_layer,
 )
 from quantize.manifest import finished_manifest
+from quantize.names import CALIB_REPORT, EVAL_JSON
 from quantize.options import ConvertOptions
 from quantize.plan import Unit, make_plan
-from quantize.readme import EVAL_JSON
 
 __all__ = ["EVAL_JSON", "EvalOptions", "EvalSet", "Evaluator", "Int4View", "TokenScores",
            "evaluate", "open_output", "score_logits", "select_windows", "verdict"]
@@ -300,7 +299,7 @@ class Evaluator:
             return self.dst.read(name, self.device)
         u = self.units.get(name)
         if u is not None and u.scale is not None:
-            from quantize.pipeline import source_weight
+            from quantize.source import source_weight
 
             return source_weight(self.src, u, self.device)
         return self.src.read(name, self.device)
@@ -448,7 +447,7 @@ def evaluate(src: str | Path, dst: str | Path, opts: EvalOptions = EvalOptions()
              device: str = "auto", log: Callable[[str], None] | None = None,
              write: bool = True) -> dict:
     """Compare DST with SRC on held-out text; write DST/eval.json (and refresh the card)."""
-    from quantize.pipeline import resolve_device
+    from quantize.source import resolve_device
 
     dst = Path(dst)
     log = log or (lambda msg: None)

@@ -179,7 +179,7 @@ class LayerCheck:
             emb = self.src.read("model.embed_tokens.weight", self.device)
             u = self.units.get("model.embed_tokens.weight")
             if u is not None and u.scale is not None:
-                from quantize.pipeline import source_weight
+                from quantize.source import source_weight
 
                 emb = source_weight(self.src, u, self.device)
             self.h = embed(self.skeleton, emb, self.tokens.to(self.device)).to(self.dtype)

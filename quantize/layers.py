@@ -247,7 +247,7 @@ def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit] | None, L: int
     """Layer L of `skeleton` filled from the checkpoint, in `dtype` on `device` (router and
     fp32-kept modules stay float32). `units`: the plan's, so FP8 weights are dequantized with
     their scales; None reads every tensor as `ckpt.read` gives it (eval's INT4 view)."""
-    from quantize.pipeline import _nonfinite, source_weight
+    from quantize.source import _nonfinite, source_weight
 
     layer = skeleton.model.layers[L]
     prefix = f"model.layers.{L}."

@@ -21,10 +21,18 @@ Each rule is one a serving engine enforces or trips on:
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-from quantize.plan import Check
+__all__ = ["Check", "lint", "needs_shared_fusion_off"]
 
-__all__ = ["lint", "needs_shared_fusion_off"]
+
+@dataclass(frozen=True)
+class Check:
+    """One rule's verdict (plan's serving checks and these layout rules alike)."""
+
+    level: str  # "ok" | "warn" | "fail" (the serving kernels would refuse it)
+    what: str
+    detail: str
 
 _INDEXER_W = re.compile(r".*\.self_attn\.indexer\.weights_proj$")
 _ROUTER = re.compile(r".*\.mlp\.gate$")

@@ -28,13 +28,14 @@ from pathlib import Path
 from quantize import SCHEMA_VERSION, __version__
 from quantize.checkpoint import INDEX_NAME, Checkpoint
 from quantize.errors import Problem, QuantizeError
+from quantize.names import MANIFEST
 from quantize.plan import Plan
 from quantize.shards import sha256_file, write_json_atomic
 
 __all__ = ["CALIB_IDENTITY", "MANIFEST", "Manifest", "finished_manifest", "output_state",
            "read_manifest", "source_fingerprint"]
 
-MANIFEST = "quantize-manifest.json"
+
 # The keys of "calibration" a resumed run must match (`Calibrator.identity`).
 CALIB_IDENTITY = ("tokens_sha256", "device", "compute_dtype", "processes")
 

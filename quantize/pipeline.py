@@ -28,15 +28,25 @@ from typing import TYPE_CHECKING
 import torch
 
 from quantize import __version__
-from quantize.calib_state import CALIB_STATE
-from quantize.checkpoint import INDEX_NAME, Checkpoint, SourceFormat, link_problem, open_checkpoint
+from quantize.checkpoint import Checkpoint, link_problem, open_checkpoint
 from quantize.distributed import Dist
 from quantize.errors import Problem, QuantizeError
-from quantize.fp8 import dequant_block, dequant_channel
 from quantize.int4 import int4_outputs, quantize_rtn
-from quantize.manifest import MANIFEST, Manifest, read_manifest
+from quantize.manifest import Manifest, read_manifest
+from quantize.names import (
+    AWQ_SCALES,
+    CALIB_REPORT,
+    CALIB_STATE,
+    CARD,
+    EVAL_JSON,
+    INDEX_NAME,
+    MANIFEST,
+    VERIFY_JSON,
+    WEIGHT_SUFFIXES,
+)
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, Unit, make_plan
+from quantize.qconfig import quantization_config
 from quantize.shards import (
     PARTIAL,
     ShardWriter,
@@ -46,6 +56,7 @@ from quantize.shards import (
     stall_point,
     write_json_atomic,
 )
+from quantize.source import _nonfinite, read_unit, resolve_device, source_weight
 
 if TYPE_CHECKING:
     from quantize.calibrate import Calibrator
@@ -56,12 +67,10 @@ __all__ = [
 ]
 
 # Weight files of any format an engine or a loader might pick up from a model folder.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 # Files never copied from the source: the weights we rewrite, the source's card (we write our
 # own), and VCS / cache folders.
 _SKIP_SUFFIXES = (*WEIGHT_SUFFIXES, PARTIAL)
-_SKIP_NAMES = {INDEX_NAME, "README.md", MANIFEST, "config.json", ".gitattributes",
-               "calibration-report.json"}
+_SKIP_NAMES = {INDEX_NAME, CARD, MANIFEST, "config.json", ".gitattributes", CALIB_REPORT}
 
 
 @dataclass(frozen=True)
@@ -74,110 +83,11 @@ class ConvertResult:
     calibration: dict | None = None  # calibration-report.json, when a calibrated method ran
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise QuantizeError("no GPU", [Problem("--device", None, device, "a visible CUDA device",
-                                               "use --device cpu (same bytes, slower)")])
-    return torch.device(device)
-
-
 def _init_cuda(dev: torch.device) -> None:
     try:
         torch.empty(1, device=dev)
     except RuntimeError:  # a broken device: the first real use raises it with its context
         pass
-
-
-def quantization_config(plan: Plan) -> dict:
-    """config.json `quantization_config`, built with compressed-tensors' own classes."""
-    import compressed_tensors
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-    )
-
-    o = plan.options
-    args = QuantizationArgs(num_bits=o.num_bits, type="int", symmetric=o.symmetric, strategy="group",
-                            group_size=o.group_size, dynamic=False, actorder=None, observer="minmax")
-    acts = None
-    if o.scheme == "w4afp8":  # compressed-tensors' W4AFP8 preset: dynamic per-token FP8 inputs
-        acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token",
-                                dynamic=True, observer=None)
-    groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)}
-    if plan.fp8_targets:  # --keep-fp8: the FP8 Linears as they are, compressed-tensors' presets
-        if plan.source_format == SourceFormat.FP8_BLOCK:  # FP8_BLOCK: 128x128 weights, per-group
-            w8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block",
-                                  block_structure=list(plan.block_size), dynamic=False, observer=None)
-            a8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group",
-                                  group_size=128, dynamic=True, observer=None)
-        else:  # FP8_DYNAMIC: per-channel weights, per-token activations (GLM-4.x's own scheme)
-            w8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel",
-                                  dynamic=False, observer=None)
-            a8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token",
-                                  dynamic=True, observer=None)
-        groups["group_0"].format = "pack-quantized"
-        groups["group_1"] = QuantizationScheme(targets=list(plan.fp8_targets), weights=w8,
-                                               input_activations=a8, format="float-quantized")
-    qc = QuantizationConfig(
-        config_groups=groups,
-        format="mixed-precision" if plan.fp8_targets else "pack-quantized",
-        quantization_status="compressed",
-        ignore=list(plan.ignore),
-        kv_cache_scheme=None,
-    ).model_dump()
-    qc["config_groups"]["group_0"]["weights"]["actorder"] = None  # engines read it; be explicit
-    qc["version"] = compressed_tensors.__version__
-    qc["quantization_method"] = o.method  # which rounding produced the integers (informational)
-    return qc
-
-
-def read_unit(ckpt: Checkpoint, unit: Unit, device: torch.device | str = "cpu"
-              ) -> dict[str, torch.Tensor]:
-    """The source tensors a unit needs (weight, and its FP8 scale), read from disk onto
-    `device` (a copied tensor always stays on the host: it goes straight back to disk)."""
-    names = [unit.source] + ([unit.scale] if unit.scale else [])
-    dev = "cpu" if unit.action in ("copy", "keep") else device
-    return {n: ckpt.read(n, dev) for n in names}
-
-
-def source_weight(ckpt: Checkpoint, unit: Unit, device: torch.device,
-                  raw: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """The unit's source weight as float32 on `device` (FP8 dequantized exactly). Read
-    straight onto the device (a GPU: through the pinned staging buffers, not a pageable host
-    copy that would also wait for the device's queue)."""
-    raw = raw if raw is not None else read_unit(ckpt, unit, device)
-    w = raw[unit.source].to(device)
-    if unit.scale is None:
-        return w.float()
-    s = raw[unit.scale].to(device)
-    if ckpt.source_format == SourceFormat.FP8_BLOCK:
-        return dequant_block(w, s, ckpt.block_size)
-    return dequant_channel(w, s)
-
-
-def _nonfinite(ckpt: Checkpoint, name: str, t: torch.Tensor) -> QuantizeError:
-    """Which non-finite values `t` holds, how many, and where the first one is.
-
-    There is no `--allow-nonfinite`: a NaN or Inf makes its whole INT4 group's scale NaN/Inf
-    (the absmax), and a copied NaN norm or embedding poisons every token that touches it, so
-    passing them on would only move the failure into the serving engine.
-    """
-    nan, inf = torch.isnan(t), torch.isinf(t)
-    if not (nan.any() or inf.any()):  # finite, but a group's range overflows float32
-        return QuantizeError("weights too large for INT4 group scales", [Problem(
-            ckpt.tensors[name].file, name, f"|w| up to {t.abs().max().item():.3g}",
-            "group ranges that fit float32 (real weights are below ~1e4)",
-            "the checkpoint is corrupt or not a model's weights: re-download this shard")])
-    counts = [f"{int(m.sum())} {k}" for k, m in (("NaN", nan), ("Inf", inf)) if m.any()]
-    first = [int(i) for i in (nan | inf).nonzero()[0]]
-    return QuantizeError("non-finite values in the source", [Problem(
-        ckpt.tensors[name].file, name, f"{' and '.join(counts)} value(s), the first at {first}",
-        "finite numbers",
-        "the checkpoint is corrupt: re-download this shard (a NaN weight would poison every "
-        "token routed through it, so it is never passed on)")])
 
 
 def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.device,
@@ -266,11 +176,9 @@ def _check_out_path(src: Path, out: Path, resume: bool, overwrite: bool) -> None
 def _our_partials(plan: Plan, aux: list[Path]) -> set[str]:
     """The `.partial` names a conversion of `plan` writes in its output folder: its shards,
     index, config, manifest, model card, report, and the copied files, each plus PARTIAL."""
-    from quantize.readme import EVAL_JSON
-    from quantize.verify import VERIFY_JSON
 
     names = [s.file for s in plan.shards] + [p.name for p in aux] + [
-        INDEX_NAME, "config.json", MANIFEST, "README.md", "calibration-report.json", VERIFY_JSON,
+        INDEX_NAME, "config.json", MANIFEST, CARD, CALIB_REPORT, VERIFY_JSON,
         EVAL_JSON]
     return {n + PARTIAL for n in names}
 
@@ -417,7 +325,7 @@ def disk_needed(plan: Plan, device: torch.device | str, previous: dict | None = 
 def check_disk(out: Path, plan: Plan, previous: dict | None, device: torch.device,
                checkpoint_interval: float) -> None:
     """Refuse to start when the output's file system lacks the room `disk_needed` says."""
-    from quantize.report import fmt_bytes
+    from quantize.sizes import fmt_bytes
 
     need = disk_needed(plan, device, previous, checkpoint_interval)
     free = shutil.disk_usage(out).free
@@ -507,8 +415,6 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
     names = [p.name for p in aux]
     report = None
     if calib is not None:
-        from quantize.calibrate import AWQ_SCALES, CALIB_REPORT
-
         kept = [n for n in (CALIB_REPORT, AWQ_SCALES) if n in manifest.data["files"]]
         if CALIB_REPORT in kept and all(manifest.holds(n) for n in kept):
             names += kept  # a finished conversion run again: its report needs no layer rerun

@@ -34,6 +34,7 @@ from quantize.layout import (
     module_of,
     natural_key,
 )
+from quantize.lint import Check, lint
 from quantize.options import ConvertOptions
 
 __all__ = ["Check", "OutTensor", "Plan", "Shard", "Unit", "make_plan", "shard_header"]
@@ -82,13 +83,6 @@ class Shard:
     @property
     def file_bytes(self) -> int:
         return len(shard_header(self.tensors)) + self.data_bytes
-
-
-@dataclass(frozen=True)
-class Check:
-    level: str  # "ok" | "warn" | "fail" (the serving kernels would refuse it)
-    what: str
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -319,8 +313,6 @@ def _row_widths(ckpt: Checkpoint, units: list[Unit]) -> dict[str, set[int]]:
 
 def _lint(opts: ConvertOptions, units: list[Unit]) -> list[Check]:
     """quantize/lint.py's rules on the layout this plan writes."""
-    from quantize.lint import lint
-
     acts = {"num_bits": 8, "type": "float"} if opts.scheme == "w4afp8" else None
     qc = {"config_groups": {"group_0": {"targets": ["Linear"], "input_activations": acts, "weights": {
         "type": "int", "group_size": opts.group_size, "symmetric": opts.symmetric}}}}

@@ -16,16 +16,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from quantize.names import PICTURES
+
 __all__ = ["PICTURES", "available", "errors_by_layer", "routed_tokens", "sqnr_by_layer"]
 
-# name in DST -> what it shows (the card's caption)
-PICTURES = {
-    "verify-sqnr.png": "SQNR of every INT4 tensor against its source, by layer",
-    "eval-layers.png": "error of the hidden states after each layer (eval) and of each layer's "
-                       "output during calibration",
-    "calibration/routed-tokens.png": "calibration tokens routed to each expert, by layer "
-                                     "(dead and starved experts marked)",
-}
 
 
 def available() -> bool:

@@ -33,10 +33,10 @@ from pathlib import Path
 from quantize import __version__
 from quantize.errors import Problem, QuantizeError
 from quantize.manifest import MANIFEST, finished_manifest
-from quantize.plots import PICTURES
-from quantize.readme import CARD, EVAL_JSON, card_text, write_readme
+from quantize.names import CARD, EVAL_JSON, PICTURES, VERIFY_JSON
+from quantize.readme import card_text, write_readme
 from quantize.shards import sha256_file
-from quantize.verify import DEFAULT_MIN_SQNR_DB, VERIFY_JSON
+from quantize.verify import DEFAULT_MIN_SQNR_DB
 
 __all__ = ["PushPlan", "UploadFile", "prepare_push", "resolve_repo_id", "upload"]
 

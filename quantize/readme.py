@@ -22,23 +22,19 @@ import json
 from pathlib import Path
 
 from quantize import __version__
-from quantize.calibrate import CALIB_REPORT
 from quantize.card import CalibrationFacts, CardFacts, Sizes, render_card
 from quantize.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from quantize.errors import QuantizeError
 from quantize.hub import hub_source, source_license, valid_repo_id
 from quantize.lint import needs_shared_fusion_off
 from quantize.manifest import read_manifest
+from quantize.names import CALIB_REPORT, CARD, EVAL_JSON, PICTURES, VERIFY_JSON
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, make_plan, tp_checks
-from quantize.plots import PICTURES
-from quantize.verify import VERIFY_JSON
 
 __all__ = ["CARD", "EVAL_JSON", "card_facts", "card_text", "hub_source", "refresh_readme",
            "write_readme"]
 
-CARD = "README.md"
-EVAL_JSON = "eval.json"
 TP_SIZES = (1, 2, 4, 8, 16)
 
 

@@ -10,18 +10,12 @@ from rich.table import Table
 from quantize.checkpoint import Checkpoint
 from quantize.layout import layer_of, linear_role, module_of
 from quantize.plan import Plan
+from quantize.sizes import fmt_bytes
 from quantize.verify import VerifyReport
 
 __all__ = ["eval_tables", "fmt_bytes", "inspect_data", "inspect_table", "plan_data", "plan_tables",
            "verify_table"]
 
-GiB, GB = 2**30, 10**9
-
-
-def fmt_bytes(n: int) -> str:
-    if n >= GiB / 10:
-        return f"{n / GiB:,.1f} GiB ({n / GB:,.1f} GB)"
-    return f"{n / 2**20:,.2f} MiB"
 
 
 def _role(name: str, ndim: int) -> str:

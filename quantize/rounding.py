@@ -79,7 +79,7 @@ class LayerWeights:
         self.row: dict[str, torch.Tensor] = {}  # name -> (N,) output scales (weight rows / s)
 
     def source(self, name: str) -> torch.Tensor:
-        from quantize.pipeline import source_weight
+        from quantize.source import source_weight
 
         return source_weight(self.ckpt, self.units[name], self.device)  # (N, K) float32
 

@@ -43,19 +43,16 @@ from quantize.errors import QuantizeError
 from quantize.int4 import Int4Weight, dequantize, rtn_qparams, unpack_int4
 from quantize.layout import layer_of
 from quantize.manifest import MANIFEST, finished_manifest
+from quantize.names import AWQ_SCALES, CALIB_STATE, VERIFY_JSON, WEIGHT_SUFFIXES
 from quantize.options import ConvertOptions
-from quantize.pipeline import WEIGHT_SUFFIXES, quantization_config, resolve_device, source_weight
 from quantize.plan import Unit, make_plan
+from quantize.qconfig import quantization_config
 from quantize.shards import sha256_file
+from quantize.source import resolve_device, source_weight
 
 __all__ = ["TensorCheck", "VerifyReport", "verify"]
 
-VERIFY_JSON = "verify.json"
 _ABSENT = object()  # a config field one side does not have
-AWQ_SCALES = "calibration/awq-scales.safetensors"  # = quantize.calibrate.AWQ_SCALES (no torch
-# model imports here: verify must not pull in transformers for RTN checkpoints)
-CALIB_STATE = "calibration/state"  # = quantize.calib_state.CALIB_STATE: layer checkpoints of an
-# unfinished calibrated run (deleted once it completes), never loaded as the model's weights
 
 
 @dataclass(frozen=True)
