@@ -2,14 +2,18 @@
 
 The stages, in the order `pipeline.convert` runs them:
 
+    names.py        every file name of a checkpoint folder (index, manifest, reports, pictures)
     checkpoint.py   read: index, safetensors headers, validation, lazy tensor reads
+    source.py       a unit's source tensors, FP8 dequantized; the compute device
     layout.py       which tensors are quantization targets, the engines' ignore list
     plan.py         the exact output tensors, shards and bytes, from headers alone
     fp8.py          FP8 -> float dequantization (block and per-channel)
     int4.py         group-wise INT4 round-to-nearest, pack/unpack (pack-quantized)
+    qconfig.py      config.json's quantization_config (compressed-tensors' classes)
     calib_data.py   calibration text (default set in calib_data/) -> token ids   [--method != rtn]
     layers.py       decoder layers from transformers' classes, filled and run      [--method != rtn]
     capture.py      the MLP's calibration forward and its statistics (Hessians)    [--method != rtn]
+    folds.py        where AWQ's MLP-input scale goes: the norm found on the layer   [awq]
     rounding.py     one layer's MLP rounded from its statistics (AWQ, GPTQ, RTN)   [--method != rtn]
     calibrate.py    the layer thread: passes, rounding, hand-off, report          [--method != rtn]
     calib_state.py  layer-boundary checkpoints of the calibration, for resume     [--method != rtn]
@@ -17,6 +21,8 @@ The stages, in the order `pipeline.convert` runs them:
     shards.py       write: streamed safetensors shards, index, config, atomic renames
     pipeline.py     the recipe: validate, plan, stream units, write, finish
     verify.py       reload the output and compare it with the source
+    layercheck.py   verify's function check: each layer of output and source, against RTN's
+    int4view.py     an output folder read as float weights (verify's layers, eval)
     evaluate.py     perplexity / KL of the output against the source, layer by layer  [eval]
 """
 

@@ -619,7 +619,7 @@ def verify(
     layer_check: Annotated[bool, typer.Option(
         "--layer-check/--no-layer-check",
         help="Also run every decoder layer of the source and of the output on the same 256 "
-             "tokens' hidden states and fail a layer whose output error exceeds 1.5x "
+             "tokens' hidden states and fail a layer whose output error exceeds 3x "
              "round-to-nearest's (push refuses a report without it).")] = True,
     json_: Json = False,
     revision: Revision = None,

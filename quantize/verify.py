@@ -16,7 +16,7 @@ in the manifest):
                equal it exactly in their dtype, INT4 targets are compared with it as above
     layers     then the function (quantize/layercheck.py): every decoder layer of the output as
                written against the source's on the same hidden states, its error bounded by
-               1.5x round-to-nearest's; a fold into the wrong norm agrees with every weight
+               3x round-to-nearest's; a fold into the wrong norm agrees with every weight
                check above and fails this
 
 plus: the manifest is `complete` and every file's sha256 matches it, no weight file lies in
