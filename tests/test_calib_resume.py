@@ -295,6 +295,7 @@ def run_cli(src: Path, out: Path, stall: str | None = None, sig=signal.SIGKILL) 
     return rc, log.read_text()
 
 
+@pytest.mark.slow
 def test_killed_while_checkpointing_then_resumed_is_byte_identical(src, tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "out"
     rc, err = run_cli(src, ref)
@@ -387,6 +388,7 @@ def test_checkpoint_disk_is_predicted_and_checked_before_writing(src, tmp_path, 
     assert not list(fresh.iterdir())  # refused before anything was written
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_calibrated_run_stops_it_and_the_folder_resumes(src, tmp_path):
     """SIGINT while the writer waits for the layer thread: exit 130 at once (the layer in progress
     is not waited for), a resumable folder, and the resumed run equals an uninterrupted one."""

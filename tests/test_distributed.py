@@ -85,6 +85,7 @@ def codes(out: Path, prefix: str) -> torch.Tensor:
                       for n in sorted(ts) if n.startswith(prefix) and n.endswith("weight_packed")])
 
 
+@pytest.mark.slow
 def test_rtn_under_torchrun_is_byte_identical(src, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     convert(src, one, ConvertOptions(max_shard_size=10**6), device="cpu", tp=1)
@@ -97,6 +98,7 @@ def test_rtn_under_torchrun_is_byte_identical(src, tmp_path):
         assert got[name] == want[name], f"{name} differs from the one-process run"
 
 
+@pytest.mark.slow
 def test_gptq_under_torchrun_matches_one_process(src, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     opts = ConvertOptions(method="gptq", num_samples=8, seq_len=64, max_shard_size=10**6)
@@ -141,6 +143,7 @@ def test_ranks_split_samples_and_experts_and_refuse_awq(src):
             Calibrator(ck, make_plan(ck, opts), opts, torch.device("cpu"), dist=d[0])
 
 
+@pytest.mark.slow
 def test_a_killed_torchrun_run_resumes_from_every_ranks_checkpoint(src, tmp_path):
     """Two ranks, a checkpoint after every layer (each rank its own samples' hidden states),
     the whole group SIGKILLed after rank 0's 14th shard (of 20): the same command resumes from a layer

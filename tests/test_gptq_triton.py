@@ -58,6 +58,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_fused_block_loop_matches_the_eager_loop():
     env = dict(os.environ)
     import torch

@@ -63,6 +63,7 @@ def test_plan_and_inspect_read_headers_only(hub, tmp_path):
     assert json.loads(ins.stdout)["format"] == "fp8-block"
 
 
+@pytest.mark.slow
 def test_convert_downloads_and_card_names_base_model(hub, tmp_path):
     home, out = tmp_path / "home", tmp_path / "out"
     r = _run(hub, home, "convert", "zai-org/GLM-tiny-FP8", str(out), "--revision", hub.sha)
@@ -101,6 +102,7 @@ def test_missing_repo_and_local_revision_are_clear_errors(hub, tmp_path):
     assert r.returncode == 2 and "--revision only applies to Hub sources" in r.stderr
 
 
+@pytest.mark.slow
 def test_mistyped_local_path_is_not_sent_to_the_hub(hub, tmp_path):
     """`demo/GLM-tiny-FP9` beside a `demo/` folder is a typo of a local path: said at once,
     with the closest folder, and not one request reaches the Hub (it used to spend 34 s on 6

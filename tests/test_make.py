@@ -65,6 +65,7 @@ def test_make_requires_model_and_out(tmp_path):
     assert r.returncode != 0 and "MODEL is required" in r.stderr
 
 
+@pytest.mark.slow
 def test_make_all_runs_then_skips_finished_steps(tmp_path):
     mk = _wrapper(tmp_path)
     src, out = tmp_path / "GLM-tiny-FP8", tmp_path / "GLM-tiny-INT4"
@@ -99,6 +100,7 @@ def _ran(r: subprocess.CompletedProcess) -> list[str]:
     return [x.split("app()'")[1].split()[0] for x in r.stdout.splitlines() if "app()'" in x]
 
 
+@pytest.mark.slow
 def test_make_all_refuses_changed_convert_options(tmp_path):
     """A finished OUT is never reused under other options: with METHOD=gptq after an RTN run,
     make reruns convert, which refuses the RTN folder (and nothing is pushed); unchanged
@@ -166,6 +168,7 @@ def test_make_passes_every_convert_option(tmp_path):
     assert "--seed" not in cmd and "--asymmetric" not in cmd and "--percdamp" not in cmd
 
 
+@pytest.mark.slow
 def test_a_failing_verify_leaves_no_report_and_nothing_is_pushed(tmp_path):
     """verify failing its floor (MIN_SQNR=99: no INT4 tensor reaches it): make stops, removes
     the failing verify.json (so the next make runs verify again), never runs push, leaves no

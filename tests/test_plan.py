@@ -107,6 +107,7 @@ def test_glm52_replica_matches_what_the_release_publishes():
     # by write_checkpoint's shard_bytes, and plan/convert never depend on the source's split.
 
 
+@pytest.mark.slow
 def test_plan_reproduces_published_glm52_figures(glm52_replica):
     ckpt = open_checkpoint(glm52_replica)
     plan = make_plan(ckpt, ConvertOptions(), tp=8)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from huggingface_hub import ModelCard
 
 from quantize.push import prepare_push
@@ -34,6 +35,7 @@ def quantize(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return r
 
 
+@pytest.mark.slow
 def test_uploaded_files_hold_no_local_path(tmp_path):
     cfg = tiny_config("glm4_moe")
     src = write_checkpoint(tmp_path / "models" / "GLM-tiny-FP8", cfg, "fp8-channel")

@@ -199,6 +199,7 @@ def test_push_end_to_end_then_resume_after_kill(converted, tmp_path):
     assert all(TOKEN.encode() not in data for data in remote.values())
 
 
+@pytest.mark.slow
 def test_push_to_branch_and_nothing_to_do_twice(converted, tmp_path):
     _, dst = converted
     home = tmp_path / "home"

@@ -106,6 +106,7 @@ def reference(dsa_fp8, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_killed_four_times_then_resumed_is_byte_identical(dsa_fp8, reference, tmp_path):
     out = tmp_path / "out"
     n_shards = len(list(reference.glob("*.safetensors")))

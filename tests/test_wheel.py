@@ -8,11 +8,14 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_wheel_ships_the_default_calibration_set(tmp_path):
     """`pip wheel .` then an install into a plain folder: the package's files and the shipped
     calibration set (calib_data/default.jsonl, as quantize/_shipped/default.jsonl) are in it,
