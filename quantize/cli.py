@@ -73,15 +73,21 @@ def _value(x):
 
 
 def _version(value: bool) -> None:
+    """The versions as installed (package metadata): nothing of torch, transformers or
+    compressed-tensors is imported, so it answers at once (it took ~11 s importing them)."""
     if value:
-        import compressed_tensors
-        import torch
-        import transformers
+        from importlib.metadata import PackageNotFoundError, version
 
         from quantize import __version__
 
-        typer.echo(f"glm-int4-quantize {__version__} (torch {torch.__version__}, transformers "
-                   f"{transformers.__version__}, compressed-tensors {compressed_tensors.__version__})")
+        def v(dist: str) -> str:
+            try:
+                return version(dist)
+            except PackageNotFoundError:
+                return "not installed"
+
+        typer.echo(f"glm-int4-quantize {__version__} (torch {v('torch')}, transformers "
+                   f"{v('transformers')}, compressed-tensors {v('compressed-tensors')})")
         raise typer.Exit()
 
 

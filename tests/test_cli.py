@@ -37,6 +37,23 @@ def test_version_and_short_help():
         assert r.exit_code == 0 and "Usage:" in r.output and "--help" in r.output
 
 
+def test_version_and_help_import_no_numeric_library():
+    """`quantize --version` and `--help` as processes load none of torch, transformers or
+    compressed-tensors (the versions come from the packages' metadata): they answer at once."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom typer.testing import CliRunner\nfrom quantize.cli import app\n"
+             "r = CliRunner().invoke(app, [sys.argv[1]])\nassert r.exit_code == 0, r.output\n"
+             "print(sorted(m for m in ('torch', 'transformers', 'compressed_tensors') "
+             "if m in sys.modules))")
+    for flag in ("--version", "--help"):
+        p = subprocess.run([sys.executable, "-c", probe, flag], capture_output=True, text=True,
+                           check=False)
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.strip().splitlines()[-1] == "[]", (flag, p.stdout)
+
+
 def test_inspect_json(dsa_fp8):
     r = runner.invoke(app, ["inspect", str(dsa_fp8), "--json"])
     assert r.exit_code == 0, r.output
