@@ -82,6 +82,7 @@ from quantize.layers import (
     mlp_group_tokens,
     mlp_kind,
     mlp_target,
+    round_in_place,
     run_layer,
 )
 from quantize.layout import layer_of
@@ -94,16 +95,15 @@ from quantize.staging import to_host
 __all__ = ["AWQ_SCALES", "CALIB_REPORT", "Calibrator", "LayerWeights", "Target", "awq_expected"]
 # a folder: the first calibrated layer runs under torch.profiler, its tables written there
 PROFILE_ENV = "QUANTIZE_TORCH_PROFILE"
-
-# Per layer: wall-clock seconds and peak GPU memory (a report beside the output, like
-# verify.json: not in the manifest, so that the same inputs give the same checksummed bytes)
-
+# Per layer: wall-clock seconds and peak GPU memory (CALIB_TIMINGS, a report beside the output,
+# like verify.json: not in the manifest, so that the same inputs give the same checksummed bytes)
 TIMING_KEYS = ("seconds", "timing_s", "peak_gpu_gib", "peak_gpu_gib_by_phase")
-# The AWQ scales as applied, for `verify` (a subfolder: engines never load it as weights):
+# The AWQ scales as applied (AWQ_SCALES), for `verify` (a subfolder: engines never load it):
 #   model.layers.L.mlp.awq_input_scale (H,): the MLP input's norm output is divided by it (the
-#       norm and its formula beside it as model.layers.L.mlp.awq_norm_fold: folds.NormFold, e.g.
-#       written norm = norm / s, or (1 + norm) / s - 1 for Gemma's), and every reader of it (experts' and shared gate/up, dense
-#       gate/up, router) has written = source * s along its input columns;
+#       norm and its formula beside it as model.layers.L.mlp.awq_norm_fold: folds.NormFold,
+#       e.g. written norm = norm / s, or (1 + norm) / s - 1 for Gemma's), and every reader of
+#       it (experts' and shared gate/up, dense gate/up, router) has written = source * s along
+#       its input columns;
 #   <...>.down_proj.awq_input_scale (I,): written down_proj = source * s (columns) and the same
 #       expert's / MLP's up_proj = source / s (rows).
 # A calibrated layer whose MLP output error (chunk 0, against the unrounded layer) exceeds this
@@ -115,7 +115,6 @@ TIMING_KEYS = ("seconds", "timing_s", "peak_gpu_gib", "peak_gpu_gib_by_phase")
 # 1.85-7.0x on the real model and 0.5-2.2x on the tiny ones, where GPTQ hides it in sample
 # (verify's layer check, on other text, is the finer check: quantize/layercheck.py).
 REGRESSION_MARGIN = 1.5
-EXPERT_RTN_BATCH = 32  # experts rounded per call for that reference (GLM-5.2: ~3 GB float32)
 class _Clock:
     """Wall-clock laps of a layer's phases (device-synchronized), and on CUDA each phase's peak
     allocated memory, for the report."""
@@ -759,7 +758,7 @@ class Calibrator:
         quant = [n for n, t in targets.items() if t.quantize]
         # what round-to-nearest would give on chunk 0 (the module's targets rounded in place:
         # the rounding below reads the source from the checkpoint and overwrites every one)
-        self._rtn_in_place(layer, L, quant)
+        round_in_place(layer, L, quant, o.group_size, o.symmetric)
         rtn_err = _relerr(self._chunk0_output(layer, halves) - h0, ref0 - h0)
         clock.lap("rtn_reference")
 
@@ -815,30 +814,6 @@ class Calibrator:
         report["quantized"] = nq
         report["modified_bf16"] = sorted(mods)
         return report
-
-    def _rtn_in_place(self, layer, L: int, quant: list[str]) -> None:
-        """The module's target weights rounded to nearest in place: a fused expert parameter
-        whose experts are all targets in batches of EXPERT_RTN_BATCH experts (rows are rounded
-        independently: the same values as one call per expert, in a few calls instead of 3 E),
-        the rest one by one."""
-        g, sym = self.opts.group_size, self.opts.symmetric
-        left = set(quant)
-        experts = getattr(layer.mlp, "experts", None)
-        E = getattr(experts, "num_experts", 0)
-        stem = f"model.layers.{L}.mlp.experts."
-        for key, projs in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
-            names = {f"{stem}{e}.{p}.weight" for e in range(E) for p in projs}
-            if not E or not names <= left or not hasattr(experts, key):
-                continue
-            fused = getattr(experts, key)  # (E, N, K)
-            for c in range(0, E, EXPERT_RTN_BATCH):
-                v = fused.data[c: c + EXPERT_RTN_BATCH]
-                w = v.float().reshape(-1, v.shape[-1])
-                v.copy_(dequantize(quantize_rtn(w, g, sym), torch.float32).reshape(v.shape))
-            left -= names
-        for n in sorted(left):
-            v = layer_weight(layer, L, n)
-            v.copy_(dequantize(quantize_rtn(v.float(), g, sym), torch.float32))
 
     def _emit(self, L: int, layer, n: str, w: Int4Weight) -> None:
         """A rounded weight: into the module for pass 2, packed to the host for the writer."""

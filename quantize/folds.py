@@ -206,7 +206,7 @@ def awq_expected(name: str, W: torch.Tensor, scales: dict[str, torch.Tensor],
     """The source tensor `name` (float) with the AWQ folds of AWQ_SCALES applied: what the
     output holds (before INT4 rounding for targets). `verify` compares against this. `folds`:
     per `model.layers.L.mlp.awq_input_scale`, the norm it went into (folds.NormFold, recorded
-    in the scales file's metadata; absent: `folds.LEGACY`)."""
+    beside it in the scales file: `read_folds`; absent: `folds.LEGACY`)."""
     L = layer_of(name)
     if L is None:
         return W

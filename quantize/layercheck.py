@@ -43,7 +43,6 @@ from dataclasses import dataclass
 import torch
 
 from quantize.checkpoint import Checkpoint
-from quantize.int4 import dequantize, quantize_rtn
 from quantize.layers import (
     build_skeleton,
     embed,
@@ -51,6 +50,7 @@ from quantize.layers import (
     layer_inputs,
     layer_weight,
     load_layer,
+    round_in_place,
     run_layer,
 )
 from quantize.layout import layer_of
@@ -177,12 +177,13 @@ class LayerCheck:
         """Check layers next .. min(upto, last decoder layer)."""
         self._ready()
         if self.h is None:
-            emb = self.src.read("model.embed_tokens.weight", self.device)
             u = self.units.get("model.embed_tokens.weight")
-            if u is not None and u.scale is not None:
+            if u is not None and u.scale is not None:  # an FP8 table: dequantized
                 from quantize.source import source_weight
 
                 emb = source_weight(self.src, u, self.device)
+            else:  # as stored (a scaled embedding multiplies in the table's dtype)
+                emb = self.src.read("model.embed_tokens.weight", self.device)
             self.h = embed(self.skeleton, emb, self.tokens.to(self.device)).to(self.dtype)
         while self.next <= min(upto, self.num_layers - 1):
             L, t0 = self.next, time.perf_counter()
@@ -194,10 +195,7 @@ class LayerCheck:
             if quant:  # the source layer, its targets rounded to nearest in place, and its
                 # FP8 tensors widened to BF16 as the output holds them (so RTN's error has the
                 # same non-INT4 part as the output's)
-                for n in quant:
-                    v = layer_weight(layer, L, n)
-                    v.copy_(dequantize(quantize_rtn(v.float(), self.opts.group_size,
-                                                    self.opts.symmetric), torch.float32))
+                round_in_place(layer, L, quant, self.opts.group_size, self.opts.symmetric)
                 for n in self.widened.get(L, []):
                     try:
                         v = layer_weight(layer, L, n)

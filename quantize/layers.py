@@ -52,6 +52,7 @@ __all__ = [
     "mlp_group_tokens",
     "mlp_kind",
     "mlp_target",
+    "round_in_place",
     "run_layer",
     "topk_dtype",
 ]
@@ -315,6 +316,38 @@ def layer_weight(layer: torch.nn.Module, L: int, name: str) -> torch.Tensor:
         half = fused.shape[1] // 2
         return fused[int(e), :half] if proj == "gate_proj" else fused[int(e), half:]
     return layer.get_parameter(key)
+
+
+EXPERT_RTN_BATCH = 32  # experts rounded per call by `round_in_place` (GLM-5.2: ~3 GB float32)
+
+
+def round_in_place(layer: torch.nn.Module, L: int, names: list[str], group_size: int,
+                   symmetric: bool) -> None:
+    """Layer L's weights `names` replaced by their round-to-nearest INT4 values (dequantized):
+    a fused expert parameter whose experts are all among `names` in batches of EXPERT_RTN_BATCH
+    experts (rows are rounded independently: the same values as one call per expert, in a few
+    calls instead of 3 E), the rest one by one. Call under torch.no_grad()."""
+    from quantize.int4 import dequantize, quantize_rtn
+
+    def rtn(w: torch.Tensor) -> torch.Tensor:
+        return dequantize(quantize_rtn(w.float(), group_size, symmetric), torch.float32)
+
+    left = set(names)
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    E = getattr(experts, "num_experts", 0)
+    stem = f"model.layers.{L}.mlp.experts."
+    for key, projs in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+        fused_names = {f"{stem}{e}.{p}.weight" for e in range(E) for p in projs}
+        if not E or not fused_names <= left or not hasattr(experts, key):
+            continue
+        fused = getattr(experts, key)  # (E, N, K)
+        for c in range(0, E, EXPERT_RTN_BATCH):
+            v = fused.data[c: c + EXPERT_RTN_BATCH]
+            v.copy_(rtn(v.reshape(-1, v.shape[-1])).reshape(v.shape))
+        left -= fused_names
+    for n in sorted(left):
+        v = layer_weight(layer, L, n)
+        v.copy_(rtn(v))
 
 
 def free_layer(layer: torch.nn.Module) -> None:

@@ -240,12 +240,13 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     ident = source_identity(src) if Path(src).exists() else {"repo_id": str(src)}
     src_name = ident["repo_id"] or (manifest.get("source") or {}).get("name") or Path(src).name
     report = VerifyReport(src_name, dst.name, min_sqnr_db)
-    prep = None
+    prep = early = None
     if layer_check:  # transformers, the layer classes and the tokenizer load meanwhile
         try:
             from quantize.layercheck import prepare_in_background
 
-            prep = prepare_in_background(open_checkpoint(src))
+            early = open_checkpoint(src)
+            prep = prepare_in_background(early)
         except (QuantizeError, OSError, ValueError):
             prep = None  # (said where SRC is opened below)
     for name, rec in sorted(manifest["files"].items()):
@@ -263,7 +264,7 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
 
     o = manifest["options"]
     opts = ConvertOptions(**{**o, "targets": frozenset(o["targets"])})
-    src_ckpt = open_checkpoint(src)
+    src_ckpt = early if early is not None else open_checkpoint(src)
     plan = make_plan(src_ckpt, opts)
     tensors, files, sizes = read_tensor_table(dst)
     config = json.loads((dst / "config.json").read_text())
@@ -360,12 +361,18 @@ def _run_layers(checker, upto: int, report: VerifyReport, opts: ConvertOptions,
         checker.run(upto, log)
         return checker
     except QuantizeError as e:
-        if opts.method != "rtn":
-            raise
-        report.layer_check = {"skipped": f"the layers cannot be built: {e.summary}"}
-        if log:
-            log(f"note: layer check skipped ({e.summary})")
-        return None
+        return _unbuildable(e, report, opts, log)
+
+
+def _unbuildable(e: QuantizeError, report: VerifyReport, opts: ConvertOptions,
+                 log: Callable[[str], None] | None) -> None:
+    """The layers cannot be built: an RTN output's layer check is skipped (said in the report);
+    a calibrated output's cannot be (its conversion built them): the error stands."""
+    if opts.method != "rtn":
+        raise e
+    report.layer_check = {"skipped": f"the layers cannot be built: {e.summary}"}
+    if log:
+        log(f"note: layer check skipped ({e.summary})")
 
 
 def _layer_check(src: Checkpoint, plan, dst: Path, opts: ConvertOptions, device: torch.device,
@@ -384,12 +391,7 @@ def _layer_check(src: Checkpoint, plan, dst: Path, opts: ConvertOptions, device:
         return LayerCheck(src, {u.source: u for u in plan.units}, open_output(dst), opts, device,
                           prep)
     except QuantizeError as e:
-        if opts.method != "rtn":
-            raise
-        report.layer_check = {"skipped": f"the layers cannot be built: {e.summary}"}
-        if log:
-            log(f"note: layer check skipped ({e.summary})")
-        return None
+        return _unbuildable(e, report, opts, log)
 
 
 def _unlisted_weights(dst: Path, listed: dict) -> list[str]:

@@ -275,10 +275,8 @@ def test_verify_fails_a_wrong_fold_that_every_weight_check_agrees_with(tmp_path,
 def test_rtn_reference_in_expert_batches_equals_one_call_per_expert(tmp_path):
     """The run's RTN reference rounds a fused expert parameter in batches of experts: the same
     values as rounding each expert's gate, up and down on its own."""
-    from types import SimpleNamespace
-
     from quantize.int4 import dequantize, quantize_rtn
-    from quantize.layers import layer_weight
+    from quantize.layers import layer_weight, round_in_place
 
     src = _glm_source(tmp_path / "glm", "glm4_moe")
     ck = open_checkpoint(src)
@@ -290,7 +288,7 @@ def test_rtn_reference_in_expert_batches_equals_one_call_per_expert(tmp_path):
     a = load_layer(sk, ck, units, 1, torch.device("cpu"), torch.float32)
     b = load_layer(build_skeleton(ck.config), ck, units, 1, torch.device("cpu"), torch.float32)
     with torch.no_grad():
-        Calibrator._rtn_in_place(SimpleNamespace(opts=opts), a, 1, quant)
+        round_in_place(a, 1, quant, opts.group_size, opts.symmetric)
         for n in quant:
             v = layer_weight(b, 1, n)
             v.copy_(dequantize(quantize_rtn(v.float(), opts.group_size, opts.symmetric),
