@@ -445,6 +445,7 @@ def convert(
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --base-model zai-org/GLM-5.2-FP8
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 512
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --rtn-fallback
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --calib HuggingFaceH4/ultrachat_200k:train_sft
       torchrun --nproc-per-node 8 -m quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq
       quantize convert --config run.toml ./GLM-5.2-FP8 ./GLM-5.2-INT4   # options from a file
@@ -642,6 +643,7 @@ def verify(
     Examples:
       quantize verify ./GLM-5.2-FP8 ./GLM-5.2-INT4
       quantize verify ./GLM-5.2-FP8 ./GLM-5.2-INT4 --min-sqnr 15 --json
+      quantize verify ./GLM-5.2-FP8 ./GLM-5.2-INT4 --no-layer-check   # tensors only
     """
     from quantize.hub import resolve_source
     from quantize.manifest import finished_manifest
@@ -787,6 +789,7 @@ def eval_(
       quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4
       quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4 --data held-out.jsonl --num-samples 64
       quantize eval ./GLM-4.6-FP8 ./GLM-4.6-INT4 --max-ppl-ratio 1.05 --json
+      quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4 --max-kl 0.5
       quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4 --ood my-other-domain.txt   # or --ood none
     """
     from quantize.evaluate import EvalOptions, evaluate

@@ -320,6 +320,19 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
         report.problems.append(f"{AWQ_SCALES}: missing, but the manifest says method {opts.method}")
         return _finish(report, dst, write)
     checker = _layer_check(src_ckpt, plan, dst, opts, dev, report, layer_check, log, prep)
+    _check_tensors_and_layers(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
+                              awq_scales, checker, on_start, on_unit, log)
+    return _finish(report, dst, write)
+
+
+def _check_tensors_and_layers(report: VerifyReport, src_ckpt: Checkpoint, dst_ckpt: Checkpoint,
+                              plan, opts: ConvertOptions, min_sqnr_db: float,
+                              dev: torch.device, awq_scales, checker,
+                              on_start: Callable[[int], None] | None,
+                              on_unit: Callable[[Unit], None] | None,
+                              log: Callable[[str], None] | None) -> None:
+    """Every planned unit checked tensor by tensor, in plan order; each decoder layer run by
+    `checker` (or none) once its tensors are checked, from the same reads."""
     if checker is not None:  # a layer's reads, kept until its forward ran: the per-tensor
         # checks read DST's stored tensors, the layers its dequantized view of the same ones
         src_ckpt.memo = {}
@@ -350,7 +363,6 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     if checker is not None:
         report.layer_check = checker.report()
         report.problems += checker.problems()
-    return _finish(report, dst, write)
 
 
 def _run_layers(checker, upto: int, report: VerifyReport, opts: ConvertOptions,
