@@ -62,12 +62,17 @@ def _expected_files(dst: Path) -> set[str]:
     return set(manifest["files"]) | {"README.md", VERIFY_JSON, MANIFEST} | pictures
 
 
+def _copy(dst, to):
+    """The output folder's top-level files copied byte for byte into a new folder `to`."""
+    to.mkdir()
+    for p in dst.iterdir():
+        (to / p.name).write_bytes(p.read_bytes())
+    return to
+
+
 def test_refuses_unfinished_and_unverified(converted, tmp_path):
     _, dst = converted
-    bad = tmp_path / "out"
-    bad.mkdir()
-    for p in dst.iterdir():
-        (bad / p.name).write_bytes(p.read_bytes())
+    bad = _copy(dst, tmp_path / "out")
     os.utime(bad / VERIFY_JSON)  # copied after the manifest: a current report
 
     prepare_push(bad, "org/ok", write_card=False)  # the copy is publishable
@@ -97,10 +102,7 @@ def test_refuses_a_report_without_the_layer_check_and_a_failed_eval(converted, t
     """A verify.json from before the layer check, or one run with --no-layer-check, is no proof
     of function; an eval.json whose verdict failed says the output is broken: both refused."""
     _, dst = converted
-    bad = tmp_path / "out"
-    bad.mkdir()
-    for p in dst.iterdir():
-        (bad / p.name).write_bytes(p.read_bytes())
+    bad = _copy(dst, tmp_path / "out")
     report = json.loads((bad / VERIFY_JSON).read_text())
     assert report["summary"]["layer_check"]["ok"] is True
     for lc in (None, {"skipped": "--no-layer-check"}, {**report["summary"]["layer_check"], "ok": False}):
@@ -119,10 +121,7 @@ def test_refuses_a_report_without_the_layer_check_and_a_failed_eval(converted, t
 
 def test_stale_verify_is_refused(converted, tmp_path):
     _, dst = converted
-    bad = tmp_path / "out"
-    bad.mkdir()
-    for p in dst.iterdir():
-        (bad / p.name).write_bytes(p.read_bytes())
+    bad = _copy(dst, tmp_path / "out")
     old = time.time() - 100
     os.utime(bad / VERIFY_JSON, (old, old))  # verify ran before the (re)conversion
     with pytest.raises(Exception, match="older than the conversion"):
@@ -230,10 +229,7 @@ def test_a_flipped_bit_or_a_borrowed_verify_report_is_refused(converted, tmp_pat
     """push re-hashes every file against the manifest (a bit flipped after verify passed is
     caught, size and time unchanged), and verify.json must name this folder's manifest."""
     _, dst = converted
-    bad = tmp_path / "out"
-    bad.mkdir()
-    for p in dst.iterdir():
-        (bad / p.name).write_bytes(p.read_bytes())
+    bad = _copy(dst, tmp_path / "out")
     os.utime(bad / VERIFY_JSON)
     prepare_push(bad, "org/ok", write_card=False)
 
