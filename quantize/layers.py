@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -186,6 +187,9 @@ def device_free(device: torch.device) -> int:
 # The layer, from transformers' classes and the checkpoint
 
 
+_BUILD = threading.Lock()  # one model build at a time in this process
+
+
 def build_skeleton(config: dict):
     """The whole model on the meta device (no memory): its layer classes, rotary and config."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -207,11 +211,15 @@ def build_skeleton(config: dict):
             "a config the installed transformers' config class accepts",
             "check config.json against the release, or use --method rtn")]) from None
     try:
-        with torch.device("meta"):
+        with _BUILD, torch.device("meta"):
             # trust_remote_code=False: a config.json auto_map naming the checkpoint's own Python
-            # is never imported (only the installed transformers' classes are built)
+            # is never imported (only the installed transformers' classes are built). dtype: the
+            # default as it is, so transformers' set-and-restore of torch's process-wide default
+            # dtype (to the config's BF16) changes nothing another thread could see (verify
+            # builds this on a thread while it checks tensors); load_layer casts each layer
             model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa",
-                                                     trust_remote_code=False)
+                                                     trust_remote_code=False,
+                                                     dtype=torch.get_default_dtype())
     except Exception as e:  # noqa: BLE001 - whatever the model class raises, said before any output
         raise QuantizeError("calibration cannot build this model's layers", [Problem(
             "config.json", None, f"transformers {model_type} raised {type(e).__name__}: {e}",

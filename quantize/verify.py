@@ -240,6 +240,7 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     ident = source_identity(src) if Path(src).exists() else {"repo_id": str(src)}
     src_name = ident["repo_id"] or (manifest.get("source") or {}).get("name") or Path(src).name
     report = VerifyReport(src_name, dst.name, min_sqnr_db)
+    dev = resolve_device(device)  # auto: the GPU when there is one; cuda without one: exit 2
     prep = early = None
     if layer_check:  # transformers, the layer classes and the tokenizer load meanwhile
         try:
@@ -249,6 +250,20 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
             prep = prepare_in_background(early)
         except (QuantizeError, OSError, ValueError):
             prep = None  # (said where SRC is opened below)
+    try:
+        return _verify(report, src, dst, manifest, early, prep, min_sqnr_db, dev, on_unit, write,
+                       on_start, layer_check, log)
+    finally:  # never return with the preparation still building on its thread: transformers
+        # sets torch's process-wide default dtype while it builds (a later build in this
+        # process would take BF16 as the default to restore)
+        if prep is not None:
+            prep.exception()
+
+
+def _verify(report: VerifyReport, src, dst: Path, manifest: dict, early: Checkpoint | None,
+            prep, min_sqnr_db: float, dev: torch.device, on_unit, write: bool, on_start,
+            layer_check: bool, log) -> VerifyReport:
+    """verify()'s checks once the report is started and the layer check is preparing."""
     for name, rec in sorted(manifest["files"].items()):
         p = dst / name
         if not p.is_file():
@@ -310,7 +325,6 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     if report.problems:
         return _finish(report, dst, write)
 
-    dev = resolve_device(device)  # auto: the GPU when there is one; cuda without one: exit 2
     awq_scales = None
     if AWQ_SCALES in manifest["files"]:  # AWQ folded scales into norms, routers and weights
         from quantize.folds import read_folds

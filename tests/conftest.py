@@ -31,3 +31,16 @@ def glm4_fp8(tmp_path_factory):
 def dsa_bf16(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("dsa_bf16"), tiny_config("glm_moe_dsa"),
                             "bf16", seed=3, shard_bytes=2**20)
+
+
+@pytest.fixture(autouse=True)
+def _default_dtype_is_left_alone():
+    """A test that leaves torch's default dtype changed (transformers' model building sets it
+    while it builds) would turn every later test's float32 tensors into BF16: said where it
+    happens, and restored for the rest of the run."""
+    before = torch.get_default_dtype()
+    yield
+    after = torch.get_default_dtype()
+    if after != before:
+        torch.set_default_dtype(before)
+        pytest.fail(f"torch's default dtype was left at {after} (was {before})")
