@@ -1,5 +1,5 @@
 """`python -m quantize ...`: the same CLI as `quantize ...` (also under torchrun)."""
 
-from quantize.cli import app
+from quantize.cli import main
 
-app(prog_name="quantize")
+main()

@@ -18,11 +18,11 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from quantize.options import ConvertOptions  # noqa: E402
-from quantize.pipeline import convert  # noqa: E402
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer  # noqa: E402
+from quantize.options import ConvertOptions
+from quantize.pipeline import convert
+from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
 
 # per-run files whose bytes hold times or paths, not results
 VARIABLE = {"calibration/timings.json", "quantize-manifest.json", "README.md"}

@@ -74,6 +74,9 @@ def test_uploaded_files_hold_no_local_path(tmp_path):
     assert m["source"]["revision"] == COMMIT and m["source"]["license"] == "mit"
     assert m["command"].startswith("quantize convert zai-org/GLM-4.6-FP8 GLM-tiny-INT4 ")
     assert "--calib=my-calib.jsonl" in m["command"]
+    # every flag with its value (issue 25: the values lost their flags)
+    assert m["command"].endswith("--method gptq --num-samples 8 --seq-len 64 --calib=my-calib.jsonl "
+                                 "--base-model zai-org/GLM-4.6-FP8 --device cpu --tp 1"), m["command"]
     card = ModelCard.load(dst / "README.md")
     assert card.data.base_model == "zai-org/GLM-4.6-FP8" and card.data.license == "mit"
     assert json.loads((dst / "verify.json").read_text())["src"] == "zai-org/GLM-4.6-FP8"

@@ -27,7 +27,7 @@ def test_wheel_ships_the_default_calibration_set(tmp_path):
     assert r.returncode == 0, r.stderr
     (whl,) = dist.glob("glm_int4_quantize-*.whl")
     names = zipfile.ZipFile(whl).namelist()
-    assert "quantize/_shipped/default.jsonl" in names and "quantize/cli.py" in names
+    assert "quantize/_shipped/default.jsonl" in names and "quantize/cli/__init__.py" in names
     shipped = zipfile.ZipFile(whl).read("quantize/_shipped/default.jsonl")
     assert shipped == (ROOT / "calib_data" / "default.jsonl").read_bytes()
     # eval's out-of-domain text too

@@ -1,0 +1,132 @@
+"""The CLI's shell: the Typer app, its consoles, `--version` / `-q` / `-v`, and the one place
+that turns our errors into a one-line message and exit 2 (`App.command` wraps every command).
+
+Results go to stdout (tables, or JSON with --json); progress and messages to stderr. Nothing
+here imports torch, transformers or compressed-tensors: `--version` and `--help` answer at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from quantize.errors import QuantizeError
+
+out = Console()
+err = Console(stderr=True, soft_wrap=True)  # messages stay one line for logs and grep
+# -q / -v (before the command): quiet drops progress bars and progress lines (results,
+# warnings and errors stay); verbose shows tracebacks, as each command's --debug does
+VERBOSITY = {"quiet": False, "verbose": False}
+
+
+class Failed(Exception):
+    """A command's error with a second line for the user (what the failure left behind)."""
+
+    def __init__(self, error: Exception, hint: str | None) -> None:
+        super().__init__(str(error))
+        self.error, self.hint = error, hint
+
+
+def print_json(d: dict) -> None:
+    """--json output: the schema version first, strict JSON (non-finite numbers as null)."""
+    from quantize import SCHEMA_VERSION
+    from quantize.shards import json_text
+
+    out.print_json(json_text({"schema_version": SCHEMA_VERSION, **d}, indent=None))
+
+
+def _one_line_errors(command: Callable) -> Callable:
+    """`command` with our errors (QuantizeError, ValueError; `Failed` adds a hint) said as one
+    line on stderr (and, with --json, as a JSON object on stdout) and exit 2; `--debug` or `-v`
+    re-raises them with their traceback."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (QuantizeError, ValueError, Failed) as e:
+            error, hint = (e.error, e.hint) if isinstance(e, Failed) else (e, None)
+            if kwargs.get("debug") or VERBOSITY["verbose"]:
+                raise error from None
+            if kwargs.get("json_"):
+                summary = error.summary if isinstance(error, QuantizeError) else str(error)
+                problems = [str(p) for p in getattr(error, "problems", [])]
+                print_json({"error": summary, "problems": problems, "hint": hint})
+            err.print(f"[red]error:[/] {error}", highlight=False)
+            if hint:
+                err.print(hint, highlight=False)
+            raise typer.Exit(2) from None
+
+    return run
+
+
+class App(typer.Typer):
+    """typer.Typer whose every command goes through `_one_line_errors`."""
+
+    def command(self, *args, **kwargs):
+        register = super().command(*args, **kwargs)
+
+        def decorate(f: Callable) -> Callable:
+            register(_one_line_errors(f))
+            return f
+
+        return decorate
+
+
+app = App(
+    help="Stream FP8/BF16 GLM MoE checkpoints into compressed-tensors INT4 (W4A16) checkpoints.\n\n"
+         "Typical run:  quantize inspect SRC; quantize plan SRC --tp 8; "
+         "quantize convert SRC DST; quantize verify SRC DST",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    """The versions as installed (package metadata): nothing of torch, transformers or
+    compressed-tensors is imported, so it answers at once (it took ~11 s importing them)."""
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from quantize import __version__
+
+        def v(dist: str) -> str:
+            try:
+                return version(dist)
+            except PackageNotFoundError:
+                return "not installed"
+
+        typer.echo(f"glm-int4-quantize {__version__} (torch {v('torch')}, transformers "
+                   f"{v('transformers')}, compressed-tensors {v('compressed-tensors')})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option(
+        "--version", "-V", callback=_version, is_eager=True,
+        help="Print the version (and torch / transformers / compressed-tensors) and exit.")] = False,
+          quiet: Annotated[bool, typer.Option(
+              "--quiet", "-q", help="No progress bars or progress lines; results, warnings and "
+                                    "errors only.")] = False,
+          verbose: Annotated[bool, typer.Option(
+              "--verbose", "-v", help="Full tracebacks on errors (every command's --debug).")] = False,
+          ) -> None:
+    """Stream FP8/BF16 GLM MoE checkpoints into compressed-tensors INT4 (W4A16) checkpoints.
+
+    Typical run:  quantize inspect SRC; quantize plan SRC --tp 8; quantize convert SRC DST;
+    quantize verify SRC DST.  -q / -v go before the command: quantize -q convert SRC DST
+    """
+    VERBOSITY["quiet"], VERBOSITY["verbose"] = quiet, verbose
+
+
+def progress(disable: bool = False) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
+                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                    console=err, transient=False, disable=disable or VERBOSITY["quiet"])

@@ -1,0 +1,328 @@
+"""`quantize convert`: SRC -> an INT4 checkpoint in DST, with progress lines, the run record
+and the calibration's summary table."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from quantize.cli.app import VERBOSITY, Failed, app, err, out, print_json, progress
+from quantize.cli.params import (
+    Asym,
+    Debug,
+    ExpertCalibration,
+    GroupSize,
+    KeepFp8,
+    MaxShardSize,
+    Method,
+    Mtp,
+    MtpOpt,
+    Revision,
+    Scheme,
+    SchemeOpt,
+    Targets,
+    Tp,
+    convert_options,
+    value,
+)
+from quantize.cli.run_record import (
+    RUN_KEYS,
+    config_callback,
+    from_callback,
+    public_command,
+    read_run_file,
+    write_run_record,
+)
+from quantize.errors import Problem, QuantizeError
+from quantize.names import CALIB_REPORT, CALIB_TIMINGS, MANIFEST, RUN_RECORD
+
+CALIB = "Calibration (gptq, awq)"  # the --help panel of the calibration's options
+
+
+@app.command()
+def convert(
+    src: Annotated[str | None, typer.Argument(
+        help="Source checkpoint: a folder or a Hub repo id org/name (with --from: default the "
+             "recorded one).", show_default=False)] = None,
+    dst: Annotated[Path | None, typer.Argument(
+        help="Output folder for the INT4 checkpoint.", show_default=False)] = None,
+    method: Annotated[Method, typer.Option(
+        help="Rounding: rtn (no data), gptq, awq or awq+gptq (calibrated, layer by layer).")] = Method.rtn,
+    group_size: GroupSize = 32,
+    scheme: SchemeOpt = Scheme.w4a16,
+    mtp: MtpOpt = Mtp.int4,
+    keep_fp8: KeepFp8 = False,
+    targets: Targets = "routed",
+    asymmetric: Asym = False,
+    max_shard_size: MaxShardSize = "5GB",
+    calib: Annotated[str | None, typer.Option(
+        help="Calibration text: .jsonl (text or chat messages), .txt/.md, .parquet, a saved "
+             "datasets folder, or a Hub dataset ORG/NAME[@REVISION][:SPLIT] (default split: "
+             "train). Default: the shipped calib_data/default.jsonl.", rich_help_panel=CALIB)] = None,
+    num_samples: Annotated[int, typer.Option(
+        help="Calibration sequences.", rich_help_panel=CALIB)] = 128,
+    seq_len: Annotated[int, typer.Option(
+        help="Tokens per calibration sequence.", rich_help_panel=CALIB)] = 2048,
+    seed: Annotated[int, typer.Option(
+        help="Seed for sampling the calibration windows.", rich_help_panel=CALIB)] = 0,
+    expert_calibration: Annotated[ExpertCalibration, typer.Option(
+        help="routed: each expert's statistics from its routed tokens; all: every expert sees "
+             "every token (llm-compressor's way).", rich_help_panel=CALIB)] = ExpertCalibration.routed,
+    min_expert_tokens: Annotated[int, typer.Option(
+        help="Experts routed fewer tokens use all-token statistics (reported).",
+        rich_help_panel=CALIB)] = 16,
+    percdamp: Annotated[float, typer.Option(
+        help="GPTQ dampening, relative to the mean Hessian diagonal (0.01, the papers' value, "
+             "overfits narrow calibration text: BENCHMARKS.md).", rich_help_panel=CALIB)] = 0.1,
+    mse_clip: Annotated[bool | None, typer.Option(
+        "--mse-clip/--no-mse-clip", help="GPTQ: search each group's clipping range (1.00-0.80 of "
+        "min/max) for the least Hessian-weighted squared error instead of the full range. "
+        "Default: on for gptq and awq+gptq (held-out perplexity added ~3x smaller on SmolLM2; "
+        "on CUDA one Triton kernel, under 1 s per GLM-5.2 MoE layer).",
+        show_default=False, rich_help_panel=CALIB)] = None,
+    rtn_fallback: Annotated[bool, typer.Option(
+        help="A calibrated layer whose output error on the calibration tokens exceeds "
+             "round-to-nearest's by 1.5x stops the run by default; with this flag that layer is "
+             "rounded to nearest instead (the calibration report and the card list it).",
+        rich_help_panel=CALIB)] = False,
+    checkpoint_interval: Annotated[float, typer.Option(
+        help="Seconds between the calibration's resume checkpoints, at least (written in the "
+             "background; a crash repeats about this much work; 0: after every layer; inf: "
+             "none, a crash restarts the calibration).", rich_help_panel=CALIB)] = 300.0,
+    max_gpu_memory: Annotated[float | None, typer.Option(
+        help="GiB of GPU memory the calibration may hold (default: all of it): hidden states "
+             "move to host memory and GPTQ solves fewer experts at once to stay under it; "
+             "beyond it torch raises out-of-memory instead of exceeding it. 75 runs a GLM-5.2 "
+             "calibration as on an 80 GB GPU.", rich_help_panel=CALIB)] = None,
+    device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
+    resume: Annotated[bool, typer.Option(
+        help="Continue an interrupted conversion in DST (also automatic when DST has a manifest).")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Delete DST's contents and start over.")] = False,
+    tp: Tp = 8,
+    revision: Revision = None,
+    base_model: Annotated[str | None, typer.Option(
+        help="The Hub repo SRC is a copy of (ORG/NAME), for the card's base_model; default: the "
+             "repo a Hub-cache source came from. Pass it for a local copy, e.g. after "
+             "`hf download --local-dir`.")] = None,
+    json_: Annotated[bool, typer.Option(
+        "--json", help="At the end, print a JSON summary (shards, bytes, seconds) on stdout.")] = False,
+    config: Annotated[Path | None, typer.Option(
+        "--config", is_eager=True, callback=config_callback, exists=False,
+        help="A TOML file of convert options (keys as the long flags; flags given on the "
+             "command line win), e.g. a run record DST/quantize-run.toml.")] = None,
+    from_: Annotated[Path | None, typer.Option(
+        "--from", is_eager=True, callback=from_callback,
+        help="Replay the run that made this output folder: its options (and SRC) from its "
+             "quantize-run.toml; flags given here win.")] = None,
+    debug: Debug = False,
+) -> None:
+    """Convert SRC to a compressed-tensors pack-quantized INT4 checkpoint in DST.
+
+    Streams one tensor at a time: memory stays bounded by the largest tensor, not the model.
+    Each shard is written atomically and recorded in DST/quantize-manifest.json, so an
+    interrupted run continues with --resume.
+
+    Examples:
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4
+      quantize convert ./GLM-4.6-FP8 ./GLM-4.6-INT4 --group-size 64 --targets routed,shared
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-W4AFP8 --scheme w4afp8 --group-size 128
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --resume
+      quantize convert zai-org/GLM-5.2-FP8 ./GLM-5.2-INT4     # downloads into HF_HOME first
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --base-model zai-org/GLM-5.2-FP8
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 512
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --rtn-fallback
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --calib HuggingFaceH4/ultrachat_200k:train_sft
+      torchrun --nproc-per-node 8 -m quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq
+      quantize convert --config run.toml ./GLM-5.2-FP8 ./GLM-5.2-INT4   # options from a file
+      quantize convert --from ./GLM-5.2-INT4 ./GLM-5.2-INT4-again       # replay a recorded run
+
+    Every run writes its resolved options to DST/quantize-run.toml (a local record: not among
+    the files `push` uploads).
+    """
+    given = dict(locals())  # every parameter as resolved (flags, --config, --from, defaults)
+    from quantize.distributed import init
+    from quantize.hub import is_dataset_spec
+
+    if dst is None and from_ is not None and src is not None:  # `--from OLD NEW`: NEW is DST
+        dst, src = Path(src), read_run_file(from_ / RUN_RECORD, "--from").get("src")
+    if src is None or dst is None:
+        raise typer.BadParameter("SRC and DST are required (SRC may come from --from or --config)",
+                                 param_hint="SRC DST")
+    dst = Path(dst)
+    record = {k: given[k] for k in RUN_KEYS} | {
+        "src": src, "calib": None if calib is None or is_dataset_spec(calib) else str(Path(calib).resolve())}
+    command = public_command(sys.argv[1:], src, dst, base_model) \
+        if sys.argv[0].endswith("quantize") else None
+    d = init(device)  # under torchrun: this rank (rank 0 prints and writes, the others compute)
+    quiet = d is not None and not d.leader
+    t0 = time.perf_counter()
+    try:
+        res, total = _run(src, dst, given, command, d, quiet)
+    except (QuantizeError, ValueError) as e:
+        from quantize.manifest import output_state
+
+        raise Failed(e, f"(rank {d.rank} of {d.world})" if quiet else output_state(dst)) from None
+    except KeyboardInterrupt:
+        from quantize.manifest import output_state
+
+        err.print(f"interrupted: {output_state(dst)}", highlight=False)
+        raise typer.Exit(130) from None
+    if d is not None:
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
+    if res is None:  # a rank other than 0: its share is done, rank 0 reports
+        return
+    write_run_record(dst, record)
+    _summary(res, src, dst, total, time.perf_counter() - t0, value(method), json_)
+
+
+def _checked_numbers(checkpoint_interval: float, max_gpu_memory: float | None) -> int | None:
+    """--checkpoint-interval and --max-gpu-memory checked by name (nan, negative, an overflowing
+    size); the memory limit in bytes."""
+    if math.isnan(checkpoint_interval) or checkpoint_interval < 0:
+        raise ValueError(f"--checkpoint-interval {checkpoint_interval}: expected seconds >= 0 "
+                         "(0: after every layer; inf: no checkpoints)")
+    if max_gpu_memory is None:
+        return None
+    if not math.isfinite(max_gpu_memory) or max_gpu_memory <= 0 or max_gpu_memory > 2**20:
+        raise ValueError(f"--max-gpu-memory {max_gpu_memory}: expected GiB, a number above 0 "
+                         "(e.g. 75); leave it out to use the whole GPU")
+    return int(max_gpu_memory * 2**30)
+
+
+def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
+    """Options, source, plan and the conversion with its progress bar and timestamped lines;
+    (the pipeline's result or None on a rank other than 0, the source bytes)."""
+    from quantize.checkpoint import open_checkpoint
+    from quantize.hub import is_repo_id, resolve_source
+    from quantize.manifest import read_manifest
+    from quantize.pipeline import convert as run_convert
+    from quantize.plan import make_plan
+    from quantize.sizes import fmt_bytes
+
+    opts = convert_options(a["method"], a["group_size"], a["targets"], a["asymmetric"],
+                           a["max_shard_size"], calib=a["calib"], num_samples=a["num_samples"],
+                           seq_len=a["seq_len"], seed=a["seed"],
+                           expert_calibration=a["expert_calibration"],
+                           min_expert_tokens=a["min_expert_tokens"], percdamp=a["percdamp"],
+                           mse_clip=a["mse_clip"], scheme=a["scheme"], mtp=a["mtp"],
+                           keep_fp8=a["keep_fp8"], rtn_fallback=a["rtn_fallback"])
+    gpu_bytes = _checked_numbers(a["checkpoint_interval"], a["max_gpu_memory"])
+    if a["base_model"] is not None and not is_repo_id(a["base_model"]):
+        raise QuantizeError("--base-model is not a Hub repo id", [Problem(
+            "--base-model", None, repr(a["base_model"]), "ORG/NAME, e.g. zai-org/GLM-5.2-FP8",
+            "pass the repo id the source was downloaded from")])
+    local = resolve_source(src, a["revision"], headers_only=False)
+    plan = make_plan(open_checkpoint(local), opts, a["tp"])
+    for c in plan.checks:
+        if c.level != "ok" and not quiet:
+            err.print(f"[yellow]warning:[/] {c.what}: {c.detail}", highlight=False)
+    prev = read_manifest(dst) if dst.is_dir() and not a["overwrite"] and not quiet else None
+    if prev is not None:
+        done = sum(s.file in prev.get("files", {}) for s in plan.shards)
+        err.print(f"found {dst / MANIFEST} ({prev.get('status')}, {done} of {len(plan.shards)} "
+                  "shards recorded): resuming it; finished shards are re-hashed and kept "
+                  "(--overwrite starts over)", highlight=False)
+    total = sum(u.source_bytes for u in plan.units)
+    with progress(disable=quiet) as bar:
+        step, line = _reporters(bar, total, quiet)
+        line(f"convert {src} -> {dst}: {fmt_bytes(total)} to read, {len(plan.shards)} shard(s) "
+             f"of {fmt_bytes(plan.output_bytes)}, method {opts.method}"
+             + (f" (MSE clip {'on' if opts.mse_clip else 'off'}, dampening {opts.percdamp:g})"
+                if "gptq" in opts.method else "") + f", device {a['device']}")
+        res = run_convert(local, dst, opts, device=a["device"], resume=a["resume"],
+                          overwrite=a["overwrite"], on_unit=step, command=command, log=line,
+                          tp=a["tp"], checkpoint_interval=a["checkpoint_interval"], dist=d,
+                          base_model=a["base_model"], max_gpu_memory=gpu_bytes)
+    return res, total
+
+
+def _reporters(bar, total: int, quiet: bool):
+    """(step(unit): the bar advanced, and every 5 % a line when stderr is not a terminal;
+    line(text): a timestamped line, so per-layer wall times can be read off a log)."""
+    from quantize.sizes import fmt_bytes
+
+    task = bar.add_task("convert", total=total, rate="")
+    t0 = time.perf_counter()
+    logged = [0]  # the last 5 % step printed as a line
+
+    def line(text: str) -> None:
+        if quiet or VERBOSITY["quiet"]:
+            return
+        now = time.time()
+        stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+        bar.console.print(f"{stamp} {text}", highlight=False, markup=False)
+
+    def step(unit) -> None:
+        bar.advance(task, unit.source_bytes)
+        done = bar.tasks[0].completed
+        spent = max(time.perf_counter() - t0, 1e-9)
+        bar.update(task, rate=f"{done / spent / 2**20:,.0f} MiB/s")
+        pct = int(100 * done / max(total, 1))
+        if not err.is_terminal and pct // 5 > logged[0] // 5:  # nohup, Slurm, CI logs
+            logged[0] = pct
+            left = spent * (total - done) / max(done, 1)
+            line(f"{pct}% converted: {fmt_bytes(done)} of {fmt_bytes(total)} read, "
+                 f"{done / spent / 2**20:,.0f} MiB/s, {spent / 60:.1f} min so far, "
+                 f"~{left / 60:.1f} min left")
+
+    return step, line
+
+
+def _summary(res, src: str, dst: Path, total: int, dt: float, method: str, json_: bool) -> None:
+    """The closing lines (and --json's object, the calibration's table)."""
+    from quantize.sizes import fmt_bytes
+
+    if json_:
+        print_json({"output": dst.name, "device": str(res.device), "seconds": round(dt, 1),
+                    "shards_written": res.written, "shards_kept": res.skipped,
+                    "output_bytes": res.plan.output_bytes, "source_bytes": total,
+                    "method": method,
+                    "calibration_layers": None if res.calibration is None
+                    else len(res.calibration.get("layers", []))})
+    err.print(f"[green]done[/] in {dt:.1f} s on {res.device}: {len(res.written)} shard(s) written, "
+              f"{len(res.skipped)} kept from an earlier run; {fmt_bytes(res.plan.output_bytes)} "
+              f"({fmt_bytes(total)} read, {total / dt / 2**20:,.0f} MiB/s)", highlight=False)
+    if res.calibration is not None:  # a table: stdout, unless stdout is the JSON's
+        calibration_table(res.calibration, dst, err if json_ else out)
+    err.print(f"next: quantize verify {src} {dst}", highlight=False)
+
+
+def calibration_table(rep: dict, dst: Path, console) -> None:
+    """Per layer: Linears rounded, tokens, experts' routed-token range, fallbacks, time."""
+    from rich.table import Table
+
+    c = rep["calibration"]
+    try:  # the times are beside the report, not in it
+        seconds = {lay["layer"]: lay.get("seconds", 0) for lay in json.loads(
+            (dst / CALIB_TIMINGS).read_text())["layers"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        seconds = {}
+    t = Table(title=f"calibration: {rep['method']}, {c['num_samples']} x {c['seq_len']} tokens "
+                    f"from {c['source']}, experts {rep['expert_calibration']}")
+    for col in ("layer", "MLP", "Linears", "expert tokens min/median/max", "fallback experts", "s"):
+        t.add_column(col, justify="left" if col in ("MLP", "fallback experts") else "right")
+    for lay in rep["layers"]:
+        et = sorted(lay.get("expert_tokens") or [])
+        spread = f"{et[0]:,} / {et[len(et) // 2]:,} / {et[-1]:,}" if et else "-"
+        fb = lay.get("fallback") or []
+        t.add_row(str(lay["layer"]), str(lay.get("mlp", "-")), str(lay.get("quantized", 0)), spread,
+                  (", ".join(str(f["expert"]) for f in fb[:12]) + (" ..." if len(fb) > 12 else ""))
+                  if fb else "-", f"{seconds.get(lay['layer'], 0):.1f}")
+    console.print(t)
+    if c.get("overlapping"):
+        err.print(f"[yellow]note:[/] the {c['num_samples']} calibration windows overlap: "
+                  f"{c['source']} holds {c['stream_tokens']:,} tokens", highlight=False)
+    n_fb = sum(len(lay.get("fallback") or []) for lay in rep["layers"])
+    if n_fb:
+        err.print(f"[yellow]note:[/] {n_fb} expert(s) had fewer than --min-expert-tokens "
+                  f"{rep['min_expert_tokens']} routed tokens and used all-token statistics; "
+                  f"see {dst / CALIB_REPORT}", highlight=False)

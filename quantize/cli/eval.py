@@ -1,0 +1,77 @@
+"""`quantize eval`: perplexity, KL and agreement of the output against its source; eval.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from quantize.cli.app import app, err, out, print_json
+from quantize.cli.params import Debug, Device, EvalDtype, Json, Revision, Src, value
+
+
+@app.command("eval")
+def eval_(
+    src: Src,
+    dst: Annotated[Path, typer.Argument(help="A finished `quantize convert` output folder.")],
+    data: Annotated[str | None, typer.Option(
+        help="Eval text (.jsonl, .txt/.md, .parquet or a saved datasets folder). Default: the "
+             "shipped calib_data/default.jsonl, minus every document under a calibration window.")] = None,
+    num_samples: Annotated[int, typer.Option(help="Eval windows.")] = 16,
+    seq_len: Annotated[int, typer.Option(
+        help="Tokens per window (capped to max_position_embeddings).")] = 2048,
+    ood: Annotated[str | None, typer.Option(
+        help="Out-of-domain text scored beside --data, to show overfitting to the calibration "
+             "text (any format --data reads; 'none' to skip). Default: the shipped general-English "
+             "calib_data/heldout_english.md, in no calibration set.")] = None,
+    ood_samples: Annotated[int, typer.Option(help="Out-of-domain windows, at most.")] = 4,
+    seed: Annotated[int, typer.Option(help="Seed for shuffling the held-out documents.")] = 0,
+    device: Device = "auto",
+    dtype: Annotated[EvalDtype, typer.Option(
+        help="auto: bfloat16 on a GPU, float32 on the CPU.")] = EvalDtype.auto,
+    max_ppl_ratio: Annotated[float, typer.Option(
+        help="The output is broken (exit 1; push refuses it) when quantized / source perplexity "
+             "exceeds this on the held-out or the out-of-domain text.")] = 2.0,
+    max_kl: Annotated[float, typer.Option(
+        help="... or when the mean per-token KL(source || quantized), in nats, exceeds this.")] = 1.0,
+    json_: Json = False,
+    revision: Revision = None,
+    debug: Debug = False,
+) -> None:
+    """Measure DST against its source SRC on held-out text; write DST/eval.json.
+
+    Runs both models side by side one decoder layer at a time (memory: one layer plus the
+    hidden states), then reports source and quantized perplexity, their ratio, the mean
+    per-token KL(source || quantized), top-1 agreement, and each layer's hidden-state error.
+    Windows under the conversion's calibration are held out. The same figures on out-of-domain
+    text (general English in no calibration set) follow: a method fitted too closely to its
+    calibration text worsens them first. The model card shows the summary.
+
+    Examples:
+      quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4
+      quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4 --data held-out.jsonl --num-samples 64
+      quantize eval ./GLM-4.6-FP8 ./GLM-4.6-INT4 --max-ppl-ratio 1.05 --json
+      quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4 --max-kl 0.5
+      quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4 --ood my-other-domain.txt   # or --ood none
+    """
+    from quantize.evaluate import EvalOptions, evaluate
+    from quantize.hub import resolve_source
+    from quantize.report import eval_tables
+
+    opts = EvalOptions(data=data, num_samples=num_samples, seq_len=seq_len, seed=seed,
+                       dtype=value(dtype), ood=ood, ood_samples=ood_samples,
+                       max_ppl_ratio=max_ppl_ratio, max_kl=max_kl)
+    local = resolve_source(src, revision, headers_only=False)
+    rep = evaluate(local, dst, opts, device=device,
+                   log=lambda text: err.print(text, highlight=False, markup=False))
+    if json_:
+        print_json(rep)
+    else:
+        for t in eval_tables(rep):
+            out.print(t)
+    v = rep["verdict"]
+    if not v["ok"]:
+        err.print(f"[red]fail:[/] the output is broken: {'; '.join(v['failed'])} (eval.json; push "
+                  "refuses it)", highlight=False)
+        raise typer.Exit(1)

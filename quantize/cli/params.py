@@ -1,0 +1,74 @@
+"""The parameters several commands share: their types, help texts and choices, and the
+options object built from them."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from quantize.options import EXPERT_CALIBRATION, METHODS, MTP_POLICIES, SCHEMES
+
+
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A str Enum of the values options.py validates (one list: --help shows exactly those)."""
+    return Enum(name, {v.replace("+", "_"): v for v in values}, type=str)
+
+
+Method = _choices("Method", METHODS)
+Scheme = _choices("Scheme", SCHEMES)
+Mtp = _choices("Mtp", MTP_POLICIES)
+ExpertCalibration = _choices("ExpertCalibration", EXPERT_CALIBRATION)
+
+
+class EvalDtype(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+def value(x):
+    """An Enum choice's string (anything else as it is)."""
+    return x.value if isinstance(x, Enum) else x
+
+
+SchemeOpt = Annotated[Scheme, typer.Option(
+    "--scheme", help="w4a16: INT4 weights, BF16 activations (Marlin/WNA16). w4afp8: the same INT4 "
+                     "weights with dynamic per-token FP8 activations declared (CUTLASS W4A8 MoE on "
+                     "Hopper; needs --group-size 128, symmetric; plan says which TP sizes work).")]
+KeepFp8 = Annotated[bool, typer.Option(
+    "--keep-fp8", help="Keep the non-target FP8 Linears FP8 with their scales (a second, "
+                       "float-quantized config group; vLLM reads mixed-precision, SGLang does "
+                       "not) instead of widening them to BF16: GLM-5.2 404.3 GiB instead of 419.9.")]
+MtpOpt = Annotated[Mtp, typer.Option(
+    "--mtp", help="The MTP (speculative decoding) layer's Linears: int4 like the others, or keep "
+                  "them as in the source (BF16): published runs saw an INT4 MTP head collapse "
+                  "the draft acceptance rate.")]
+Src = Annotated[str, typer.Argument(
+    help="Source checkpoint: a folder (config.json + safetensors) or a Hub repo id org/name.")]
+Revision = Annotated[str | None, typer.Option(
+    "--revision", help="Hub source only: branch, tag or commit to read (default: main).")]
+Dst = Annotated[Path, typer.Argument(help="Output folder for the INT4 checkpoint.")]
+GroupSize = Annotated[int, typer.Option("--group-size", "-g", help="INT4 group size: 32, 64 or 128.")]
+Targets = Annotated[str, typer.Option(
+    "--targets", help="Comma list of Linear roles to quantize: routed, shared, dense.")]
+Asym = Annotated[bool, typer.Option(
+    "--asymmetric", help="Store zero points (vLLM Marlin reads them; SGLang MoE and transformers do not).")]
+Tp = Annotated[int, typer.Option("--tp", help="Tensor-parallel size to check the layout against.")]
+Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
+Device = Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")]
+MaxShardSize = Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")]
+
+
+def convert_options(method: str, group_size: int, targets: str, asymmetric: bool,
+                    max_shard_size: str = "5GB", **calibration):
+    """The ConvertOptions the command line's values mean (validated there, by option name)."""
+    from quantize.options import ConvertOptions, parse_size
+
+    calibration = {k: value(v) for k, v in calibration.items()}
+    return ConvertOptions(method=value(method), group_size=group_size, symmetric=not asymmetric,
+                          targets=frozenset(t.strip() for t in targets.split(",") if t.strip()),
+                          max_shard_size=parse_size(max_shard_size), **calibration)

@@ -1,0 +1,96 @@
+"""`quantize plan`: the output's exact size, per-GPU memory and the serving kernels' checks."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from quantize.cli.app import app, err, out, print_json
+from quantize.cli.params import (
+    Asym,
+    Debug,
+    GroupSize,
+    Json,
+    KeepFp8,
+    MaxShardSize,
+    Method,
+    Mtp,
+    MtpOpt,
+    Revision,
+    Scheme,
+    SchemeOpt,
+    Src,
+    Targets,
+    Tp,
+    convert_options,
+)
+
+
+@app.command()
+def plan(
+    src: Src,
+    tp: Tp = 8,
+    group_size: GroupSize = 32,
+    targets: Targets = "routed",
+    asymmetric: Asym = False,
+    max_shard_size: MaxShardSize = "5GB",
+    method: Annotated[Method, typer.Option(
+        help="Calibrated methods add their resume checkpoints to the disk needed.")] = Method.rtn,
+    scheme: SchemeOpt = Scheme.w4a16,
+    mtp: MtpOpt = Mtp.int4,
+    keep_fp8: KeepFp8 = False,
+    num_samples: Annotated[int, typer.Option(help="Calibration sequences (calibrated methods).")] = 128,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 2048,
+    json_: Json = False,
+    strict: Annotated[bool, typer.Option(help="Exit 1 when a serving check fails.")] = False,
+    revision: Revision = None,
+    debug: Debug = False,
+) -> None:
+    """Predict the output size and per-GPU weight memory; check the serving kernels' rules.
+
+    Reads only the index and safetensors headers. The prediction is the exact byte count
+    `convert` writes.
+
+    Examples:
+      quantize plan ./GLM-5.2-FP8 --tp 8
+      quantize plan ./GLM-4.6-FP8 --tp 8 --group-size 128     # warns: 1536/8 = 192
+      quantize plan zai-org/GLM-5.2-FP8 --tp 8                # Hub: headers only
+      quantize plan ./GLM-5.2-FP8 --method gptq --num-samples 512   # + checkpoint disk
+      quantize plan ./GLM-5.2-INT4 --tp 8        # an INT4 output: the serving checks at TP 8
+    """
+    from quantize.hub import resolve_source
+    from quantize.plan import make_plan
+    from quantize.report import (
+        inspect_int4_data,
+        inspect_int4_table,
+        int4_folder,
+        plan_data,
+        plan_tables,
+    )
+
+    if int4_folder(src):  # an INT4 output: where it can be served, nothing left to plan
+        d = inspect_int4_data(src, tp)
+        checks, prefix = d["checks_at_tp"]["checks"], f"TP {tp}: "
+        if json_:
+            print_json(d)
+        else:
+            out.print(inspect_int4_table(d))
+            for c in checks:
+                out.print(f"TP {tp}: {c['level']:4}  {c['what']}: {c['detail']}", highlight=False)
+    else:
+        ckpt = resolve_source(src, revision, headers_only=True)
+        d = plan_data(make_plan(ckpt, convert_options(
+            method, group_size, targets, asymmetric, max_shard_size, num_samples=num_samples,
+            seq_len=seq_len, scheme=scheme, mtp=mtp, keep_fp8=keep_fp8), tp))
+        checks, prefix = d["checks"], ""
+        if json_:
+            print_json(d)
+        else:
+            for t in plan_tables(d):
+                out.print(t)
+    failed = [c for c in checks if c["level"] == "fail"]
+    for c in failed:
+        err.print(f"[yellow]warning:[/] {prefix}{c['what']}: {c['detail']}", highlight=False)
+    if failed and strict:
+        raise typer.Exit(1)

@@ -1,0 +1,61 @@
+"""`quantize verify`: every output tensor against the source, then every layer; verify.json."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from quantize.cli.app import app, err, out, print_json, progress
+from quantize.cli.params import Debug, Device, Dst, Json, Revision, Src
+
+
+@app.command()
+def verify(
+    src: Src,
+    dst: Dst,
+    min_sqnr: Annotated[float, typer.Option(help="Fail when an INT4 tensor's SQNR (dB) is below this.")] = 12.0,
+    device: Device = "auto",
+    layer_check: Annotated[bool, typer.Option(
+        "--layer-check/--no-layer-check",
+        help="Also run every decoder layer of the source and of the output on the same 256 "
+             "tokens' hidden states and fail a layer whose output error exceeds 3x "
+             "round-to-nearest's (push refuses a report without it).")] = True,
+    json_: Json = False,
+    revision: Revision = None,
+    debug: Debug = False,
+) -> None:
+    """Reload every output tensor and compare it with the source; write DST/verify.json.
+
+    INT4 tensors: relative error and SQNR against the dequantized source; everything else must
+    be bit-identical (or the exact BF16 dequant of its FP8 source); index, config, shapes and
+    the manifest's checksums must agree. Then the function: each decoder layer of the output,
+    as written, against the source's on the same hidden states, bounded by round-to-nearest's
+    error (a wrong AWQ fold passes every weight check and fails this). Exit 1 when any check fails.
+
+    Examples:
+      quantize verify ./GLM-5.2-FP8 ./GLM-5.2-INT4
+      quantize verify ./GLM-5.2-FP8 ./GLM-5.2-INT4 --min-sqnr 15 --json
+      quantize verify ./GLM-5.2-FP8 ./GLM-5.2-INT4 --no-layer-check   # tensors only
+    """
+    from quantize.hub import resolve_source
+    from quantize.manifest import finished_manifest
+    from quantize.report import verify_table
+    from quantize.verify import verify as run_verify
+
+    finished_manifest(dst)  # an unfinished DST is said before SRC is resolved (or downloaded)
+    local = resolve_source(src, revision, headers_only=False)
+    with progress() as bar:
+        task = bar.add_task("verify", total=None, rate="")
+        rep = run_verify(local, dst, min_sqnr, device,
+                         on_start=lambda total: bar.update(task, total=total),
+                         on_unit=lambda u: bar.advance(task, u.source_bytes),
+                         layer_check=layer_check)
+    if json_:
+        print_json(rep.to_json()["summary"])
+    else:
+        out.print(verify_table(rep))
+    for p in rep.problems:
+        err.print(f"[red]problem:[/] {p}", highlight=False)
+    if not rep.ok:
+        raise typer.Exit(1)
