@@ -86,7 +86,7 @@ from quantize.layers import (
     run_layer,
 )
 from quantize.layout import layer_of
-from quantize.names import AWQ_SCALES, CALIB_REPORT, CALIB_TIMINGS
+from quantize.names import AWQ_SCALES, CALIB_REPORT, CALIB_TIMINGS, ROUTED_PICTURE
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, Shard, Unit
 from quantize.rounding import LayerRounding, LayerWeights, Target, awq_expected
@@ -278,7 +278,7 @@ class Calibrator:
             names.append(AWQ_SCALES)
         from quantize import plots
 
-        plots.routed_tokens(full, out / "calibration" / "routed-tokens.png")  # (a report, not
+        plots.routed_tokens(full, out / ROUTED_PICTURE)  # (a report, not
         # checksummed: None without matplotlib)
         write_json_atomic(out / CALIB_TIMINGS, {"schema_version": SCHEMA_VERSION, "layers": [
             {k: lay[k] for k in ("layer", *TIMING_KEYS) if k in lay} for lay in full["layers"]]})

@@ -68,7 +68,7 @@ from quantize.layers import (
     run_layer,
 )
 from quantize.manifest import finished_manifest
-from quantize.names import CALIB_REPORT, EVAL_JSON
+from quantize.names import CALIB_REPORT, EVAL_JSON, LAYERS_PICTURE, MANIFEST
 from quantize.options import ConvertOptions
 from quantize.plan import Unit, make_plan
 
@@ -524,12 +524,16 @@ def evaluate(src: str | Path, dst: str | Path, opts: EvalOptions = EvalOptions()
         "tool_version": __version__,
     }
     if write:
-        from quantize.readme import refresh_readme  # local: readme -> verify -> pipeline
-        from quantize.shards import write_json_atomic
-
-        write_json_atomic(dst / EVAL_JSON, report)  # a report: not among the manifest's files
         from quantize import plots
+        from quantize.readme import refresh_readme  # local: readme -> verify -> pipeline
+        from quantize.shards import sha256_file, write_json_atomic
 
-        plots.errors_by_layer(report, calib_rep, dst / "eval-layers.png")
+        # a report about the checkpoint, not part of it (not among the manifest's files): it
+        # names the manifest it measured and its picture's sha256, so push can tell this
+        # conversion's report from a stale or copied one
+        report["manifest_sha256"] = sha256_file(dst / MANIFEST)
+        if plots.errors_by_layer(report, calib_rep, dst / LAYERS_PICTURE) is not None:
+            report["pictures"] = {LAYERS_PICTURE: sha256_file(dst / LAYERS_PICTURE)}
+        write_json_atomic(dst / EVAL_JSON, report)
         refresh_readme(dst)
     return report

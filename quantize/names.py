@@ -18,9 +18,24 @@ Inputs and outputs alike (an output folder is a checkpoint too):
 
 from __future__ import annotations
 
-__all__ = ["AWQ_SCALES", "CALIB_REPORT", "CALIB_STATE", "CALIB_TIMINGS", "CARD", "EVAL_JSON",
-           "INDEX_NAME", "MANIFEST", "PICTURES", "RUN_RECORD", "SINGLE_NAME", "VERIFY_JSON",
-           "WEIGHT_SUFFIXES"]
+__all__ = [
+           "AWQ_SCALES",
+           "CALIB_REPORT",
+           "CALIB_STATE",
+           "CALIB_TIMINGS",
+           "CARD",
+           "EVAL_JSON",
+           "INDEX_NAME",
+           "LAYERS_PICTURE",
+           "MANIFEST",
+           "PICTURES",
+           "ROUTED_PICTURE",
+           "RUN_RECORD",
+           "SINGLE_NAME",
+           "SQNR_PICTURE",
+           "VERIFY_JSON",
+           "WEIGHT_SUFFIXES",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -34,12 +49,15 @@ CALIB_STATE = "calibration/state"
 VERIFY_JSON = "verify.json"
 EVAL_JSON = "eval.json"
 # name in the folder -> what it shows (the card's caption)
+SQNR_PICTURE = "verify-sqnr.png"  # verify draws it; verify.json names its sha256
+LAYERS_PICTURE = "eval-layers.png"  # eval draws it; eval.json names its sha256
+ROUTED_PICTURE = "calibration/routed-tokens.png"  # convert draws it; verify.json names its sha256
 PICTURES = {
-    "verify-sqnr.png": "SQNR of every INT4 tensor against its source, by layer",
-    "eval-layers.png": "error of the hidden states after each layer (eval) and of each layer's "
-                       "output during calibration",
-    "calibration/routed-tokens.png": "calibration tokens routed to each expert, by layer "
-                                     "(dead and starved experts marked)",
+    SQNR_PICTURE: "SQNR of every INT4 tensor against its source, by layer",
+    LAYERS_PICTURE: "error of the hidden states after each layer (eval) and of each layer's "
+                    "output during calibration",
+    ROUTED_PICTURE: "calibration tokens routed to each expert, by layer "
+                    "(dead and starved experts marked)",
 }
 # weight files of any framework: an output folder holds none the manifest does not list
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")

@@ -8,8 +8,13 @@
    published); verify.json must say `ok`, name this manifest's sha256 (a report copied from
    another folder does not count) and be newer than the manifest (override: --skip-verify-check)
 2. refresh README.md (the model card) with the repo id
-3. the upload list is exactly: the manifest's files, README.md, verify.json, eval.json and
-   the pictures the card shows (when they exist), the manifest itself. Nothing else in the folder (half-written `.partial` files, scratch) is sent
+3. the upload list is exactly: the manifest's files (re-hashed), README.md, the manifest
+   itself, verify.json and eval.json when they name this manifest's sha256, and the pictures
+   the card shows when a report of this conversion names their sha256 (verify.json: its SQNR
+   picture and the calibration's routed-token picture; eval.json: its layer picture). Every
+   one is a regular file inside the folder reached through no link: a link is refused by name
+   (it could point anywhere on the machine). Nothing else in the folder (half-written
+   `.partial` files, scratch) is sent
 4. `upload` (the one network call site): create the repo if missing (private on request),
    create the branch if it is not `main`, then `HfApi.upload_folder` restricted to that list.
    huggingface_hub 2.x folded `upload_large_folder` into `upload_folder`: with hf_xet installed
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import glob
 import json
+import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +107,9 @@ def _check_publishable(dst: Path, repo_id: str, skip_verify_check: bool) -> dict
     problems = []
     for name, rec in sorted(manifest["files"].items()):  # every byte, as it would be uploaded
         p = dst / name
-        if not p.is_file():
+        if (link := _not_plain(dst, name)) is not None:
+            problems.append(link)
+        elif not p.is_file():
             problems.append(Problem(str(p), None, "missing", f"{rec['bytes']} bytes",
                                     "re-run `quantize convert SRC DST --resume`"))
         elif p.stat().st_size != rec["bytes"]:
@@ -121,18 +130,21 @@ def _check_publishable(dst: Path, repo_id: str, skip_verify_check: bool) -> dict
     if not vpath.is_file():
         raise QuantizeError("not verified: refusing to publish it", [Problem(
             str(vpath), None, "missing", "a passing verify report", fix)])
-    report = json.loads(vpath.read_text())
-    summary = report.get("summary", {})
+    if (link := _not_plain(dst, VERIFY_JSON)) is not None:
+        raise QuantizeError("push uploads only files inside the folder", [link])
+    report = read_report(vpath, fix)
+    summary = report.get("summary")
+    summary = summary if isinstance(summary, dict) else {}
     if summary.get("ok") is not True:
         raise QuantizeError("verify failed: refusing to publish it", [Problem(
             str(vpath), None, f"ok={summary.get('ok')}, problems={summary.get('problems', [])[:3]}, "
             f"failed={summary.get('failed', [])[:3]}", "ok=true", fix)])
     epath = dst / EVAL_JSON
-    if epath.is_file():
+    if epath.is_file() and _not_plain(dst, EVAL_JSON) is None:
         try:
             ev = json.loads(epath.read_text())
-        except ValueError:
-            ev = None
+        except (OSError, UnicodeDecodeError, ValueError):
+            ev = None  # (refused by name where push binds the reports: _bound_extras)
         v = ev.get("verdict") if isinstance(ev, dict) else None
         if isinstance(v, dict) and v.get("ok") is False:
             raise QuantizeError("eval found the output broken: refusing to publish it", [Problem(
@@ -152,7 +164,7 @@ def _check_publishable(dst: Path, repo_id: str, skip_verify_check: bool) -> dict
                                      "folder, or this one before it changed)",
                                      f"the sha256 of {MANIFEST} as it is now", fix)])
     floor = report.get("min_sqnr_db_threshold")
-    if not isinstance(floor, (int, float)) or floor < DEFAULT_MIN_SQNR_DB:
+    if not isinstance(floor, (int, float)) or not math.isfinite(floor) or floor < DEFAULT_MIN_SQNR_DB:
         raise QuantizeError("verify.json was checked against a lower SQNR floor: refusing to "
                             "publish it", [Problem(
                                 str(vpath), None, f"--min-sqnr {floor}",
@@ -178,10 +190,84 @@ def prepare_push(dst: str | Path, repo_id: str, revision: str = "main", private:
         card = card_text(dst, repo_id=repo_id, base_model=base_model)
     files = [UploadFile(n, r["bytes"]) for n, r in sorted(manifest["files"].items())]
     files.append(UploadFile(CARD, len(card.encode())))
-    for extra in (VERIFY_JSON, EVAL_JSON, *PICTURES, MANIFEST):  # what the card quotes and shows
-        if (dst / extra).is_file():
-            files.append(UploadFile(extra, (dst / extra).stat().st_size))
+    for extra in (*_bound_extras(dst), MANIFEST):  # what the card quotes and shows
+        files.append(UploadFile(extra, (dst / extra).stat().st_size))
     return PushPlan(dst, repo_id, revision, private, tuple(files), card)
+
+
+def _not_plain(dst: Path, name: str) -> Problem | None:
+    """None when DST/name is reached through no link and stays inside DST; else the problem,
+    naming the link (what push uploads must be this folder's own bytes)."""
+    parts = Path(name).parts
+    for i in range(1, len(parts) + 1):
+        q = dst.joinpath(*parts[:i])
+        if q.is_symlink():
+            return Problem(str(q), None, f"a link to {os.readlink(q)}",
+                           "a regular file inside the output folder",
+                           "push uploads only the folder's own files: replace the link with "
+                           "the file it points to, or delete it")
+    try:
+        (dst / name).resolve().relative_to(dst.resolve())
+    except ValueError:
+        return Problem(str(dst / name), None, "a path leading outside the folder",
+                       "a file inside the output folder", "reconvert with --overwrite")
+    return None
+
+
+def read_report(path: Path, fix: str) -> dict:
+    """verify.json / eval.json as a JSON object, or a QuantizeError naming the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise QuantizeError(f"{path.name} cannot be read: refusing to publish it", [Problem(
+            str(path), None, f"{type(e).__name__}: {e}"[:200], "the JSON report quantize wrote",
+            fix)]) from None
+    if not isinstance(data, dict):
+        raise QuantizeError(f"{path.name} is not a report: refusing to publish it", [Problem(
+            str(path), None, f"a JSON {type(data).__name__}", "a JSON object", fix)])
+    return data
+
+
+def _bound_extras(dst: Path) -> list[str]:
+    """verify.json, eval.json and the pictures that exist, each bound to this conversion:
+    a report names the manifest's sha256, a picture's sha256 is named by such a report. Links,
+    stale reports and pictures no report names are refused by name."""
+    manifest_sha = sha256_file(dst / MANIFEST)
+    drawn: dict[str, str] = {}  # picture -> sha256, as the reports of this conversion record
+    names, problems = [], []
+    for report, tool in ((VERIFY_JSON, "verify"), (EVAL_JSON, "eval")):
+        if not (dst / report).exists() and not (dst / report).is_symlink():
+            continue
+        fix = f"run `quantize {tool} SRC DST` again (or delete {report})"
+        if (link := _not_plain(dst, report)) is not None:
+            problems.append(link)
+            continue
+        data = read_report(dst / report, fix)
+        if data.get("manifest_sha256") != manifest_sha:
+            problems.append(Problem(str(dst / report), None, "a report of another conversion (it "
+                                    "names another manifest, or none)",
+                                    f"the sha256 of {MANIFEST} as it is now", fix))
+            continue
+        names.append(report)
+        pics = data.get("pictures")
+        drawn.update({k: v for k, v in pics.items() if isinstance(v, str)} if isinstance(pics, dict) else {})
+    for pic in PICTURES:
+        if not (dst / pic).exists() and not (dst / pic).is_symlink():
+            continue
+        if (link := _not_plain(dst, pic)) is not None:
+            problems.append(link)
+        elif drawn.get(pic) != sha256_file(dst / pic):
+            problems.append(Problem(str(dst / pic), None, "a picture no report of this conversion "
+                                    "drew (changed or copied in afterwards)",
+                                    "the picture verify / eval drew, its sha256 in their report",
+                                    "run `quantize verify SRC DST` (and `quantize eval`) again, "
+                                    "or delete the picture"))
+        else:
+            names.append(pic)
+    if problems:
+        raise QuantizeError("files push would upload are not this conversion's: refusing to "
+                            "publish them", problems)
+    return names
 
 
 def _scrub(text: str) -> str:

@@ -43,7 +43,14 @@ from quantize.errors import QuantizeError
 from quantize.int4 import Int4Weight, dequantize, rtn_qparams, unpack_int4
 from quantize.layout import layer_of
 from quantize.manifest import MANIFEST, finished_manifest
-from quantize.names import AWQ_SCALES, CALIB_STATE, VERIFY_JSON, WEIGHT_SUFFIXES
+from quantize.names import (
+    AWQ_SCALES,
+    CALIB_STATE,
+    ROUTED_PICTURE,
+    SQNR_PICTURE,
+    VERIFY_JSON,
+    WEIGHT_SUFFIXES,
+)
 from quantize.options import ConvertOptions
 from quantize.plan import Unit, make_plan
 from quantize.qconfig import quantization_config
@@ -438,12 +445,16 @@ def _finish(report: VerifyReport, dst: Path, write: bool) -> VerifyReport:
         data = report.to_json()
         if (dst / MANIFEST).is_file():
             data["manifest_sha256"] = sha256_file(dst / MANIFEST)
-        from quantize.shards import json_text
-
-        (dst / VERIFY_JSON).write_text(json_text(data) + "\n")
         from quantize import plots
         from quantize.readme import refresh_readme  # local: readme imports this module
+        from quantize.shards import json_text
 
-        plots.sqnr_by_layer(data, dst / "verify-sqnr.png")  # (None without matplotlib)
+        drawn = plots.sqnr_by_layer(data, dst / SQNR_PICTURE)  # (None without matplotlib)
+        # the pictures push may publish beside this report, bound to it by their sha256: the
+        # SQNR picture just drawn, and the calibration's routed-token picture convert drew
+        data["pictures"] = {name: sha256_file(dst / name) for name in (
+            *([SQNR_PICTURE] if drawn is not None else []), ROUTED_PICTURE)
+            if (dst / name).is_file() and not (dst / name).is_symlink()}
+        (dst / VERIFY_JSON).write_text(json_text(data) + "\n")
         refresh_readme(dst)  # the card shows these results
     return report

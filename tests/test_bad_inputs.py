@@ -752,3 +752,111 @@ def test_block_size_other_than_the_scales_imply_is_refused(src, tmp_path, block)
     cfg["quantization_config"]["weight_block_size"] = [128, 128]  # the release's: accepted
     (src / "config.json").write_text(json.dumps(cfg))
     assert runner.invoke(app, ["plan", str(src), "--tp", "1"]).exit_code == 0
+
+
+# --- push: only this conversion's own files (issue 25, defects 1 and 9) --------------------------
+
+
+@pytest.fixture(scope="module")
+def verified(tmp_path_factory):
+    """A converted, verified and evaluated tiny output (verify.json, eval.json, their pictures)."""
+    from quantize.evaluate import EvalOptions, evaluate
+    from quantize.pipeline import convert as run_convert
+    from quantize.verify import verify
+
+    d = tmp_path_factory.mktemp("pushable")
+    cfg = tiny_config("glm4_moe", num_hidden_layers=2)
+    src = write_checkpoint(d / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    out = d / "out"
+    run_convert(src, out, ConvertOptions(), device="cpu", tp=1)
+    assert verify(src, out, device="cpu").ok
+    evaluate(src, out, EvalOptions(num_samples=1, seq_len=32, ood="none"), device="cpu")
+    return out
+
+
+def _pushable_copy(verified: Path, tmp_path: Path) -> Path:
+    dst = Path(shutil.copytree(verified, tmp_path / "out"))
+    for p in sorted(verified.rglob("*")):  # mtimes kept in order: verify.json after the manifest
+        shutil.copystat(p, dst / p.relative_to(verified))
+    return dst
+
+
+def dry_push(dst: Path):
+    return runner.invoke(app, ["push", str(dst), "org/GLM-tiny-INT4", "--dry-run"])
+
+
+def test_push_refuses_a_picture_linked_outside_the_folder(verified, tmp_path):
+    """A picture push adds beside the manifest's files, linked to a file elsewhere on the
+    machine: refused by name (it was listed, and uploaded, with the outside file's bytes)."""
+    from quantize.names import PICTURES
+
+    dst = _pushable_copy(verified, tmp_path)
+    assert dry_push(dst).exit_code == 0
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"not for the Hub " * 100)
+    for pic in PICTURES:
+        if (dst / pic).is_file():
+            (dst / pic).unlink()
+            (dst / pic).symlink_to(secret)
+            break
+    else:
+        pytest.skip("no picture drawn (matplotlib not installed)")
+    r = dry_push(dst)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert pic in r.output and "a link to" in r.output and "secret.txt" not in r.stdout.split("error")[0]
+    assert str(len(secret.read_bytes())) not in r.stdout
+
+
+def test_push_refuses_a_weight_file_replaced_by_a_link(verified, tmp_path):
+    """A manifest file replaced by a link to an identical copy elsewhere: refused by name."""
+    dst = _pushable_copy(verified, tmp_path)
+    shard = next(p for p in sorted(dst.glob("*.safetensors")))
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(outside)
+    r = dry_push(dst)
+    assert r.exit_code == 2 and shard.name in r.output and "a link to" in r.output, r.output
+
+
+def test_push_refuses_pictures_and_reports_not_of_this_conversion(verified, tmp_path):
+    """A picture whose bytes no report of this conversion names, and an eval.json written for
+    another manifest: refused by name, with the command that writes them again."""
+    from quantize.names import EVAL_JSON, PICTURES
+
+    dst = _pushable_copy(verified, tmp_path)
+    pics = [p for p in PICTURES if (dst / p).is_file()]
+    if not pics:
+        pytest.skip("no picture drawn (matplotlib not installed)")
+    (dst / pics[0]).write_bytes((dst / pics[0]).read_bytes() + b"\0")
+    r = dry_push(dst)
+    assert r.exit_code == 2 and pics[0] in r.output and "no report of this conversion" in r.output
+
+    dst = _pushable_copy(verified, tmp_path / "2")
+    ev = json.loads((dst / EVAL_JSON).read_text())
+    ev["manifest_sha256"] = "0" * 64
+    (dst / EVAL_JSON).write_text(json.dumps(ev))
+    r = dry_push(dst)
+    assert r.exit_code == 2 and "eval.json" in r.output and "quantize eval" in r.output, r.output
+
+
+@pytest.mark.parametrize("text", ["[1, 2, 3]", "{not json", ""])
+def test_push_on_a_malformed_verify_json(verified, tmp_path, text):
+    """verify.json that is a JSON list, not JSON, or empty: exit 2 naming verify.json and the
+    fix (it raised AttributeError, or 'Expecting value' naming no file)."""
+    dst = _pushable_copy(verified, tmp_path)
+    (dst / "verify.json").write_text(text)
+    r = dry_push(dst)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "verify.json" in r.output and "quantize verify" in r.output, r.output
+
+
+def test_push_refuses_a_nan_sqnr_floor(verified, tmp_path):
+    """A verify.json whose SQNR floor is NaN does not pass the floor check (NaN < 12 is False)."""
+    dst = _pushable_copy(verified, tmp_path)
+    rep = json.loads((dst / "verify.json").read_text())
+    rep["min_sqnr_db_threshold"] = float("nan")
+    (dst / "verify.json").write_text(json.dumps(rep))
+    r = dry_push(dst)
+    assert r.exit_code == 2 and "SQNR floor" in r.output, r.output
