@@ -100,6 +100,12 @@ def _record(rec: object, where: str) -> str | list[dict]:
     if isinstance(rec, dict) and isinstance(rec.get("text"), str):
         return rec["text"]
     if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+        for i, m in enumerate(rec["messages"]):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), (str, list))):
+                raise _error(where, f"message {i} of `messages` is {str(m)[:60]!r}",
+                             'chat messages as objects {"role": "user", "content": "..."}',
+                             "write each message with a role and its content")
         return rec["messages"]
     raise _error(where, f"a record without `text` or `messages`: {str(rec)[:80]}",
                  'JSON objects with a "text" string or a "messages" list',
@@ -156,6 +162,7 @@ def read_documents(path: str | Path) -> list[str | list[dict]]:
                else "check the --calib path")
         raise _error(str(p), "no such file or folder", "a .jsonl, .txt, .parquet file or a "
                      "saved datasets folder", fix)
+    _regular(p)
     if p.is_dir():
         docs = [_record(r, str(p)) for r in _saved_dataset_rows(p)]
     elif p.suffix == ".parquet":
@@ -181,12 +188,30 @@ def read_documents(path: str | Path) -> list[str | list[dict]]:
     return docs
 
 
+def _regular(p: Path) -> None:
+    """A calibration path must be a file or a folder (a device or a pipe, e.g. /dev/zero, would
+    be read without end)."""
+    if p.exists() and not p.is_dir() and not p.is_file():
+        raise _error(str(p), "not a regular file or folder (a device or a pipe)",
+                     "a .jsonl, .txt, .parquet file or a saved datasets folder",
+                     "write the calibration text to a file and pass that")
+
+
 def _render(doc: str | list[dict], tokenizer) -> tuple[str, bool]:
     """(text, used the checkpoint's chat template)."""
     if isinstance(doc, str):
         return doc, False
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(doc, tokenize=False), True
+        try:
+            return tokenizer.apply_chat_template(doc, tokenize=False), True
+        except Exception as e:  # noqa: BLE001 - the template's own error (jinja, its sandbox)
+            raise QuantizeError("the checkpoint's chat template cannot render a calibration "
+                                "record", [Problem(
+                                    "tokenizer_config.json / chat_template.jinja", None,
+                                    f"{type(e).__name__}: {e}"[:200],
+                                    "a template that renders the records' messages",
+                                    "check the records' roles against the template, or pass "
+                                    "plain-text records ({\"text\": ...})")]) from None
     return "".join(f"{m['role']}: {m['content']}\n" for m in doc), False
 
 
@@ -242,6 +267,7 @@ def resolve_calib(calib: str | Path | None) -> tuple[str, list[Path], str]:
         name, files = resolve_dataset(calib)
         return name, [local for _, local in files], _files_sha256(files)
     p = Path(calib) if calib is not None else DEFAULT_CALIB
+    _regular(p)
     return p.name, [p], (data_sha256(p) if p.exists() else "")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -114,6 +115,10 @@ class ConvertOptions:
             raise ValueError("--rtn-fallback applies to calibrated methods (gptq, awq, awq+gptq)")
         if self.num_bits != 4:
             raise ValueError("only 4-bit weights are supported")
+        if self.calib is not None and os.path.exists(self.calib) and \
+                not (os.path.isfile(self.calib) or os.path.isdir(self.calib)):
+            raise ValueError(f"--calib {self.calib}: not a regular file or folder (a device or "
+                             "a pipe would be read without end): write the text to a file")
         if self.keep_fp8 and "awq" in self.method:
             raise ValueError("--keep-fp8 keeps the FP8 tensors byte for byte, and AWQ rescales the "
                              "non-target Linears it feeds (shared experts, dense MLPs): use "

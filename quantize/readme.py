@@ -19,6 +19,7 @@ the checkpoint, rewritten by convert, verify and push, and verify never fails be
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from quantize import __version__
@@ -58,6 +59,15 @@ def _read_json(p: Path) -> dict | None:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
+def _data_name(source: str) -> str:
+    """The calibration source as the card names it: a Hub dataset whole (ORG/NAME@SHA:SPLIT,
+    the owner included), a file by its name (reports from before sha256 was recorded held a
+    local path)."""
+    if re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{7,40}(:[\w./-]+)?", source):
+        return source
+    return Path(source).name
+
+
 def _calibration(report: dict | None, opts: ConvertOptions) -> CalibrationFacts | None:
     """The card's calibration figures from calibration-report.json (None: rtn, or no report)."""
     if report is None or opts.method == "rtn":
@@ -65,7 +75,7 @@ def _calibration(report: dict | None, opts: ConvertOptions) -> CalibrationFacts 
     c = report["calibration"]
     moe = [lay for lay in report["layers"] if lay.get("expert_tokens")]
     return CalibrationFacts(
-        data=Path(c["source"]).name,  # reports from before sha256 was recorded held a local path
+        data=_data_name(c["source"]),
         shipped=opts.calib is None,
         sha256=c.get("sha256"),
         documents=c["documents"],

@@ -860,3 +860,83 @@ def test_push_refuses_a_nan_sqnr_floor(verified, tmp_path):
     (dst / "verify.json").write_text(json.dumps(rep))
     r = dry_push(dst)
     assert r.exit_code == 2 and "SQNR floor" in r.output, r.output
+
+
+# --- run files and calibration records (issue 25, defects 4 and 6; /dev/zero) --------------------
+
+
+@pytest.mark.parametrize("text,must", [
+    ("convert = 5\n", "expected a [convert] table"),
+    ("[convert]\ntargets = [1, 2]\n", "targets = [1, 2] is a list"),
+    ("[convert]\ngroup_size = \"64\"\n", "group_size = '64' is a string; expected an integer"),
+    ("[convert]\nkeep_fp8 = 1\n", "keep_fp8 = 1 is an integer; expected true or false"),
+    ("[convert]\nnum_samples = true\n", "num_samples = True is true or false; expected an integer"),
+    ("[convert]\ngroup-size = 64\ngroup_size = 128\n", "group_size is given twice"),
+])
+def test_run_file_values_of_the_wrong_type(dsa_fp8, tmp_path, text, must):
+    """A --config file's key of the wrong type, or given twice in two spellings: exit 2 naming
+    the key, the type found and the type expected (they raised AttributeError / TypeError, or
+    silently took the last)."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(text)
+    r = runner.invoke(app, ["convert", "--config", str(cfg), str(dsa_fp8), str(tmp_path / "o")],
+                      env={"COLUMNS": "300"})
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert must in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_run_record_whose_src_is_not_a_string(dsa_fp8, tmp_path):
+    """`--from` a folder whose run record says `src = 5`: exit 2 naming src and the types."""
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "quantize-run.toml").write_text("[convert]\nsrc = 5\n")
+    r = runner.invoke(app, ["convert", "--from", str(old), str(tmp_path / "new")],
+                      env={"COLUMNS": "300"})
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "src = 5 is an integer; expected a string" in " ".join(r.output.split()), r.output
+
+
+@pytest.mark.parametrize("flag", ["--config", "--calib"])
+def test_a_device_as_run_file_or_calibration_text(dsa_fp8, tmp_path, flag):
+    """/dev/zero as --config or --calib: refused at once as not a regular file (it was read
+    without end, or until memory ran out)."""
+    r = runner.invoke(app, ["convert", str(dsa_fp8), str(tmp_path / "o"), "--method", "gptq",
+                            "--device", "cpu", "--tp", "1", "--seq-len", "32", "--num-samples",
+                            "2", flag, "/dev/zero"],
+                      env={"COLUMNS": "300"})
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "not a regular file" in " ".join(r.output.split()), r.output
+
+
+@pytest.mark.parametrize("messages,must", [
+    ([1, 2, 3], "message 0 of `messages`"),
+    ([{"role": "user"}], "message 0 of `messages`"),
+    ([{"role": "user", "content": "hi"}, "bye"], "message 1 of `messages`"),
+])
+def test_chat_records_whose_messages_are_not_messages(dsa_fp8, tmp_path, messages, must):
+    """A chat record whose messages are not {role, content} objects: refused by file and line
+    (it ended in AttributeError or TypeError)."""
+    src = Path(shutil.copytree(dsa_fp8, tmp_path / "src"))
+    write_tokenizer(src, tiny_config("glm_moe_dsa")["vocab_size"])
+    calib = tmp_path / "chat.jsonl"
+    calib.write_text(json.dumps({"text": "plain words " * 20}) + "\n"
+                     + json.dumps({"messages": messages}) + "\n")
+    r = convert(src, tmp_path / "o", "--method", "gptq", "--num-samples", "2", "--seq-len", "32",
+                "--calib", str(calib))
+    assert_clear_error(r, f"{calib}:2", must)
+
+
+def test_a_chat_template_that_raises(dsa_fp8, tmp_path):
+    """The checkpoint's chat template raising on a record: one line naming the tokenizer's
+    files, not the template engine's traceback."""
+    src = Path(shutil.copytree(dsa_fp8, tmp_path / "src"))
+    write_tokenizer(src, tiny_config("glm_moe_dsa")["vocab_size"])
+    tc = json.loads((src / "tokenizer_config.json").read_text())
+    tc["chat_template"] = "{{ raise_exception('roles must alternate') }}"
+    (src / "tokenizer_config.json").write_text(json.dumps(tc))
+    calib = tmp_path / "chat.jsonl"
+    calib.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    r = convert(src, tmp_path / "o", "--method", "gptq", "--num-samples", "2", "--seq-len", "32",
+                "--calib", str(calib))
+    assert_clear_error(r, "tokenizer_config.json", "roles must alternate")

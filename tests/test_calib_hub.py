@@ -110,6 +110,8 @@ def test_hub_dataset_calibrates_as_the_same_local_text(setup, tmp_path):
     rep = json.loads((hub_out / "calibration-report.json").read_text())["calibration"]
     assert rep["source"] == f"org/calib-set@{setup['sha'][:12]}:train"
     assert rep["documents"] == 30 and len(rep["sha256"]) == 64
+    # the card names the dataset with its owner (issue 25: it showed `calib-set@...:train`)
+    assert f"org/calib-set@{setup['sha'][:12]}:train" in (hub_out / "README.md").read_text()
     assert str(home) not in (hub_out / "calibration-report.json").read_text()  # no cache path
     got = sorted(p.relative_to(home).as_posix() for p in home.rglob("*.jsonl") if p.is_file())
     assert got and all("/data/train-" in g for g in got)  # only the train split was fetched

@@ -12,11 +12,20 @@ import typer
 from quantize.cli.params import value
 from quantize.names import RUN_RECORD
 
-# convert's parameters a run record / --config file may set
-RUN_KEYS = ("src", "method", "group_size", "scheme", "mtp", "keep_fp8", "targets", "asymmetric",
-            "max_shard_size", "calib", "num_samples", "seq_len", "seed", "expert_calibration",
-            "min_expert_tokens", "percdamp", "mse_clip", "rtn_fallback", "checkpoint_interval",
-            "max_gpu_memory", "device", "tp", "revision", "base_model")
+# convert's parameters a run record / --config file may set, and the TOML types each takes
+# (a float option also takes an integer; targets also a list of strings)
+RUN_TYPES: dict[str, tuple[type, ...]] = {
+    "src": (str,), "method": (str,), "group_size": (int,), "scheme": (str,), "mtp": (str,),
+    "keep_fp8": (bool,), "targets": (str, list), "asymmetric": (bool,), "max_shard_size": (str, int),
+    "calib": (str,), "num_samples": (int,), "seq_len": (int,), "seed": (int,),
+    "expert_calibration": (str,), "min_expert_tokens": (int,), "percdamp": (float, int),
+    "mse_clip": (bool,), "rtn_fallback": (bool,), "checkpoint_interval": (float, int),
+    "max_gpu_memory": (float, int), "device": (str,), "tp": (int,), "revision": (str,),
+    "base_model": (str,)}
+RUN_KEYS = tuple(RUN_TYPES)
+RUN_FILE_MAX_BYTES = 1 << 20  # a run file is a few hundred bytes; /dev/zero is refused
+_TOML = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+         list: "a list of strings", dict: "a table"}
 
 
 def public_command(args: list[str], src: str, dst: Path, base_model: str | None) -> str:
@@ -52,16 +61,40 @@ def read_run_file(path: Path, what: str) -> dict:
     top-level keys) -> {parameter: value}; unknown keys and bad TOML are refused by name."""
     import tomllib
 
+    def refuse(text: str):
+        raise typer.BadParameter(f"{path}: {text}", param_hint=what)
+
     try:
+        if not path.is_file():
+            refuse("not a regular file (a TOML file of convert options)")
+        if path.stat().st_size > RUN_FILE_MAX_BYTES:
+            refuse(f"{path.stat().st_size:,} bytes; a run file is at most {RUN_FILE_MAX_BYTES:,}")
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise typer.BadParameter(f"{path}: {e}", param_hint=what) from None
-    data = data.get("convert", data)
-    got = {k.replace("-", "_"): v for k, v in data.items()}
+        refuse(str(e))
+    if "convert" in data:
+        if not isinstance(data["convert"], dict):
+            refuse(f"convert = {data['convert']!r}: expected a [convert] table of options")
+        data = data["convert"]
+    got: dict = {}
+    for k, v in data.items():
+        key = k.replace("-", "_")
+        if key in got:
+            refuse(f"the option {key} is given twice (as {k!r} and in another spelling); keep one")
+        got[key] = v
     unknown = sorted(set(got) - set(RUN_KEYS))
     if unknown:
-        raise typer.BadParameter(f"{path}: unknown option(s) {', '.join(unknown)}; known: "
-                                 f"{', '.join(RUN_KEYS)}", param_hint=what)
+        refuse(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(RUN_KEYS)}")
+    for key, v in got.items():
+        want = RUN_TYPES[key]
+        ok = isinstance(v, want) and not (isinstance(v, bool) and bool not in want)
+        if ok and isinstance(v, list):
+            ok = all(isinstance(x, str) for x in v)
+        if not ok:
+            found = next((n for t, n in _TOML.items() if isinstance(v, t)), type(v).__name__)
+            if isinstance(v, bool):
+                found = _TOML[bool]
+            refuse(f"{key} = {v!r} is {found}; expected {' or '.join(_TOML[t] for t in want)}")
     if isinstance(got.get("targets"), list):
         got["targets"] = ",".join(got["targets"])
     return got
