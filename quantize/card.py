@@ -108,8 +108,22 @@ def _num(x) -> str:
     if x is None:  # (JSON null: a non-finite figure, e.g. the SQNR of exact tensors)
         return "n/a (exact)"
     if isinstance(x, float):
+        if math.isnan(x):
+            return "not a number"
         return "inf" if math.isinf(x) else f"{x:.2f}"
     return str(x)
+
+
+def _count(x) -> str:
+    return f"{x:,}" if isinstance(x, int) else _num(x)
+
+
+def _fixed(x, digits: int = 4) -> str:
+    """A figure with `digits` decimals; a null or non-finite one (an error that overflowed,
+    written as JSON null) said in words, never a formatting error."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
+        return f"{x:.{digits}f}"
+    return "not finite" if x is None or isinstance(x, float) else str(x)
 
 
 def _tag(t: str) -> str:
@@ -244,17 +258,19 @@ def _results(f: CardFacts) -> list[str]:
             "",
             "| check | result |",
             "|---|---|",
-            f"| INT4 tensors checked | {s['quantized']:,} |",
+            f"| INT4 tensors checked | {_count(s['quantized'])} |",
             f"| SQNR min / mean (dB) | {_num(s['min_sqnr_db'])} / {_num(s['mean_sqnr_db'])} |",
             f"| SQNR floor (dB) | {_num(v.get('min_sqnr_db_threshold'))} |",
-            f"| max relative error | {s['max_rel_err']:.4f} |",
-            f"| bit-exact tensors (copied / dequantized) | {s['exact_ok']:,} / {s['exact_total']:,} |",
+            f"| max relative error | {_fixed(s['max_rel_err'])} |",
+            f"| bit-exact tensors (copied / dequantized) | {_count(s['exact_ok'])} / {_count(s['exact_total'])} |",
             f"| problems | {len(s['problems'])} |",
         ]
         worst = v.get("worst") or []
         if worst:
             lines += ["", "Lowest-SQNR tensors:", "", "| tensor | rel. error | SQNR dB |", "|---|---|---|"]
-            lines += [f"| `{w['name']}` | {w['rel_err']:.4f} | {_num(w['sqnr_db'])} |" for w in worst[:5]]
+            lines += [f"| `{w['name']}` | {_fixed(w['rel_err'])} | "
+                      f"{_num(w['sqnr_db']) if w['rel_err'] is not None else 'not finite'} |"
+                      for w in worst[:5]]
     if f.eval:
         lines += ["", "## Evaluation", "",
                   ("`quantize eval` ran the source and this checkpoint side by side, layer by layer, "
@@ -269,12 +285,16 @@ def _results(f: CardFacts) -> list[str]:
     return lines
 
 
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _pct(x) -> str:
-    return _num(x) if not isinstance(x, (int, float)) else f"{100 * x:.2f} %"
+    return f"{100 * x:.2f} %" if _finite(x) else _num(x)
 
 
 def _ratio(x) -> str:
-    if not isinstance(x, (int, float)):
+    if not _finite(x):
         return _num(x)
     return f"{_metric(float(x))} ({100 * (x - 1):+.2f} % perplexity)"
 

@@ -940,3 +940,33 @@ def test_a_chat_template_that_raises(dsa_fp8, tmp_path):
     r = convert(src, tmp_path / "o", "--method", "gptq", "--num-samples", "2", "--seq-len", "32",
                 "--calib", str(calib))
     assert_clear_error(r, "tokenizer_config.json", "roles must alternate")
+
+
+def test_verify_of_a_group_scale_with_its_sign_flipped(tmp_path):
+    """One group's scale negated in the output (manifest re-signed): verify names the tensor
+    on a `fail:` line and exits 1, and the card it refreshes says the error is not finite (the
+    card's formatting raised TypeError on verify.json's null: exit 1 with a traceback)."""
+    import hashlib
+
+    from quantize.pipeline import convert as run_convert
+
+    src = write_checkpoint(tmp_path / "src", tiny_config("glm4_moe", num_hidden_layers=2), "fp8-channel")
+    out = tmp_path / "out"
+    run_convert(src, out, ConvertOptions(), device="cpu", tp=1)
+    shard = sorted(out.glob("*.safetensors"))[0]
+    t = load_file(shard)
+    name = next(k for k in sorted(t) if k.endswith("weight_scale") and ".experts." in k)
+    t[name][0, 0] = -t[name][0, 0]
+    save_file(t, shard, metadata={"format": "pt"})
+    m = json.loads((out / MANIFEST).read_text())
+    m["files"][shard.name] = {"bytes": shard.stat().st_size,
+                              "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
+    (out / MANIFEST).write_text(json.dumps(m))
+    r = runner.invoke(app, ["verify", str(src), str(out), "--device", "cpu", "--no-layer-check"],
+                      env={"COLUMNS": "300"})
+    assert r.exit_code == 1, r.output
+    assert "Traceback" not in r.output
+    tensor = name.removesuffix("_scale")
+    assert f"fail: {tensor}: non-finite or non-positive scale" in r.output, r.output
+    card = (out / "README.md").read_text()
+    assert "**FAIL**" in card and "| max relative error | not finite |" in card

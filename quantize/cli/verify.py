@@ -57,5 +57,11 @@ def verify(
         out.print(verify_table(rep))
     for p in rep.problems:
         err.print(f"[red]problem:[/] {p}", highlight=False)
+    failed = [t for t in rep.tensors if not t.ok]
+    for t in failed[:50]:  # one line per failed tensor, what failed and by how much
+        err.print(f"[red]fail:[/] {t.name}: {t.note or 'check failed'} (relative error "
+                  f"{t.rel_err:.4g}, SQNR {t.sqnr_db:.4g} dB; floor {min_sqnr:g} dB)", highlight=False)
+    if len(failed) > 50:
+        err.print(f"... and {len(failed) - 50} more failed tensors (verify.json)", highlight=False)
     if not rep.ok:
         raise typer.Exit(1)
