@@ -240,6 +240,18 @@ def _aux_files(src: Path) -> list[Path]:
     return files
 
 
+def _check_name(out: Path) -> None:
+    """DST's name goes into the card, the manifest and the Hub repo's files as UTF-8 text: a
+    name that is not UTF-8 (a byte the file system kept as is) is refused before any work."""
+    try:
+        str(out).encode("utf-8")
+    except UnicodeEncodeError:
+        raise QuantizeError("the output folder's name is not UTF-8", [Problem(
+            ascii(str(out)), None, "a byte that is not UTF-8 in the name",
+            "a UTF-8 folder name (the card and the manifest quote it)",
+            "choose another DST, e.g. with only ASCII letters, digits, '-' and '_'")]) from None
+
+
 def convert(
     src: str | Path,
     out: str | Path,
@@ -265,6 +277,7 @@ def convert(
     take their share of the calibration and write nothing (None is returned on them).
     `max_gpu_memory`: bytes the calibration may hold on its GPU (None: all of it)."""
     src, out = Path(src), Path(out)
+    _check_name(out)
     ckpt = open_checkpoint(src)
     plan = make_plan(ckpt, opts, tp)
     dev = resolve_device(device) if dist is None else dist.device

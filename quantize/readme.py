@@ -192,9 +192,13 @@ def write_readme(dst: str | Path, plan: Plan | None = None, repo_id: str | None 
                  base_model: str | None = None, tp: int | None = None) -> Path:
     """(Re)write DST/README.md; return its path."""
     p = Path(dst) / CARD
+    text = card_text(dst, plan, repo_id, base_model, tp)  # (any error: nothing written yet)
     tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(card_text(dst, plan, repo_id, base_model, tp))
-    tmp.replace(p)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(p)
+    finally:
+        tmp.unlink(missing_ok=True)  # never left behind
     return p
 
 

@@ -970,3 +970,14 @@ def test_verify_of_a_group_scale_with_its_sign_flipped(tmp_path):
     assert f"fail: {tensor}: non-finite or non-positive scale" in r.output, r.output
     card = (out / "README.md").read_text()
     assert "**FAIL**" in card and "| max relative error | not finite |" in card
+
+
+def test_an_output_name_that_is_not_utf8(dsa_fp8, tmp_path):
+    """DST with a byte that is not UTF-8 in its name: refused before any work (it converted
+    every shard, then failed writing the card with a raw codec message, left README.md.tmp and
+    claimed an earlier, complete conversion that never existed)."""
+    out = tmp_path / os.fsdecode(b"GLM-INT4-\xff")
+    r = convert(dsa_fp8, out)
+    assert_clear_error(r, "not UTF-8")
+    assert not out.exists()
+    assert "earlier, complete conversion" not in r.output
