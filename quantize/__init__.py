@@ -15,7 +15,8 @@ The stages, in the order `pipeline.convert` runs them:
     capture.py      the MLP's calibration forward and its statistics (Hessians)    [--method != rtn]
     folds.py        where AWQ's MLP-input scale goes: the norm found on the layer   [awq]
     rounding.py     one layer's MLP rounded from its statistics (AWQ, GPTQ, RTN)   [--method != rtn]
-    calibrate.py    the layer thread: passes, rounding, hand-off, report          [--method != rtn]
+    calibrate.py    the layer thread: its loop (_run_layers), passes, rounding, report [--method != rtn]
+    handoff.py      each layer's result handed to the writer as a value (LayerResult) [--method != rtn]
     calib_state.py  layer-boundary checkpoints of the calibration, for resume     [--method != rtn]
     distributed.py  several processes under torchrun: samples and experts per rank [torchrun]
     shards.py       write: streamed safetensors shards, index, config, atomic renames

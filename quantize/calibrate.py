@@ -52,7 +52,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -66,6 +66,7 @@ from quantize.checkpoint import DTYPES, Checkpoint
 from quantize.distributed import Dist
 from quantize.errors import Problem, QuantizeError
 from quantize.folds import FOLD_KEY, NormFold, find_norm_fold, fold_tensor
+from quantize.handoff import Handoff, LayerFeed, LayerResult
 from quantize.int4 import Int4Weight, dequantize, int4_outputs, quantize_rtn
 from quantize.layers import (
     MOE_CLASSES,
@@ -142,13 +143,14 @@ class _Stopped(Exception):
 
 
 class Calibrator:
-    """Runs the layers in order on its own thread; `result(unit)` is the calibrated INT4
-    outputs of a target unit, the rescaled tensor of an AWQ-folded unit, or None (the plain
-    path applies).
+    """Runs the layers in order on its own thread (`_run_layers`, the loop) and hands each
+    layer's result to the writer as a value (quantize/handoff.py); `result(unit)` is the
+    writer's side: a target unit's calibrated INT4 outputs, an AWQ-folded unit's rescaled
+    tensor, or None (the plain path applies).
 
-    The layer thread runs one layer ahead of the caller: while the shard writer writes layer
+    The layer thread runs one layer ahead of the writer: while the shard writer writes layer
     L's results, layer L+1 is computed (and layer L+2's source bytes are read into the page
-    cache); it starts layer L+2 only once the writer asks for layer L+1, so at most two layers'
+    cache); it starts layer L+2 only once the writer took layer L+1, so at most two layers'
     results are held. Layer index num_layers is the MTP layer; `last_layer` is the last one run
     (the MTP layer when the plan has one). With `use_state`, the state after layer L is
     checkpointed in the background (calib_state.Checkpointer) when a shard's first layer is
@@ -212,16 +214,13 @@ class Calibrator:
         self._jump_to = -1  # several ranks: the layer rank 0's writer may resume after
         self.checkpoint_interval = checkpoint_interval
         self._keep_after = -1  # the last layer a resume can start after (older: deletable)
-        # per written name: packed INT4 outputs (a list, or its Future while on its way to the
-        # host), or a rescaled BF16 tensor; `results` is the layer in progress (layer thread),
-        # `_published` the finished layers the writer may still read
-        self.results: dict[str, list[torch.Tensor] | Future | torch.Tensor] = {}
-        self._published: dict[int, dict] = {}
-        self._cv = threading.Condition()
+        # the layer in progress's results (layer thread), handed to the writer as a value when
+        # the layer is done: `feed` is the writer's side (quantize/handoff.py)
+        self.results = LayerResult(-1)
+        self._handoff = Handoff()
+        self.feed = LayerFeed(self._handoff, self._start_runner)
         self._runner: threading.Thread | None = None
-        self._want = -1  # the highest layer the writer has asked for
-        self._done = -1  # the highest layer published
-        self._failed: BaseException | None = None
+        self._failed: BaseException | None = None  # what stopped the layer thread
         self._stop = False
         self._host = ThreadPoolExecutor(1, thread_name_prefix="quantize-d2h")
         self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="quantize-prefetch")
@@ -250,8 +249,8 @@ class Calibrator:
                 self._jump(self.last_layer)
             else:
                 self._jump_to = self.last_layer
-        self._wait_for(self.last_layer)
-        self._join_runner()  # (its checkpoint after the last layer comes after publishing it)
+        self.feed.finish()  # every layer run (a resume that kept the last shards runs them now)
+        self._join_runner()  # (its checkpoint after the last layer comes after handing it over)
         if self._saver is not None:
             self._saver.wait()
         # the report in the manifest holds what the same inputs always give; the wall-clock
@@ -300,7 +299,7 @@ class Calibrator:
                 "copy the tokenizer files from the model release, or use --method rtn")]) from None
         return load_calibration(o.calib, tok, o.num_samples, o.seq_len, o.seed)
 
-    # -- the provider interface pipeline.compute_unit consults --------------------------------
+    # -- the writer's side: pipeline.compute_unit --------------------------------------------
 
     def provides(self, unit: Unit) -> bool:
         """Whether `result(unit)` is certainly not None (the writer need not read the unit's
@@ -310,25 +309,19 @@ class Calibrator:
         return unit.action == "quantize" and L is not None and L < self.num_layers and \
             mlp_target(unit.source)
 
-    def result(self, unit: Unit) -> list[torch.Tensor] | torch.Tensor | None:
+    def result(self, unit: Unit) -> list[torch.Tensor] | None:
+        """The tensors to write for `unit` from its layer's result (taken from the layer thread
+        in layer order); None: the plain path applies."""
         L = layer_of(unit.source)
         if L is None:
             return None
-        L = min(L, self.num_layers)  # further MTP layers: rounded to nearest after the first
-        self._wait_for(L)
-        with self._cv:
-            if L not in self._published:
-                raise RuntimeError(f"internal: layer {L} requested after it was released")
-            for k in [k for k in self._published if k < L]:  # the writer has moved on
-                del self._published[k]
-            r = self._published[L].get(unit.source)
-        return r.result() if isinstance(r, Future) else r
+        # further MTP layers: rounded to nearest after the first
+        return self.feed.layer(min(L, self.num_layers)).outputs(unit.source)
 
     def run_all(self) -> None:
         """Run every layer (a rank other than 0: its share of the calibration, nothing written)."""
-        if self.last_layer >= 0:
-            self._wait_for(self.last_layer)
-            self._join_runner()
+        self.feed.finish()
+        self._join_runner()
 
     def _join_runner(self) -> None:
         """Until the layer thread has finished its last layer's checkpoint and exited (its
@@ -338,52 +331,44 @@ class Calibrator:
         if self._failed is not None:
             raise self._failed
 
-    def _wait_for(self, L: int) -> None:
-        """Until layer L's results are published (the layer thread is started if needed)."""
-        with self._cv:
-            if self._runner is None:
-                self._runner = threading.Thread(target=self._run_layers, daemon=True,
-                                                name="quantize-calibrate")
-                self._runner.start()
-            self._want = max(self._want, L)
-            self._cv.notify_all()
-            while self._done < L and self._failed is None:
-                self._cv.wait()
-            if self._failed is not None:
-                raise self._failed
+    def _start_runner(self) -> None:
+        if self._runner is None:
+            self._runner = threading.Thread(target=self._run_layers, daemon=True,
+                                            name="quantize-calibrate")
+            self._runner.start()
 
     def _run_layers(self) -> None:
-        """The layer thread: run the next layer whenever the writer has asked for the one
-        before it, until `last_layer` (or `close()`)."""
+        """The layer thread, the loop of the calibration: each layer run (load -> capture ->
+        round -> propagate), its result handed to the writer, a checkpoint where one is due;
+        the next layer starts once the writer took this one. Ends with `None` handed over
+        (or the error that stopped it)."""
         try:
             if self.device.type == "cuda" and self.device.index is not None:
                 torch.cuda.set_device(self.device)  # (the thread's current device: cuda:N)
             if self.dist is not None and self.state is not None:
                 self._jump_together()
-            while True:
-                with self._cv:
-                    while not self._stop and self.next_layer > self._want + 1:
-                        self._cv.wait()
-                    if self._stop or self.next_layer > self.last_layer:
-                        return
-                self._run_until(self.next_layer)
+            while self.next_layer <= self.last_layer:
+                self._check_stop()
+                M = self.next_layer
+                self._handoff.offer(self._run_layer(M))
+                self._checkpoint(M)
+                self._handoff.wait_taken()
+            self._handoff.offer(None)  # the end
         except _Stopped:
             return
         except BaseException as e:  # noqa: BLE001 - re-raised on the writer's thread
-            with self._cv:
-                self._failed = e
-                self._cv.notify_all()
+            self._failed = e
+            self._handoff.offer(e)
 
     def close(self) -> None:
         """Stop the layer thread (it leaves the layer in progress at its next forward chunk or
         GPTQ batch: within a second or so, also after Ctrl-C) and wait for a checkpoint being
         written (errors are dropped: this runs while another error propagates, or after
         `write_outputs`, which raised them)."""
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        if self._runner is not None:
-            self._runner.join()
+        self._stop = True
+        while self._runner is not None and self._runner.is_alive():
+            self._handoff.release()  # a result the writer will not take
+            self._runner.join(timeout=0.05)
         if self._saver is not None:
             with contextlib.suppress(BaseException):
                 self._saver.wait()
@@ -517,9 +502,7 @@ class Calibrator:
         saved = self.state.read(c)
         self.layers, self._mtp_skip = saved.entries, saved.mtp_skip
         self.awq_scales = saved.awq_scales
-        self.results = {}
-        self.next_layer = c + 1
-        self._done = c  # (nothing published: no shard needs these layers' results)
+        self.next_layer = c + 1  # (no shard needs the results of the layers up to c)
         self.hidden, self.topk = None, []
         if saved.chunks:
             h, _ = saved.chunk(0)
@@ -538,28 +521,25 @@ class Calibrator:
         self._saver.save(L, [self.hidden.get(i) for i in range(n)], self.topk[:n], self.layers,
                          self._mtp_skip, self.awq_scales, background=background)
 
-    def _run_until(self, L: int) -> None:
-        """Run layers next_layer .. L (the MTP layer when L == num_layers), publishing each
-        layer's results and checkpointing (layer thread)."""
-        while self.next_layer <= L:
-            M = self.next_layer
-            self.results = {}
-            if M < self.num_layers:
-                self._run(M)
-            else:
-                self._run_mtp(M)
-            self.next_layer += 1
-            with self._cv:
-                self._published[M] = self.results
-                self._done = M
-                self._cv.notify_all()
-            if self.state is not None and M in self._save_after:
-                save = M == self.last_layer or self._saver.due()
-                if self.dist is not None:  # rank 0's clock and writer decide for every rank
-                    save, self._keep_after = self.dist.broadcast_object(
-                        (save, self._keep_after) if self.dist.leader else None)
-                if save:
-                    self._save(M)
+    def _run_layer(self, M: int) -> LayerResult:
+        """Layer M run (the MTP layer when M == num_layers); its result (layer thread)."""
+        self.results = LayerResult(M)
+        if M < self.num_layers:
+            self._run(M)
+        else:
+            self._run_mtp(M)
+        self.next_layer += 1
+        return self.results
+
+    def _checkpoint(self, M: int) -> None:
+        """The state after layer M saved, where a resume can start and one is due."""
+        if self.state is not None and M in self._save_after:
+            save = M == self.last_layer or self._saver.due()
+            if self.dist is not None:  # rank 0's clock and writer decide for every rank
+                save, self._keep_after = self.dist.broadcast_object(
+                    (save, self._keep_after) if self.dist.leader else None)
+            if save:
+                self._save(M)
 
     def _before_overwrite(self) -> None:
         """Before the hidden states are replaced: a checkpoint in flight has its host copy."""
@@ -702,9 +682,7 @@ class Calibrator:
             with self._profile(L):
                 entry.update(self._calibrate(L, layer, kind, targets))
         free_layer(layer)
-        for r in self.results.values():  # the layer's outputs are all on the host
-            if isinstance(r, Future):
-                r.result()
+        self.results.on_host()  # the layer's outputs are all on the host
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             entry["peak_gpu_gib"] = max([round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2),
@@ -775,7 +753,7 @@ class Calibrator:
         mods = rounding.mods
         for n, t in mods.items():  # the BF16 tensors AWQ rescaled, as they will be written
             t = t.to(DTYPES[self.units[n].outputs[0].dtype][0])
-            self.results[n] = t.cpu()
+            self.results.rescaled[n] = t.cpu()
             self._set_weight(L, layer, n, t.float())
         clock.lap("rounding")
 
@@ -823,9 +801,9 @@ class Calibrator:
         outs = int4_outputs(w)  # packed where it was computed: 1/2 of the int8 codes' bytes
         if self.device.type == "cuda":  # to the host on a copy thread and stream: the
             # solves queued behind it go on (resolved in `result`, at the latest at layer end)
-            self.results[n] = self._host.submit(lambda ts: [to_host(t) for t in ts], outs)
+            self.results.int4[n] = self._host.submit(lambda ts: [to_host(t) for t in ts], outs)
         else:
-            self.results[n] = outs
+            self.results.int4[n] = outs
 
     def _fall_back_to_rtn(self, L: int, layer, quant: list[str], mods: dict) -> None:
         """The layer rounded to nearest from the source instead (`--rtn-fallback`): every target
@@ -836,7 +814,7 @@ class Calibrator:
             self._emit(L, layer, n, quantize_rtn(W.source(n), self.opts.group_size,
                                                  self.opts.symmetric))
         for n in mods:
-            self.results.pop(n, None)
+            self.results.rescaled.pop(n, None)
             self._set_weight(L, layer, n, W.source(n))
 
     def _chunk0_output(self, layer, halves: SplitLayer | None) -> torch.Tensor:

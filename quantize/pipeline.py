@@ -107,11 +107,12 @@ def _compute(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.d
     """`compute_unit` without waiting for the device: the outputs (on `device`) and a 0-d
     bool tensor, True when the values checked are finite (None: nothing to check). Reading
     the flag is what synchronizes, so the streaming loop leaves that to its writer thread."""
+    # a calibrated layer's result, taken from the layer thread as a value (quantize/handoff.py):
+    # INT4 outputs it packed (on the host), or a BF16 tensor AWQ rescaled (norm, router,
+    # non-target Linear); None for the rest, converted here
     done = calib.result(unit) if calib is not None else None
-    if isinstance(done, list):  # INT4 outputs the calibrator packed, already on the host
+    if done is not None:
         return done, None
-    if done is not None:  # a BF16 tensor AWQ rescaled (norm, router, non-target Linear)
-        return [done], None
     raw = raw if raw is not None else read_unit(ckpt, unit, device)
     if unit.action == "copy":
         t = raw[unit.source]

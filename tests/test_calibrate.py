@@ -454,12 +454,18 @@ def test_layer_thread_runs_one_layer_ahead(ckpt_dir):
     with Calibrator(ck, plan, opts, torch.device("cpu")) as c:
         assert c.result(first) is not None
         deadline = time.monotonic() + 60
-        while c._done < L + 1 and time.monotonic() < deadline:
+        while c.next_layer < L + 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # room to run further, were it allowed
         assert L + 1 < c.last_layer  # (the fixture has layers left to run)
-        assert c._done == L + 1 and c.next_layer == L + 2
-        assert max(c._published) == L + 1 and len([k for k in c._published if k >= L]) == 2
+        # layer L+1 is done and offered (not taken: the writer holds layer L); L+2 not begun
+        assert c.next_layer == L + 2 and c.feed.current.layer == L
+        assert c._handoff._q.qsize() == 1 and c.results.layer == L + 1
+        assert c.result(next(u for u in plan.units if u.source.startswith(
+            f"model.layers.{L + 1}.") and u.action == "quantize")) is not None
+        while c.next_layer < L + 3 and time.monotonic() < deadline:  # taken: L+2 runs
+            time.sleep(0.05)
+        assert c.next_layer == L + 3
     assert not c._runner.is_alive()
 
 
