@@ -584,6 +584,13 @@ def _validate_experts(ckpt: Checkpoint) -> None:
             problems.append(Problem(t.file, t.name, f"expert {expert}",
                                     f"experts 0..{count - 1} (n_routed_experts {count})",
                                     "use the config.json that shipped with these weights"))
+    if seen:  # routed experts in the weights: the config's sizes of them must be usable
+        for k in ("n_routed_experts", "moe_intermediate_size"):
+            if k in cfg and cfg[k] is None:
+                problems.append(Problem("config.json", k, f"{k} = null",
+                                        "the number the release's config.json has (the engines "
+                                        "size the fused expert tensors from it)",
+                                        "restore the release's config.json"))
     if count:
         for prefix, have in sorted(seen.items()):
             missing = [f"{e}.{p}" for e in range(count) for p in want if (e, p) not in have]

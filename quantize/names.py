@@ -60,4 +60,6 @@ PICTURES = {
                     "(dead and starved experts marked)",
 }
 # weight files of any framework: an output folder holds none the manifest does not list
+# the suffix of a file being written (renamed into place when complete)
+PARTIAL = ".partial"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")

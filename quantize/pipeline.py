@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from quantize import __version__
-from quantize.checkpoint import Checkpoint, link_problem, open_checkpoint
+from quantize.checkpoint import Checkpoint, open_checkpoint
 from quantize.distributed import Dist
 from quantize.errors import Problem, QuantizeError
 from quantize.int4 import int4_outputs, quantize_rtn
@@ -56,7 +56,7 @@ from quantize.shards import (
     stall_point,
     write_json_atomic,
 )
-from quantize.source import _nonfinite, read_unit, resolve_device, source_weight
+from quantize.source import _nonfinite, aux_files, read_unit, resolve_device, source_weight
 
 if TYPE_CHECKING:
     from quantize.calibrate import Calibrator
@@ -66,11 +66,6 @@ __all__ = [
     "resolve_device", "source_weight",
 ]
 
-# Weight files of any format an engine or a loader might pick up from a model folder.
-# Files never copied from the source: the weights we rewrite, the source's card (we write our
-# own), and VCS / cache folders.
-_SKIP_SUFFIXES = (*WEIGHT_SUFFIXES, PARTIAL)
-_SKIP_NAMES = {INDEX_NAME, CARD, MANIFEST, "config.json", ".gitattributes", CALIB_REPORT}
 
 
 @dataclass(frozen=True)
@@ -225,22 +220,6 @@ def _check_scales(ckpt: Checkpoint, plan: Plan) -> None:
         raise QuantizeError("non-finite FP8 scales in the source", problems)
 
 
-def _aux_files(src: Path) -> list[Path]:
-    """The source's non-weight files we copy (tokenizer, generation config, remote code: copied,
-    never imported). A link leading out of the model folder is refused, not followed."""
-    files, problems = [], []
-    for p in sorted(src.iterdir()):
-        if p.name in _SKIP_NAMES or p.name.startswith(".") or p.name.endswith(_SKIP_SUFFIXES):
-            continue
-        if (link := link_problem(src, p)) is not None:
-            problems.append(link)
-        elif p.is_file():
-            files.append(p)
-    if problems:
-        raise QuantizeError("the source links to files outside the model folder", problems)
-    return files
-
-
 def _check_name(out: Path) -> None:
     """DST's name goes into the card, the manifest and the Hub repo's files as UTF-8 text: a
     name that is not UTF-8 (a byte the file system kept as is) is refused before any work."""
@@ -294,7 +273,7 @@ def convert(
         return None
     if dev.type == "cuda":  # the driver's start-up (~0.4 s on an H200) overlaps the checks below
         threading.Thread(target=_init_cuda, args=(dev,), daemon=True).start()
-    aux = _aux_files(src)
+    aux = aux_files(src)
     _check_scales(ckpt, plan)  # everything checkable without reading the weights, before writing
     _check_out_path(src, out, resume, overwrite)
     calib = None

@@ -38,6 +38,7 @@ import torch
 
 from quantize.checkpoint import TORCH_TO_ST
 from quantize.errors import Problem, QuantizeError
+from quantize.names import PARTIAL
 from quantize.plan import OutTensor, shard_header
 
 __all__ = [
@@ -45,7 +46,6 @@ __all__ = [
     "write_bytes_atomic", "write_failed", "write_json_atomic",
 ]
 
-PARTIAL = ".partial"
 STALL_ENV = "QUANTIZE_TEST_STALL_AT"
 _stall_counts: dict[str, int] = {}
 

@@ -10,11 +10,14 @@ so none of them imports the conversion recipe (pipeline.py) to do it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from quantize.checkpoint import Checkpoint, SourceFormat
+from quantize.checkpoint import Checkpoint, SourceFormat, link_problem
 from quantize.errors import Problem, QuantizeError
 from quantize.fp8 import dequant_block, dequant_channel
+from quantize.names import CALIB_REPORT, CARD, INDEX_NAME, MANIFEST, PARTIAL, WEIGHT_SUFFIXES
 from quantize.plan import Unit
 
 __all__ = ["read_unit", "resolve_device", "source_weight"]
@@ -73,3 +76,25 @@ def _nonfinite(ckpt: Checkpoint, name: str, t: torch.Tensor) -> QuantizeError:
         "finite numbers",
         "the checkpoint is corrupt: re-download this shard (a NaN weight would poison every "
         "token routed through it, so it is never passed on)")])
+
+
+# Files never copied from the source: the weights we rewrite (any format an engine or a loader
+# might pick up), our partial files, the source's card (we write our own), VCS / cache files.
+SKIP_SUFFIXES = (*WEIGHT_SUFFIXES, PARTIAL)
+SKIP_NAMES = {INDEX_NAME, CARD, MANIFEST, "config.json", ".gitattributes", CALIB_REPORT}
+
+
+def aux_files(src: Path) -> list[Path]:
+    """The source's non-weight files we copy (tokenizer, generation config, remote code: copied,
+    never imported). A link leading out of the model folder is refused, not followed."""
+    files, problems = [], []
+    for p in sorted(src.iterdir()):
+        if p.name in SKIP_NAMES or p.name.startswith(".") or p.name.endswith(SKIP_SUFFIXES):
+            continue
+        if (link := link_problem(src, p)) is not None:
+            problems.append(link)
+        elif p.is_file():
+            files.append(p)
+    if problems:
+        raise QuantizeError("the source links to files outside the model folder", problems)
+    return files

@@ -46,7 +46,13 @@ from quantize.manifest import MANIFEST, finished_manifest
 from quantize.names import (
     AWQ_SCALES,
     CALIB_STATE,
+    CALIB_TIMINGS,
+    CARD,
+    EVAL_JSON,
+    PARTIAL,
+    PICTURES,
     ROUTED_PICTURE,
+    RUN_RECORD,
     SQNR_PICTURE,
     VERIFY_JSON,
     WEIGHT_SUFFIXES,
@@ -55,7 +61,7 @@ from quantize.options import ConvertOptions
 from quantize.plan import Unit, make_plan
 from quantize.qconfig import quantization_config
 from quantize.shards import sha256_file
-from quantize.source import resolve_device, source_weight
+from quantize.source import aux_files, resolve_device, source_weight
 
 __all__ = ["TensorCheck", "VerifyReport", "verify"]
 
@@ -80,6 +86,7 @@ class VerifyReport:
     tensors: list[TensorCheck] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     layer_check: dict | None = None  # quantize/layercheck.py's report, or {"skipped": why}
+    notes: list[str] = field(default_factory=list)  # said, not failed (e.g. a file of the user's)
 
     @property
     def ok(self) -> bool:
@@ -116,6 +123,7 @@ class VerifyReport:
             "summary": {k: (num(v) if isinstance(v, float) else v) for k, v in self.summary().items()},
             "worst": [asdict(t) | {"sqnr_db": num(t.sqnr_db)} for t in self.worst()],
             "layer_check": self.layer_check,
+            "notes": self.notes,
             "tensors": [asdict(t) | {"sqnr_db": num(t.sqnr_db)} for t in self.tensors],
         }
 
@@ -281,6 +289,9 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, early: Checkpo
     for name in _unlisted_weights(dst, manifest["files"]):
         report.problems.append(f"{name}: a weight file the manifest does not list (an engine may "
                                f"load it with the checkpoint); delete it, or reconvert with --overwrite")
+    report.problems += _source_files_problems(Path(src), dst, manifest["files"])
+    report.notes += [f"{n}: in the folder, not part of the conversion (push does not upload it)"
+                     for n in _unrecorded_files(dst, manifest["files"])]
     if report.problems:
         return _finish(report, dst, write)
 
@@ -435,6 +446,39 @@ def _unlisted_weights(dst: Path, listed: dict) -> list[str]:
         dirs[:] = sorted(d for d in dirs if (rel / d).as_posix() != CALIB_STATE)
         found += [(rel / f).as_posix() for f in sorted(files) if f.endswith(WEIGHT_SUFFIXES)]
     return [n for n in found if n not in listed]
+
+
+def _source_files_problems(src: Path, dst: Path, listed: dict) -> list[str]:
+    """The source's non-weight files convert copies (tokenizer, generation config, chat
+    template, ...): each in the output, in its manifest, byte for byte the source's."""
+    if not src.is_dir():
+        return []
+    problems = []
+    for p in aux_files(src):
+        o = dst / p.name
+        if not o.is_file() or p.name not in listed:
+            where = "missing from the output" if not o.is_file() else "not in the manifest"
+            problems.append(f"{p.name}: in the source, {where} (convert copies it; engines and "
+                            "tokenizers read it); reconvert with --overwrite")
+        elif o.stat().st_size != p.stat().st_size or sha256_file(o) != sha256_file(p):
+            problems.append(f"{p.name}: differs from the source's; reconvert with --overwrite")
+    return problems
+
+
+# what verify, eval and convert write beside the manifest's files
+_OURS = {MANIFEST, CARD, VERIFY_JSON, EVAL_JSON, RUN_RECORD, CALIB_TIMINGS, *PICTURES}
+
+
+def _unrecorded_files(dst: Path, listed: dict) -> list[str]:
+    """Files in DST that are neither the conversion's (manifest) nor a report of ours."""
+    found = []
+    for folder, dirs, files in os.walk(dst):
+        rel = Path(folder).relative_to(dst)
+        dirs[:] = sorted(d for d in dirs if (rel / d).as_posix() != CALIB_STATE)
+        found += [n for f in sorted(files) if (n := (rel / f).as_posix()) not in listed
+                  and n not in _OURS and not n.endswith(PARTIAL) and not n.startswith(".")
+                  and not n.endswith(WEIGHT_SUFFIXES)]  # (unlisted weights: problems above)
+    return found
 
 
 def _finish(report: VerifyReport, dst: Path, write: bool) -> VerifyReport:

@@ -724,8 +724,12 @@ def test_config_values_that_cannot_be_used(src, tmp_path, field, value):
     else:
         set_config(src, **{field: value})
         shown = field
-    if value is None:  # null: as if absent, and the experts' own checks apply
-        assert runner.invoke(app, ["inspect", str(src)]).exit_code == 0
+    if value is None:  # null where the weights hold routed experts (issue 25: it was accepted)
+        for cmd in (["inspect", str(src)], ["plan", str(src)]):
+            assert_clear_error(runner.invoke(app, cmd), "the routed experts do not match config.json",
+                               f"config.json :: {shown}", f"{field} = null")
+        assert_clear_error(convert(src, tmp_path / "out"), f"{field} = null")
+        assert_nothing_written(tmp_path / "out")
         return
     for cmd in (["inspect", str(src)], ["plan", str(src)]):
         assert_clear_error(runner.invoke(app, cmd), "config.json has values the tool cannot use",
@@ -981,3 +985,28 @@ def test_an_output_name_that_is_not_utf8(dsa_fp8, tmp_path):
     assert_clear_error(r, "not UTF-8")
     assert not out.exists()
     assert "earlier, complete conversion" not in r.output
+
+
+def test_verify_misses_no_file_convert_copied_and_names_the_users(dsa_fp8, tmp_path):
+    """tokenizer_config.json removed from the output together with its manifest entry: verify
+    fails, naming it (it passed); a file of the user's in the folder is said as a note (it was
+    accepted without a word), and does not fail verify."""
+    from quantize.pipeline import convert as run_convert
+
+    src = Path(shutil.copytree(dsa_fp8, tmp_path / "src"))
+    write_tokenizer(src, tiny_config("glm_moe_dsa")["vocab_size"])
+    out = tmp_path / "out"
+    run_convert(src, out, ConvertOptions(), device="cpu", tp=1)
+    (out / "notes.txt").write_text("my notes\n")
+    r = runner.invoke(app, ["verify", str(src), str(out), "--device", "cpu", "--no-layer-check"],
+                      env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output
+    assert "note: notes.txt: in the folder, not part of the conversion" in r.output
+    (out / "tokenizer_config.json").unlink()
+    m = json.loads((out / MANIFEST).read_text())
+    del m["files"]["tokenizer_config.json"]
+    (out / MANIFEST).write_text(json.dumps(m))
+    r = runner.invoke(app, ["verify", str(src), str(out), "--device", "cpu", "--no-layer-check"],
+                      env={"COLUMNS": "300"})
+    assert r.exit_code == 1, r.output
+    assert "tokenizer_config.json: in the source, missing from the output" in r.output

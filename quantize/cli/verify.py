@@ -55,6 +55,8 @@ def verify(
         print_json(rep.to_json()["summary"])
     else:
         out.print(verify_table(rep))
+    for n in rep.notes:
+        err.print(f"[yellow]note:[/] {n}", highlight=False)
     for p in rep.problems:
         err.print(f"[red]problem:[/] {p}", highlight=False)
     failed = [t for t in rep.tensors if not t.ok]
