@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save
 
+from quantize.disk import MAX_CHECKPOINTS, checkpoint_bytes  # noqa: F401  (re-exported)
 from quantize.names import CALIB_STATE
 from quantize.shards import PARTIAL, fsync_dir, sha256_file, stall_point, write_failed
 
@@ -66,21 +67,6 @@ _META = "state.json"
 _SCALES = "awq-scales.safetensors"
 # At most this many checkpoints exist at once: the newest one a resume may need, a newer
 # finished one, and one being written (`prune` runs before and after each save).
-MAX_CHECKPOINTS = 3
-
-
-def checkpoint_bytes(num_samples: int, seq_len: int, hidden: int, itemsize: int,
-                     index_topk: int = 0) -> int:
-    """Bytes of one checkpoint: the hidden states, and a DSA model's top-k key indices
-    (min(index_topk, seq_len) per token, kept as `layers.topk_dtype` says: int16 up to 32,768
-    positions); the rest is a few KB. GLM-5.2 at 512 x 2048 on a GPU: 12.9 GB of hidden states
-    + 4.3 GB of top-k = 17.2 GB."""
-    from quantize.layers import topk_dtype
-
-    k = min(index_topk, seq_len) * topk_dtype(seq_len).itemsize
-    return num_samples * seq_len * (hidden * itemsize + k)
-
-
 @dataclass
 class Saved:
     """One checkpoint as read back (its files already checked against state.json)."""

@@ -62,7 +62,7 @@ from quantize import SCHEMA_VERSION
 from quantize.calib_data import CalibrationSet, load_calibration
 from quantize.calib_state import Checkpointer, StateDir
 from quantize.capture import MLPStats, dense_forward, moe_forward
-from quantize.checkpoint import DTYPES, Checkpoint
+from quantize.checkpoint import Checkpoint, torch_dtype
 from quantize.distributed import Dist
 from quantize.errors import Problem, QuantizeError
 from quantize.folds import FOLD_KEY, NormFold, find_norm_fold, fold_tensor
@@ -752,7 +752,7 @@ class Calibrator:
         report = rounding.run(done, clock.lap)
         mods = rounding.mods
         for n, t in mods.items():  # the BF16 tensors AWQ rescaled, as they will be written
-            t = t.to(DTYPES[self.units[n].outputs[0].dtype][0])
+            t = t.to(torch_dtype(self.units[n].outputs[0].dtype))
             self.results.rescaled[n] = t.cpu()
             self._set_weight(L, layer, n, t.float())
         clock.lap("rounding")

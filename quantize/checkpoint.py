@@ -26,38 +26,48 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from quantize.errors import Problem, QuantizeError
 from quantize.names import INDEX_NAME, SINGLE_NAME
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
-    "DTYPES",
+    "DTYPE_BYTES",
     "Checkpoint",
     "SourceFormat",
     "TensorInfo",
     "link_problem",
     "open_checkpoint",
     "read_safetensors_header",
+    "st_dtype",
+    "torch_dtype",
 ]
 
-# safetensors dtype string -> (torch dtype, bytes per element)
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 8),
-    "F32": (torch.float32, 4),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2),
-    "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1),
-    "BOOL": (torch.bool, 1),
+# safetensors dtype string -> bytes per element (headers only: no torch needed)
+DTYPE_BYTES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
 }
-TORCH_TO_ST = {v[0]: k for k, v in DTYPES.items()}
+_TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def torch_dtype(st: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype string (torch imported here, on first use: the
+    header-only commands never import it)."""
+    import torch
+
+    return getattr(torch, _TORCH_NAMES[st])
+
+
+def st_dtype(dtype: torch.dtype) -> str | None:
+    """The safetensors dtype string of a torch dtype (None: one safetensors does not hold)."""
+    name = str(dtype).removeprefix("torch.")
+    return next((k for k, v in _TORCH_NAMES.items() if v == name), None)
 
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit is 100 MB
@@ -123,6 +133,8 @@ class Checkpoint:
                 [Problem(self.name, name, "no local files", "a local folder",
                          "download it first: `quantize convert` accepts the repo id and downloads")],
             )
+        import torch
+
         dev = torch.device(device)
         if self.memo is None:
             return self._read(name, dev)
@@ -133,17 +145,19 @@ class Checkpoint:
         return t
 
     def _read(self, name: str, dev: torch.device) -> torch.Tensor:
+        import torch
+
         info = self.tensors[name]
-        torch_dtype, _ = DTYPES[info.dtype]
+        dtype = torch_dtype(info.dtype)
         if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=torch_dtype, device=dev)
+            return torch.empty(info.shape, dtype=dtype, device=dev)
         with open(self.root / info.file, "rb", buffering=0) as f:
             if dev.type == "cuda":
                 t = _staged_read(f.fileno(), info, dev)
             else:
                 t = torch.empty(info.nbytes, dtype=torch.uint8)
                 _read_exact(f.fileno(), memoryview(t.numpy()), info, 0)
-        return t.view(torch_dtype).reshape(info.shape)
+        return t.view(dtype).reshape(info.shape)
 
 
     def prefetch(self, names: list[str], chunk: int = 8 * 2**20,
@@ -190,6 +204,8 @@ def _staged_read(fd: int, info: TensorInfo, device: torch.device) -> torch.Tenso
     """The tensor's bytes in a new uint8 tensor on `device`, read through pinned chunks
     (`quantize.staging`): chunk i+1 is read from the file while chunk i is copied. The copy
     stream is synchronized before returning, so the tensor is complete for any stream."""
+    import torch
+
     from quantize.staging import CHUNK, staging
 
     user = torch.cuda.current_stream(device)  # where the caller will use the tensor
@@ -252,7 +268,7 @@ def read_safetensors_header(path: Path, shown_name: str) -> tuple[dict[str, dict
             continue
         ok = (
             isinstance(entry, dict)
-            and entry.get("dtype") in DTYPES
+            and entry.get("dtype") in DTYPE_BYTES
             and isinstance(entry.get("shape"), list)
             and all(isinstance(d, int) and d >= 0 for d in entry["shape"])
             and isinstance(entry.get("data_offsets"), list)
@@ -262,10 +278,10 @@ def read_safetensors_header(path: Path, shown_name: str) -> tuple[dict[str, dict
         if not ok:
             raise QuantizeError("corrupt safetensors header", [Problem(
                 shown_name, name, f"entry {json.dumps(entry)[:200]}",
-                f"dtype in {sorted(DTYPES)}, an integer shape and two data offsets",
+                f"dtype in {sorted(DTYPE_BYTES)}, an integer shape and two data offsets",
                 "re-download this shard")])
         begin, end = entry["data_offsets"]
-        need = math.prod(entry["shape"]) * DTYPES[entry["dtype"]][1]
+        need = math.prod(entry["shape"]) * DTYPE_BYTES[entry["dtype"]]
         if end - begin != need or begin < 0:
             raise QuantizeError("corrupt safetensors header", [Problem(
                 shown_name, name, f"data_offsets {begin}..{end} ({end - begin} bytes)",

@@ -10,12 +10,13 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from quantize.checkpoint import Checkpoint, TensorInfo, read_tensor_table
 from quantize.errors import Problem, QuantizeError
-from quantize.int4 import Int4Weight, dequantize, unpack_int4
+
+if TYPE_CHECKING:  # (torch is imported where tensors are read: `inspect` / `plan` of an
+    import torch  # output read headers only)
 
 __all__ = ["Int4View", "open_output"]
 
@@ -42,6 +43,10 @@ class Int4View(Checkpoint):
                 # GEMMs multiply by, not the BF16 widening of it
                 return dequant_block(w, s, self.fp8_block) if self.fp8_block else dequant_channel(w, s)
             return super().read(name, device)
+        import torch
+
+        from quantize.int4 import Int4Weight, dequantize, unpack_int4
+
         N, K = self.tensors[name].shape
         shape = [int(x) for x in super().read(m + ".weight_shape")]
         if shape != [N, K]:

@@ -429,7 +429,9 @@ def _mask(skeleton, inputs: LayerInputs, h: torch.Tensor, kind: str = "full_atte
 def topk_dtype(seq_len: int) -> torch.dtype:
     """How the DSA top-k key positions (< seq_len) are kept between layers: int16 while they
     fit (GLM-5.2 at 512 x 2048: 4.3 GB instead of the model's int32 8.6 GB), else int32."""
-    return torch.int16 if seq_len <= 2**15 else torch.int32
+    from quantize.disk import topk_itemsize
+
+    return torch.int16 if topk_itemsize(seq_len) == 2 else torch.int32
 
 
 def run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Tensor,

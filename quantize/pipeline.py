@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import threading
 from collections.abc import Callable
@@ -29,6 +28,7 @@ import torch
 
 from quantize import __version__
 from quantize.checkpoint import Checkpoint, open_checkpoint
+from quantize.disk import check_disk
 from quantize.distributed import Dist
 from quantize.errors import Problem, QuantizeError
 from quantize.int4 import int4_outputs, quantize_rtn
@@ -293,47 +293,6 @@ def convert(
     finally:
         if calib is not None:
             calib.close()  # stops its layer thread (also when an error or Ctrl-C propagates)
-
-
-def disk_needed(plan: Plan, device: torch.device | str, previous: dict | None = None,
-                checkpoint_interval: float = 300.0) -> dict:
-    """Bytes a conversion still has to write into its output folder: the shards the
-    manifest does not hold yet, and for calibrated methods the resume checkpoints (at most
-    calib_state.MAX_CHECKPOINTS at once, each the hidden states of every calibration token:
-    bf16 on a GPU, float32 on the CPU; none with an infinite `checkpoint_interval`)."""
-    from quantize.calib_state import MAX_CHECKPOINTS, checkpoint_bytes
-
-    held = set((previous or {}).get("files", {}))
-    shards = sum(s.file_bytes for s in plan.shards if s.file not in held)
-    o = plan.options
-    one = 0
-    if o.method != "rtn" and not math.isinf(checkpoint_interval):
-        itemsize = 2 if torch.device(device).type == "cuda" else 4
-        one = checkpoint_bytes(o.num_samples, o.seq_len, plan.hidden_size, itemsize,
-                               plan.index_topk)
-    return {"shards": shards, "checkpoint": one, "at_once": MAX_CHECKPOINTS,
-            "checkpoints": MAX_CHECKPOINTS * one, "total": shards + MAX_CHECKPOINTS * one}
-
-
-def check_disk(out: Path, plan: Plan, previous: dict | None, device: torch.device,
-               checkpoint_interval: float) -> None:
-    """Refuse to start when the output's file system lacks the room `disk_needed` says."""
-    from quantize.sizes import fmt_bytes
-
-    need = disk_needed(plan, device, previous, checkpoint_interval)
-    free = shutil.disk_usage(out).free
-    if need["total"] <= free:
-        return
-    parts = f"{fmt_bytes(need['shards'])} of shards"
-    if need["checkpoints"]:
-        parts += (f" + {fmt_bytes(need['checkpoints'])} of calibration checkpoints (up to "
-                  f"{need['at_once']} at once, {fmt_bytes(need['checkpoint'])} each)")
-    raise QuantizeError("not enough free disk space for the output", [Problem(
-        str(out), None, f"{fmt_bytes(free)} free", f"{fmt_bytes(need['total'])}: {parts}",
-        "free space or choose an output folder on a larger disk"
-        + (", or lower --num-samples (the checkpoints grow with the calibration tokens), or "
-           "pass --checkpoint-interval inf (no checkpoints: a crash restarts the calibration)"
-           if need["checkpoints"] else ""))])
 
 
 def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: list[Path],

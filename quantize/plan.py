@@ -22,7 +22,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from quantize.checkpoint import DTYPES, Checkpoint, SourceFormat
+from quantize.checkpoint import DTYPE_BYTES, Checkpoint, SourceFormat
 from quantize.errors import Problem, QuantizeError
 from quantize.layout import (
     fp8_targets,
@@ -48,7 +48,7 @@ class OutTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype][1]
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)

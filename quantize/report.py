@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
@@ -11,7 +12,9 @@ from quantize.checkpoint import Checkpoint
 from quantize.layout import layer_of, linear_role, module_of
 from quantize.plan import Plan
 from quantize.sizes import fmt_bytes
-from quantize.verify import VerifyReport
+
+if TYPE_CHECKING:
+    from quantize.verify import VerifyReport
 
 __all__ = ["eval_tables", "fmt_bytes", "inspect_data", "inspect_table", "plan_data", "plan_tables",
            "verify_table"]
@@ -199,7 +202,7 @@ def plan_data(plan: Plan) -> dict:
 def _disk(plan: Plan) -> dict:
     """What a conversion writes into its output folder, calibration checkpoints included
     (bf16 hidden states, as on a GPU)."""
-    from quantize.pipeline import disk_needed
+    from quantize.disk import disk_needed
 
     return disk_needed(plan, "cuda")
 

@@ -43,7 +43,7 @@ from torch.profiler import record_function
 
 from quantize.awq import AWQConfig, awq_search, fold_into_linear_rows, scale_linear_inputs
 from quantize.capture import EXPERT_BATCH, MLPStats
-from quantize.checkpoint import DTYPES, Checkpoint
+from quantize.checkpoint import Checkpoint, torch_dtype
 from quantize.distributed import Dist, owned
 from quantize.folds import NormFold, awq_expected
 from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
@@ -244,7 +244,7 @@ class LayerRounding:
             w_norm = self.ckpt.read(norm, self.device).float()
             # the scale the stored norm really applies (folds.NormFold.realized: the powers of
             # two of a MoE layer's x * w norm are exact, s_eff == s)
-            s_in = fold.realized(w_norm, s_in, DTYPES[W.units[norm].outputs[0].dtype][0])
+            s_in = fold.realized(w_norm, s_in, torch_dtype(W.units[norm].outputs[0].dtype))
             self.s_in = s_in
             self.awq_scales[p + "awq_input_scale"] = s_in.float().cpu()
             for n in targets:  # every consumer of the norm's output

@@ -32,14 +32,15 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
-import torch
-
-from quantize.checkpoint import TORCH_TO_ST
+from quantize.checkpoint import st_dtype
 from quantize.errors import Problem, QuantizeError
 from quantize.names import PARTIAL
 from quantize.plan import OutTensor, shard_header
+
+if TYPE_CHECKING:  # (torch is imported where tensors are written: the file helpers here
+    import torch  # serve the header-only commands too)
 
 __all__ = [
     "ShardWriter", "copy_file_atomic", "folder_lock", "fsync_dir", "sha256_file", "stall_point",
@@ -264,7 +265,7 @@ class ShardWriter:
 
     def write(self, tensor: torch.Tensor) -> None:
         want = self.planned[self.next]
-        got = (TORCH_TO_ST.get(tensor.dtype), tuple(tensor.shape))
+        got = (st_dtype(tensor.dtype), tuple(tensor.shape))
         if got != (want.dtype, want.shape):
             raise RuntimeError(f"internal: {want.name} computed as {got}, planned "
                                f"{(want.dtype, want.shape)}")
@@ -274,6 +275,8 @@ class ShardWriter:
             for chunk in device_chunks(tensor):
                 self._put(memoryview(chunk.numpy()))
         else:
+            import torch
+
             t = tensor.detach().to("cpu").contiguous().reshape(-1)
             self._put(memoryview(t.view(torch.uint8).numpy()))
         self.next += 1

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from quantize.checkpoint import DTYPES, INDEX_NAME, SourceFormat
+from quantize.checkpoint import DTYPE_BYTES, INDEX_NAME, SourceFormat, torch_dtype
 from quantize.layout import natural_key
 from quantize.plan import OutTensor, shard_header
 
@@ -201,14 +201,14 @@ def _fill(name: str, dtype: str, shape: tuple[int, ...], gen: torch.Generator,
     if len(shape) == 1:
         base = 1.0 if name.endswith("norm.weight") else 0.0
         t = base + 0.02 * torch.randn(shape, generator=gen, device=gen.device)
-        return {name: t.to(DTYPES[dtype][0]).cpu()}
+        return {name: t.to(torch_dtype(dtype)).cpu()}
     n, k = shape
     std = 1.0 if "embed_tokens" in name else k ** -0.5
     w = torch.randn(shape, generator=gen, device=gen.device) * std
     if ".experts.0.down_proj" in name and n >= 2 and k >= 32:
         w[1, :32] = 0.0  # one all-zero group: scale must fall back to eps, codes to 0
     if dtype != "F8_E4M3":
-        return {name: w.to(DTYPES[dtype][0]).cpu()}
+        return {name: w.to(torch_dtype(dtype)).cpu()}
     stem = name[: -len("weight")]
     if fmt == SourceFormat.FP8_BLOCK:
         nb, kb = math.ceil(n / 128), math.ceil(k / 128)
@@ -242,7 +242,7 @@ def write_checkpoint(out: str | Path, cfg: dict, fmt: str = SourceFormat.FP8_BLO
     groups: list[list[str]] = [[]]
     size = 0
     for n in names:
-        nb = math.prod(specs[n][1]) * DTYPES[specs[n][0]][1]
+        nb = math.prod(specs[n][1]) * DTYPE_BYTES[specs[n][0]]
         if groups[-1] and size + nb > shard_bytes and n != moved:
             groups.append([])
             size = 0
@@ -269,7 +269,7 @@ def write_checkpoint(out: str | Path, cfg: dict, fmt: str = SourceFormat.FP8_BLO
                 pending.update(_fill(n, *specs[n], gen, fmt, scale_of))
             tensors[n] = pending.pop(n)
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
-    total_size = sum(math.prod(s) * DTYPES[d][1] for d, s in specs.values())
+    total_size = sum(math.prod(s) * DTYPE_BYTES[d] for d, s in specs.values())
     (out / INDEX_NAME).write_text(json.dumps(
         {"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2))
     (out / "config.json").write_text(json.dumps(source_config(cfg, fmt), indent=2))

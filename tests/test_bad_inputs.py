@@ -957,7 +957,7 @@ def test_verify_of_a_group_scale_with_its_sign_flipped(tmp_path):
     src = write_checkpoint(tmp_path / "src", tiny_config("glm4_moe", num_hidden_layers=2), "fp8-channel")
     out = tmp_path / "out"
     run_convert(src, out, ConvertOptions(), device="cpu", tp=1)
-    shard = sorted(out.glob("*.safetensors"))[0]
+    shard = min(out.glob("*.safetensors"))
     t = load_file(shard)
     name = next(k for k in sorted(t) if k.endswith("weight_scale") and ".experts." in k)
     t[name][0, 0] = -t[name][0, 0]

@@ -365,7 +365,7 @@ def test_checkpoint_disk_is_predicted_and_checked_before_writing(src, tmp_path, 
 
     from safetensors.torch import load_file
 
-    from quantize.pipeline import disk_needed
+    from quantize.disk import disk_needed
 
     out = tmp_path / "out"
     with pytest.raises(Stop):
@@ -379,7 +379,7 @@ def test_checkpoint_disk_is_predicted_and_checked_before_writing(src, tmp_path, 
     assert disk_needed(plan, "cuda")["checkpoint"] < need["checkpoint"]  # bf16 hidden states
 
     Usage = collections.namedtuple("Usage", "total used free")
-    monkeypatch.setattr("quantize.pipeline.shutil.disk_usage",
+    monkeypatch.setattr("quantize.disk.shutil.disk_usage",
                         lambda p: Usage(10**12, 10**12 - need["total"] + 1, need["total"] - 1))
     fresh = tmp_path / "fresh"
     with pytest.raises(QuantizeError, match="not enough free disk space") as e:

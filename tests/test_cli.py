@@ -38,21 +38,29 @@ def test_version_and_short_help():
         assert r.exit_code == 0 and "Usage:" in r.output and "--help" in r.output
 
 
-def test_version_and_help_import_no_numeric_library():
-    """`quantize --version` and `--help` as processes load none of torch, transformers or
-    compressed-tensors (the versions come from the packages' metadata): they answer at once."""
+def test_header_only_commands_import_no_numeric_library(dsa_fp8, tmp_path):
+    """`quantize --version`, `--help`, and `inspect` / `plan` of a source and of an output, as
+    processes, load none of torch, transformers or compressed-tensors (versions come from the
+    packages' metadata, the rest reads headers): they answer at once (issue 23)."""
     import subprocess
     import sys
 
+    from quantize.pipeline import convert
+    from quantize.options import ConvertOptions
+
+    out = tmp_path / "out"
+    convert(dsa_fp8, out, ConvertOptions(), device="cpu", tp=1)
     probe = ("import sys\nfrom typer.testing import CliRunner\nfrom quantize.cli import app\n"
-             "r = CliRunner().invoke(app, [sys.argv[1]])\nassert r.exit_code == 0, r.output\n"
+             "r = CliRunner().invoke(app, sys.argv[1:])\nassert r.exit_code == 0, r.output\n"
              "print(sorted(m for m in ('torch', 'transformers', 'compressed_tensors') "
              "if m in sys.modules))")
-    for flag in ("--version", "--help"):
-        p = subprocess.run([sys.executable, "-c", probe, flag], capture_output=True, text=True,
+    for args in (["--version"], ["--help"], ["inspect", str(dsa_fp8)], ["inspect", str(out)],
+                 ["plan", str(dsa_fp8), "--tp", "1"], ["plan", str(out), "--tp", "1"],
+                 ["plan", str(dsa_fp8), "--tp", "1", "--method", "gptq", "--json"]):
+        p = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True,
                            check=False)
-        assert p.returncode == 0, p.stderr
-        assert p.stdout.strip().splitlines()[-1] == "[]", (flag, p.stdout)
+        assert p.returncode == 0, (args, p.stderr)
+        assert p.stdout.strip().splitlines()[-1] == "[]", (args, p.stdout)
 
 
 def test_inspect_json(dsa_fp8):

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from quantize import shards
-from quantize.checkpoint import TORCH_TO_ST
+from quantize.checkpoint import st_dtype
 from quantize.plan import OutTensor
 from quantize.shards import PARTIAL, ShardWriter
 
@@ -31,7 +31,7 @@ def test_streamed_shard_reads_back_exactly(tmp_path, monkeypatch):
         "a.weight_shape": torch.tensor([512, 8192]),
         "b.weight": torch.randn(1024, 768, generator=g).to(torch.bfloat16),
     }
-    planned = [OutTensor(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
+    planned = [OutTensor(n, st_dtype(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
     path = tmp_path / "model-00001-of-00001.safetensors"
     with ShardWriter(path, planned) as w:
         for t in tensors.values():
