@@ -113,6 +113,15 @@ def fp8_targets(kept: list[str], num_hidden_layers: int) -> list[str]:
         for n in fused_names(m):
             tail = n.split(f"layers.{L}.", 1)[1] if L is not None else n
             rx = "re:.*\\." + re.escape(tail) + "$" if L is not None else n
+            if L is not None and L >= num_hidden_layers and rx not in out:
+                # an MTP layer's module that no decoder layer keeps (`--mtp keep` with that
+                # role INT4 in the decoder layers): this layer's names only, as the draft
+                # models name it, so the decoder layers' INT4 modules stay out of the group
+                for r in (rf"re:model\.layers\.{L}\.(mtp_block\.)?{re.escape(tail)}$",
+                          rf"re:model\.decoder\.{re.escape(tail)}$"):
+                    if r not in out:
+                        out.append(r)
+                continue
             if rx not in out:
                 out.append(rx)
     if mtp:
