@@ -45,8 +45,8 @@ def test_header_only_commands_import_no_numeric_library(dsa_fp8, tmp_path):
     import subprocess
     import sys
 
-    from quantize.pipeline import convert
     from quantize.options import ConvertOptions
+    from quantize.pipeline import convert
 
     out = tmp_path / "out"
     convert(dsa_fp8, out, ConvertOptions(), device="cpu", tp=1)
