@@ -851,13 +851,15 @@ class Calibrator:
         if not ok:
             self.log(f"layer {L}: its forward is not attention + MLP on one residual, bit for "
                      "bit: whole-layer forwards in both passes")
-            mlp.forward = lambda x: fwd(mlp, x, stats)  # the same output, statistics on
+            # the statistics of the MLP's input, captured by a pre-hook as the class's own
+            # forward runs (the layer's output is not kept: pass 2 computes it after rounding)
+            hook = mlp.register_forward_pre_hook(lambda m, args: fwd(m, args[0], stats, outputs=False))
             try:
                 for i in range(len(self.hidden)):
                     self._check_stop()
                     run_layer(self.skeleton, layer, self.inputs, self.hidden.on_device(i), self.topk[i])
             finally:
-                del mlp.forward  # back to the class's forward
+                hook.remove()
             return ref0, h0, None
         # several chunks per statistics call (all-expert mode: one, its (e, T, I) activations
         # grow with T); the routed Hessians recompute a call's MLP inputs from the hidden
