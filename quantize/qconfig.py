@@ -19,8 +19,12 @@ def quantization_config(plan: Plan) -> dict:
     )
 
     o = plan.options
+    # the observer that chose the group scales: GPTQ's MSE clip searches each group's range for
+    # the least (Hessian-weighted) squared error, llm-compressor's "mse" observer's job; else
+    # the min-max range (engines read neither: the scales are in the file)
+    observer = "mse" if o.mse_clip and "gptq" in o.method else "minmax"
     args = QuantizationArgs(num_bits=o.num_bits, type="int", symmetric=o.symmetric, strategy="group",
-                            group_size=o.group_size, dynamic=False, actorder=None, observer="minmax")
+                            group_size=o.group_size, dynamic=False, actorder=None, observer=observer)
     acts = None
     if o.scheme == "w4afp8":  # compressed-tensors' W4AFP8 preset: dynamic per-token FP8 inputs
         acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token",

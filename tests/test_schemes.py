@@ -73,3 +73,20 @@ def test_w4afp8_tp_sizes_of_the_real_glm_shapes(model, hidden, width, good):
     assert bad.level == "fail"
     assert (f"w4afp8 serves at TP {', '.join(map(str, good))}" in bad.detail) if good else \
         ("use --scheme w4a16" in bad.detail)
+
+
+@pytest.mark.parametrize("method,mse_clip,observer", [
+    ("rtn", None, "minmax"), ("gptq", None, "mse"), ("gptq", False, "minmax"),
+    ("awq+gptq", None, "mse"), ("awq", None, "minmax")])
+def test_the_config_names_the_observer_that_chose_the_scales(dsa_fp8, method, mse_clip, observer):
+    """quantization_config's weights observer says how the group scales were chosen: "mse" when
+    GPTQ's MSE clip searched each group's range (the default of gptq and awq+gptq), else
+    "minmax" (it said minmax for every method; issue 27)."""
+    from quantize.checkpoint import open_checkpoint
+    from quantize.plan import make_plan
+    from quantize.qconfig import quantization_config
+
+    opts = ConvertOptions(method=method, mse_clip=mse_clip)
+    qc = quantization_config(make_plan(open_checkpoint(dsa_fp8), opts, 1))
+    assert qc["config_groups"]["group_0"]["weights"]["observer"] == observer
+    QuantizationConfig.model_validate(qc)  # compressed-tensors' own schema takes it

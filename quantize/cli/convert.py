@@ -83,8 +83,8 @@ def convert(
     mse_clip: Annotated[bool | None, typer.Option(
         "--mse-clip/--no-mse-clip", help="GPTQ: search each group's clipping range (1.00-0.80 of "
         "min/max) for the least Hessian-weighted squared error instead of the full range. "
-        "Default: on for gptq and awq+gptq (held-out perplexity added ~3x smaller on SmolLM2; "
-        "on CUDA one Triton kernel, under 1 s per GLM-5.2 MoE layer).",
+        "Default: on for gptq and awq+gptq (largest where weights sit near a 4-bit grid, "
+        "smaller off it: README; on CUDA one Triton kernel, under 1 s per GLM-5.2 MoE layer).",
         show_default=False, rich_help_panel=CALIB)] = None,
     rtn_fallback: Annotated[bool, typer.Option(
         help="A calibrated layer whose output error on the calibration tokens exceeds "
