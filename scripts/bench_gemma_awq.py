@@ -43,22 +43,22 @@ def build_source(root: Path) -> Path:
 
 
 def convert(src: Path, out: Path, method: str, args, legacy: bool) -> dict:
-    from quantize import calibrate
+    from quantize import calib_layer
     from quantize.folds import LEGACY
     from quantize.options import ConvertOptions
     from quantize.pipeline import convert as run
 
-    saved = calibrate.find_norm_fold, calibrate.REGRESSION_MARGIN
+    saved = calib_layer.find_norm_fold, calib_layer.REGRESSION_MARGIN
     if legacy:
-        calibrate.find_norm_fold = lambda *a, **k: LEGACY
-        calibrate.REGRESSION_MARGIN = float("inf")
+        calib_layer.find_norm_fold = lambda *a, **k: LEGACY
+        calib_layer.REGRESSION_MARGIN = float("inf")
     t0 = time.perf_counter()
     try:
         run(src, out, ConvertOptions(method=method, targets=frozenset({"dense"}), group_size=128,
                                      num_samples=args.num_samples, seq_len=args.seq_len),
             device="cpu", overwrite=True)
     finally:
-        calibrate.find_norm_fold, calibrate.REGRESSION_MARGIN = saved
+        calib_layer.find_norm_fold, calib_layer.REGRESSION_MARGIN = saved
     rep = json.loads((out / "calibration-report.json").read_text())
     return {"seconds": round(time.perf_counter() - t0, 1),
             "output_rel_error": [round(lay["output_rel_error"], 4) for lay in rep["layers"]],

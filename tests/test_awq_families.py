@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantize import calibrate
+from quantize import calib_layer
 from quantize.calibrate import AWQ_SCALES, CALIB_REPORT, Calibrator
 from quantize.checkpoint import open_checkpoint
 from quantize.errors import QuantizeError
@@ -103,10 +103,12 @@ def _record_layers(monkeypatch) -> dict:
     run = Calibrator._run
 
     def recording(self, L):
-        run(self, L)
+        result = run(self, L)
         if L < self.num_layers:
-            seen[L] = [self.hidden.get(i).clone() for i in range(len(self.hidden))]
+            h = self.carry.hidden
+            seen[L] = [h.get(i).clone() for i in range(len(h))]
             seen["tokens"] = self.tokens.clone()
+        return result
     monkeypatch.setattr(Calibrator, "_run", recording)
     return seen
 
@@ -195,7 +197,7 @@ def test_probe_finds_gemma3s_feedforward_norm_and_its_offset(tmp_path):
 def _legacy_gemma(src, out, monkeypatch, **kw):
     """What the calibrator did before folds were found from the layer: the post-attention norm,
     w / s (the Gemma3 bug), every other step unchanged."""
-    monkeypatch.setattr(calibrate, "find_norm_fold", lambda *a, **k: LEGACY)
+    monkeypatch.setattr(calib_layer, "find_norm_fold", lambda *a, **k: LEGACY)
     convert(src, out, _opts("gemma3_text", method="awq+gptq", **kw), device="cpu", overwrite=True)
 
 
@@ -215,7 +217,7 @@ def test_a_fold_into_the_wrong_norm_stops_the_run_or_falls_back(tmp_path, monkey
     rep = json.loads((out / CALIB_REPORT).read_text())
     fb = [lay for lay in rep["layers"] if "rtn_fallback" in lay]
     assert fb and all(lay["rtn_fallback"]["rel_error"] >
-                      calibrate.REGRESSION_MARGIN * lay["rtn_fallback"]["rtn_rel_error"] for lay in fb)
+                      calib_layer.REGRESSION_MARGIN * lay["rtn_fallback"]["rtn_rel_error"] for lay in fb)
     assert all(lay["output_rel_error"] == pytest.approx(lay["check"]["rtn_rel_error"], rel=1e-4)
                for lay in fb)
     scales, _ = read_folds(out / AWQ_SCALES)
@@ -248,7 +250,7 @@ def test_verify_fails_a_wrong_fold_that_every_weight_check_agrees_with(tmp_path,
     fails, and the layer check on its own flags that layer (and only it)."""
     src = _dense_source(tmp_path / "src", "gemma3_text", loud=30)
     broken = tmp_path / "broken"
-    monkeypatch.setattr(calibrate, "REGRESSION_MARGIN", 1e9)
+    monkeypatch.setattr(calib_layer, "REGRESSION_MARGIN", 1e9)
     _legacy_gemma(src, broken, monkeypatch)
     r = verify(src, broken)
     assert all(t.ok for t in r.tensors) and not r.ok

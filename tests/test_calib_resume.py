@@ -5,7 +5,7 @@ layer 2 needs the top-k from the checkpoint), awq+gptq, 200 KB shards: ~20 shard
 starting in several of them, so checkpoints after layers 0, 1, 2 and the last one (MTP) are
 written. The per-layer wall-clock times in calibration-report.json are the only bytes that
 differ between two runs, so every run here reads a clock that stands still
-(`quantize.calibrate.time`), in process and in the CLI subprocesses alike: then the whole
+(`quantize.calib_layer.time`), in process and in the CLI subprocesses alike: then the whole
 folder, report and manifest included, must be identical.
 """
 
@@ -64,7 +64,7 @@ def src(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def still_clock(monkeypatch):
-    monkeypatch.setattr("quantize.calibrate.time", STILL_CLOCK)
+    monkeypatch.setattr("quantize.calib_layer.time", STILL_CLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def reference(src, tmp_path_factory) -> Path:
     """An uninterrupted run (in process), with the clock standing still."""
     out = tmp_path_factory.mktemp("ref") / "out"
     mp = pytest.MonkeyPatch()
-    mp.setattr("quantize.calibrate.time", STILL_CLOCK)
+    mp.setattr("quantize.calib_layer.time", STILL_CLOCK)
     try:
         convert(src, out, OPTS, device="cpu")
     finally:
@@ -265,11 +265,11 @@ def test_resume_refused_after_the_seed_the_tokenizer_or_config_changed(tmp_path)
 
 
 def run_cli(src: Path, out: Path, stall: str | None = None, sig=signal.SIGKILL) -> tuple[int, str]:
-    """`quantize convert` in a subprocess with a clock standing still in quantize.calibrate;
+    """`quantize convert` in a subprocess with a clock standing still in quantize.calib_layer;
     with `stall`, sent `sig` (SIGKILL) when it reaches that point. Returns (exit status, stderr)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "300"}
     env.pop(STALL_ENV, None)
-    code = ("import signal, types, quantize.calibrate as c; "
+    code = ("import signal, types, quantize.calib_layer as c; "
             "signal.signal(signal.SIGINT, signal.default_int_handler); "
             "c.time = types.SimpleNamespace(perf_counter=lambda: 0.0); "
             "from quantize.cli import app; app()")

@@ -460,7 +460,7 @@ def test_layer_thread_runs_one_layer_ahead(ckpt_dir):
         assert L + 1 < c.last_layer  # (the fixture has layers left to run)
         # layer L+1 is done and offered (not taken: the writer holds layer L); L+2 not begun
         assert c.next_layer == L + 2 and c.feed.current.layer == L
-        assert c._handoff._q.qsize() == 1 and c.results.layer == L + 1
+        assert c._handoff._q.qsize() == 1 and c.runner.results.layer == L + 1
         assert c.result(next(u for u in plan.units if u.source.startswith(
             f"model.layers.{L + 1}.") and u.action == "quantize")) is not None
         while c.next_layer < L + 3 and time.monotonic() < deadline:  # taken: L+2 runs
