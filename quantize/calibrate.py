@@ -16,8 +16,9 @@ the activations between layers; `capture.py` is the MLP's calibration forward an
 statistics; `rounding.py` rounds one layer's MLP from them (which weights, which Hessians, what
 batches), `gptq.py` / `awq.py` being the rounding as pure functions; `calib_layer.py` is one
 layer's calibration (`LayerRunner`: load, pass 1, rounding, the RTN guard, pass 2) and what is
-carried between layers (`Carry`); this module is the loop (`Calibrator`: the layer thread, the
-MTP layer, resume, handing each layer's result to the writer: handoff.py) and writes the
+carried between layers (`Carry`); `calib_mtp.py` the MTP layer's inputs; this module is the
+loop (`Calibrator`: the layer thread, resume, handing each layer's result to the writer:
+handoff.py) and writes the
 report; `calib_state.py` keeps the checkpoints for resume; `distributed.py` the ranks under
 torchrun.
 
@@ -56,11 +57,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from quantize import SCHEMA_VERSION
 from quantize.calib_data import CalibrationSet, load_calibration
 from quantize.calib_layer import Carry, LayerRunner, mlp_targets
+from quantize.calib_mtp import mtp_config, mtp_inputs, mtp_runnable, rtn_entries
 from quantize.calib_state import Checkpointer, StateDir
 from quantize.checkpoint import Checkpoint
 from quantize.distributed import Dist
@@ -162,8 +163,9 @@ class Calibrator:
         self.last_layer = max((min(L, self.num_layers) for u in plan.units
                                if (L := layer_of(u.source)) is not None), default=-1)
         # the MTP layer's own skeleton, built now: a config it cannot take fails before output
-        self._mtp_skeleton = build_skeleton(self._mtp_config(self.num_layers)) \
-            if self.last_layer == self.num_layers and self._mtp_runnable(self.num_layers) else None
+        self._mtp_skeleton = build_skeleton(mtp_config(ckpt, self.num_layers)) \
+            if self.last_layer == self.num_layers and \
+            mtp_runnable(ckpt, self.num_layers, self.calib.tokens.shape[1]) else None
         # after these layers a resume can start: a shard's first layer, minus one
         self._save_after = {L - 1 for s in plan.shards if (L := self._first_layer(s)) is not None}
         self._save_after.add(self.last_layer)
@@ -347,7 +349,7 @@ class Calibrator:
                 "mse_clip": o.mse_clip,
                 "group_size": o.group_size, "calibration": self.calib.summary(),
                 "device": str(self.device), "compute_dtype": str(self.dtype).replace("torch.", ""),
-                "layers": self.carry.layers + self._rtn_mtp()}
+                "layers": self.carry.layers + rtn_entries(self.plan, self.num_layers, self.carry)}
 
     # -- checkpoints for resume (quantize/calib_state.py) -------------------------------------
 
@@ -481,6 +483,21 @@ class Calibrator:
         self.next_layer += 1
         return result
 
+    def _run_mtp(self, L: int) -> LayerResult:
+        """The MTP layer on its real inputs (calib_mtp.py), through its own skeleton."""
+        if self._mtp_skeleton is None:
+            self.carry.mtp_skip[L] = "no eh_proj / enorm / hnorm in the checkpoint: rounded to nearest"
+            return LayerResult(L)
+        skeleton = self._mtp_skeleton
+        mtp_inputs(self.ckpt, L, skeleton, self.carry, self.tokens, self.device, self.dtype,
+                   self._before_overwrite)
+        self.skeleton = self.runner.skeleton = skeleton
+        S = self.calib.tokens.shape[1]
+        self.inputs = self.runner.inputs = layer_inputs(skeleton, S - 1, self.device, self.dtype)
+        result = self._run(L)
+        self.carry.layers[-1]["mtp"] = True
+        return result
+
     def _run(self, L: int) -> LayerResult:
         """Decoder layer L's calibration (calib_layer.LayerRunner) on the carried hidden states
         (the tokens embedded first); its report entry kept, its result returned."""
@@ -511,23 +528,6 @@ class Calibrator:
         if names and not self._stop:
             self._prefetch.submit(self.ckpt.prefetch, names, stop=lambda: self._stop)
 
-    def _rtn_mtp(self) -> list[dict]:
-        """Report entries of MTP layers rounded to nearest: their quantized units that got no
-        calibrated result (from the plan, so a resumed run reports the same)."""
-        ran = {e["layer"] for e in self.carry.layers}
-        out: dict[int, dict] = {}
-        for u in self.plan.units:
-            L = layer_of(u.source)
-            if L is None or L < self.num_layers or u.action != "quantize":
-                continue
-            p = f"model.layers.{L}.mlp."
-            if L in ran and u.source.startswith(p) and u.source.endswith("_proj.weight"):
-                continue  # calibrated (`_targets` of the MTP layer)
-            entry = out.setdefault(L, {"layer": L, "mtp": True, "method": "rtn", "modules": 0,
-                                       "reason": self.carry.mtp_skip.get(L, "only the first MTP layer is run")})
-            entry["modules"] += 1
-        return list(out.values())
-
     # -- internals -----------------------------------------------------------------------------
 
     def _embed(self) -> None:
@@ -541,64 +541,6 @@ class Calibrator:
         self.carry.hidden = HiddenStates(chunks, self.device, where)
         self.carry.topk = [None] * len(chunks)
         self.carry.spilled = where != "device"
-
-    def _run_mtp(self, L: int) -> LayerResult:
-        """The MTP layer (index num_hidden_layers), run on its real inputs: at position i,
-        eh_proj([enorm(embed(token i+1)), hnorm(h_i)]) with h_i the last layer's output, over
-        the first S-1 positions (the last has no next token)."""
-        ck, dev, dt = self.ckpt, self.device, self.dtype
-        p = f"model.layers.{L}."
-        if self._mtp_skeleton is None:
-            self.carry.mtp_skip[L] = "no eh_proj / enorm / hnorm in the checkpoint: rounded to nearest"
-            return LayerResult(L)
-        cfg, skeleton = self._mtp_config(L), self._mtp_skeleton
-        H = cfg["hidden_size"]
-        norm_cls = type(skeleton.model.norm)
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        enorm, hnorm = norm_cls(H, eps=eps).to(dev, dt), norm_cls(H, eps=eps).to(dev, dt)
-        with torch.no_grad():
-            enorm.weight.copy_(ck.read(p + "enorm.weight", dev))
-            hnorm.weight.copy_(ck.read(p + "hnorm.weight", dev))
-            eh = ck.read(p + "eh_proj.weight", dev).to(dt)  # (H, 2H)
-            emb = ck.read("model.embed_tokens.weight", dev)  # (V, H)
-            S = self.calib.tokens.shape[1]
-            self.carry.topk = [None] * len(self.carry.hidden)  # the MTP layer computes its own top-k
-            self._before_overwrite()
-            first = 0  # the chunk's first sample (chunks as _embed, or a checkpoint, made them)
-            for i in range(len(self.carry.hidden)):  # each chunk replaced in turn: no second copy
-                h = self.carry.hidden.on_device(i)
-                t = self.tokens[first:first + h.shape[0], 1:].to(dev)  # (b, S-1) next tokens
-                first += h.shape[0]
-                x = torch.cat([enorm(emb[t].to(dt)), hnorm(h[:, :-1])], -1)
-                del h
-                self.carry.hidden.put(i, F.linear(x, eh))  # (b, S-1, H)
-                del x
-        del emb
-        self.skeleton = self.runner.skeleton = skeleton
-        self.inputs = self.runner.inputs = layer_inputs(skeleton, S - 1, dev, dt)
-        result = self._run(L)
-        self.carry.layers[-1]["mtp"] = True
-        return result
-
-    def _mtp_runnable(self, L: int) -> bool:
-        need = [f"model.layers.{L}.{n}.weight" for n in ("eh_proj", "enorm", "hnorm")]
-        return all(n in self.ckpt.tensors for n in need) and self.calib.tokens.shape[1] >= 2
-
-    def _mtp_config(self, L: int) -> dict:
-        """config.json for a model of L+1 decoder layers, the MTP layer L the last: every
-        per-layer list (`layer_types`, `mlp_layer_types`, ... as transformers writes them)
-        extended by its last entry, DSA `indexer_types` from the tensors (which layers have
-        their own indexer)."""
-        ck = self.ckpt
-        n = ck.num_hidden_layers
-        cfg = dict(ck.config, num_hidden_layers=L + 1)
-        for k, v in ck.config.items():
-            if isinstance(v, list) and v and len(v) == n and k.endswith("_types"):
-                cfg[k] = list(v) + [v[-1]] * (L + 1 - n)
-        if ck.model_type == "glm_moe_dsa":
-            cfg["indexer_types"] = ["full" if f"model.layers.{i}.self_attn.indexer.wq_b.weight"
-                                    in ck.tensors else "shared" for i in range(L + 1)]
-        return cfg
 
     def _check_mlps(self) -> None:
         """Refuse, before any output exists, a layer whose MLP has INT4 targets but a class
