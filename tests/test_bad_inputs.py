@@ -1010,3 +1010,70 @@ def test_verify_misses_no_file_convert_copied_and_names_the_users(dsa_fp8, tmp_p
                       env={"COLUMNS": "300"})
     assert r.exit_code == 1, r.output
     assert "tokenizer_config.json: in the source, missing from the output" in r.output
+
+
+# --- the command line itself (issue 25, defects 2 and 5; --json errors) ---------------------------
+
+
+def test_recorded_command_keeps_every_flag_with_its_value(tmp_path):
+    """The command the manifest and the card publish is one a reader can paste: each flag
+    keeps its value (issue 25, defect 2: `--group-size 64` was recorded as `'' 64`), and local
+    paths become names."""
+    from pathlib import Path
+
+    from quantize.cli.run_record import public_command
+
+    src, dst = tmp_path / "models" / "GLM-tiny-FP8", tmp_path / "out" / "GLM-tiny-INT4"
+    src.mkdir(parents=True)
+    calib = tmp_path / "my-calib.jsonl"
+    calib.write_text("{}\n")
+    args = ["convert", str(src), str(dst), "--group-size", "64", "--max-shard-size", "2MB", "-g",
+            "32", "--calib", str(calib), f"--calib={calib}", "--asymmetric", "--percdamp", "-0.5"]
+    got = public_command(args, str(src), Path(dst), "zai-org/GLM-4.6-FP8")
+    assert got == ("quantize convert zai-org/GLM-4.6-FP8 GLM-tiny-INT4 --group-size 64 "
+                   "--max-shard-size 2MB -g 32 --calib my-calib.jsonl --calib=my-calib.jsonl "
+                   "--asymmetric --percdamp -0.5")
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--max-gpu-memory", "inf"), ("--max-gpu-memory", "1e400"), ("--max-gpu-memory", "nan"),
+    ("--max-gpu-memory", "-5"), ("--max-gpu-memory", "0"), ("--checkpoint-interval", "nan"),
+    ("--checkpoint-interval", "-1")])
+def test_numeric_options_out_of_range_name_the_option(dsa_fp8, tmp_path, flag, value):
+    """Each of convert's numbers is checked where the options are built: one line naming the
+    option and exit 2, before anything is written (issue 25, defect 5)."""
+    out = tmp_path / "o"
+    r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--device", "cpu", "--tp", "1",
+                            flag, value])
+    assert r.exit_code == 2, r.output
+    assert f"error: {flag} " in r.output and "Traceback" not in r.output, r.output
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_json_errors_are_a_json_object_on_stdout(tmp_path):
+    """With --json an error is also a JSON object on stdout (schema_version, error, problems),
+    besides the line on stderr: a script reading stdout sees why (issue 25)."""
+    missing = tmp_path / "nowhere"
+    for cmd in (["inspect", str(missing), "--json"], ["plan", str(missing), "--json"],
+                ["verify", str(missing), str(tmp_path / "o"), "--json"]):
+        r = runner.invoke(app, cmd)
+        assert r.exit_code == 2, r.output
+        d = json.loads(r.stdout)
+        assert d["schema_version"] >= 1 and d["error"], d
+        assert isinstance(d["problems"], list)
+        assert "error:" in r.stderr
+
+
+def test_a_hand_edited_eval_json_with_nan_in_the_card(verified, tmp_path):
+    """eval.json whose figures are NaN (hand-edited): the card says 'not a number' for each
+    (it printed 'nan')."""
+    from quantize.readme import card_text
+
+    dst = _pushable_copy(verified, tmp_path)
+    ev = json.loads((dst / "eval.json").read_text())
+    ev["summary"].update(ppl_ratio=float("nan"), kl_mean=float("nan"), top1_agreement=float("nan"))
+    (dst / "eval.json").write_text(json.dumps(ev))
+    card = card_text(dst)
+    rows = [line for line in card.splitlines() if line.startswith(("| perplexity ratio",
+                                                                    "| mean KL", "| same top-1"))]
+    assert len(rows) == 3 and all("not a number" in r and "nan" not in r for r in rows), rows
