@@ -123,8 +123,14 @@ def _check_publishable(dst: Path, repo_id: str, skip_verify_check: bool) -> dict
                                     "convert again with --overwrite"))
     if problems:
         raise QuantizeError("the folder does not match its manifest: refusing to publish it", problems)
-    if skip_verify_check:
-        return manifest
+    if not skip_verify_check:
+        _check_reports(dst)
+    return manifest
+
+
+def _check_reports(dst: Path) -> None:
+    """verify.json passed, with the layer check, at the default floor, for this manifest and
+    after it; eval.json, when there, did not find the output broken. Raises naming the file."""
     vpath = dst / VERIFY_JSON
     fix = "run `quantize verify SRC DST` (or pass --skip-verify-check to publish unverified)"
     if not vpath.is_file():
@@ -175,7 +181,6 @@ def _check_publishable(dst: Path, repo_id: str, skip_verify_check: bool) -> dict
         raise QuantizeError("verify.json is older than the conversion: refusing to publish it", [Problem(
             str(vpath), None, "written before the manifest's last change", "a report of this conversion",
             fix)])
-    return manifest
 
 
 def prepare_push(dst: str | Path, repo_id: str, revision: str = "main", private: bool = False,
