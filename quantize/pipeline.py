@@ -45,7 +45,7 @@ from quantize.names import (
     WEIGHT_SUFFIXES,
 )
 from quantize.options import ConvertOptions
-from quantize.plan import Plan, Unit, make_plan
+from quantize.plan import Plan, Shard, Unit, make_plan
 from quantize.qconfig import quantization_config
 from quantize.shards import (
     PARTIAL,
@@ -295,6 +295,66 @@ def convert(
             calib.close()  # stops its layer thread (also when an error or Ctrl-C propagates)
 
 
+def _write_shard(ckpt: Checkpoint, shard: Shard, out: Path, opts: ConvertOptions, plain: torch.device,
+                 calib: Calibrator | None, on_unit: Callable[[Unit], None] | None) -> tuple[int, str]:
+    """One shard written (atomically, ShardWriter); its bytes and sha256."""
+    # Three stages overlap: the reader thread fetches unit i+1 (onto the GPU when there is
+    # one), this thread launches unit i's work, the writer thread brings unit i-1 to the
+    # host, checks it, hashes and writes it (torch, hashlib and file I/O release the GIL).
+    # Only the writer waits for the device, so this thread never stalls the GPU's queue.
+    # At most three units' tensors are in memory; the write order is the plan's.
+    with ShardWriter(out / shard.file, shard.tensors) as w, \
+            ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as writer:
+        ahead = reader.submit(_read_plain, ckpt, shard.units[0], plain, calib)
+        written_prev = None
+        for i, unit in enumerate(shard.units):
+            raw = ahead.result()
+            if i + 1 < len(shard.units):
+                ahead = reader.submit(_read_plain, ckpt, shard.units[i + 1], plain, calib)
+            outs, finite = _compute(ckpt, unit, opts, plain, raw, calib)
+            del raw
+            if written_prev is not None:
+                written_prev.result()  # re-raises a write error (e.g. disk full) here
+                stall_point("unit", w.f)  # test hook (shards.py): the shard is half written
+            written_prev = writer.submit(_write_unit, w, ckpt, unit, outs, finite)
+            if on_unit:
+                on_unit(unit)
+        if written_prev is not None:
+            written_prev.result()
+    return w.nbytes, w.sha256
+
+
+def _write_rest(ckpt: Checkpoint, plan: Plan, out: Path, aux: list[Path], manifest: Manifest,
+                calib: Calibrator | None) -> dict | None:
+    """After the shards: the index, config.json, the source's other files and the calibration's
+    report, each recorded in the manifest; the calibration report (None: none)."""
+    weight_map = {t.name: s.file for s in plan.shards for t in s.tensors}
+    write_json_atomic(out / INDEX_NAME, {
+        "metadata": {"total_size": plan.output_bytes},
+        "weight_map": dict(sorted(weight_map.items())),
+    })
+    config = dict(ckpt.config)
+    config["quantization_config"] = quantization_config(plan)
+    config.setdefault("torch_dtype", "bfloat16")
+    write_json_atomic(out / "config.json", config)
+    for p in aux:
+        copy_file_atomic(p, out / p.name)
+    names = [p.name for p in aux]
+    report = None
+    if calib is not None:
+        kept = [n for n in (CALIB_REPORT, AWQ_SCALES) if n in manifest.data["files"]]
+        if CALIB_REPORT in kept and all(manifest.holds(n) for n in kept):
+            names += kept  # a finished conversion run again: its report needs no layer rerun
+            report = json.loads((out / CALIB_REPORT).read_text())
+        else:
+            names += calib.write_outputs(out)  # calibration-report.json, AWQ scales
+            report = json.loads((out / CALIB_REPORT).read_text())
+    for name in [INDEX_NAME, "config.json", *names]:
+        manifest.data["files"][name] = {"bytes": (out / name).stat().st_size,
+                                        "sha256": sha256_file(out / name)}
+    return report
+
+
 def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: list[Path],
            opts: ConvertOptions, dev: torch.device, on_unit: Callable[[Unit], None] | None,
            extra: dict, calib: Calibrator | None = None, base_model: str | None = None
@@ -326,57 +386,12 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
             continue
         if calib is not None:
             calib.start_shard(shard)  # resumes from a checkpoint; deletes those no longer needed
-        # Three stages overlap: the reader thread fetches unit i+1 (onto the GPU when there is
-        # one), this thread launches unit i's work, the writer thread brings unit i-1 to the
-        # host, checks it, hashes and writes it (torch, hashlib and file I/O release the GIL).
-        # Only the writer waits for the device, so this thread never stalls the GPU's queue.
-        # At most three units' tensors are in memory; the write order is the plan's.
-        with ShardWriter(out / shard.file, shard.tensors) as w, \
-                ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as writer:
-            ahead = reader.submit(_read_plain, ckpt, shard.units[0], plain, calib)
-            written_prev = None
-            for i, unit in enumerate(shard.units):
-                raw = ahead.result()
-                if i + 1 < len(shard.units):
-                    ahead = reader.submit(_read_plain, ckpt, shard.units[i + 1], plain, calib)
-                outs, finite = _compute(ckpt, unit, opts, plain, raw, calib)
-                del raw
-                if written_prev is not None:
-                    written_prev.result()  # re-raises a write error (e.g. disk full) here
-                    stall_point("unit", w.f)  # test hook (shards.py): the shard is half written
-                written_prev = writer.submit(_write_unit, w, ckpt, unit, outs, finite)
-                if on_unit:
-                    on_unit(unit)
-            if written_prev is not None:
-                written_prev.result()
-        manifest.record(shard.file, w.nbytes, w.sha256)
+        nbytes, sha = _write_shard(ckpt, shard, out, opts, plain, calib, on_unit)
+        manifest.record(shard.file, nbytes, sha)
         written.append(shard.file)
 
     stall_point("finish")
-    weight_map = {t.name: s.file for s in plan.shards for t in s.tensors}
-    write_json_atomic(out / INDEX_NAME, {
-        "metadata": {"total_size": plan.output_bytes},
-        "weight_map": dict(sorted(weight_map.items())),
-    })
-    config = dict(ckpt.config)
-    config["quantization_config"] = quantization_config(plan)
-    config.setdefault("torch_dtype", "bfloat16")
-    write_json_atomic(out / "config.json", config)
-    for p in aux:
-        copy_file_atomic(p, out / p.name)
-    names = [p.name for p in aux]
-    report = None
-    if calib is not None:
-        kept = [n for n in (CALIB_REPORT, AWQ_SCALES) if n in manifest.data["files"]]
-        if CALIB_REPORT in kept and all(manifest.holds(n) for n in kept):
-            names += kept  # a finished conversion run again: its report needs no layer rerun
-            report = json.loads((out / CALIB_REPORT).read_text())
-        else:
-            names += calib.write_outputs(out)  # calibration-report.json, AWQ scales
-            report = json.loads((out / CALIB_REPORT).read_text())
-    for name in [INDEX_NAME, "config.json", *names]:
-        manifest.data["files"][name] = {"bytes": (out / name).stat().st_size,
-                                        "sha256": sha256_file(out / name)}
+    report = _write_rest(ckpt, plan, out, aux, manifest, calib)
     manifest.finish(ckpt, tool_version=__version__, tp=plan.tp)  # a resume may serve at another TP
     if calib is not None:
         calib.discard_state()  # complete: the layer checkpoints are no longer needed
