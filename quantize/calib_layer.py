@@ -122,6 +122,7 @@ class LayerRunner:
         self.num_layers, self.log = num_layers, log
         self.check_stop, self.before_overwrite, self.warm = check_stop, before_overwrite, warm
         self.results = LayerResult(-1)  # the layer in progress's
+        self.report_rows = 0  # several ranks: this rank's chunk-0 rows the errors are taken over
         self.host = ThreadPoolExecutor(1, thread_name_prefix="quantize-d2h")
         self._profiled = False
 
@@ -206,7 +207,7 @@ class LayerRunner:
         # what round-to-nearest would give on chunk 0 (the module's targets rounded in place:
         # the rounding below reads the source from the checkpoint and overwrites every one)
         round_in_place(layer, L, quant, o.group_size, o.symmetric)
-        rtn_err = _relerr(self._chunk0_output(layer, halves) - h0, ref0 - h0)
+        rtn_err = self._err(self._chunk0_output(layer, halves) - h0, ref0 - h0)
         clock.lap("rtn_reference")
 
         rounding = LayerRounding(L, mlp, kind, targets, stats, self.ckpt, self.units, o,
@@ -227,7 +228,7 @@ class LayerRunner:
         clock.lap("rounding")
 
         # ---- the calibrated layer against round-to-nearest, on chunk 0 (in sample)
-        err = _relerr(self._chunk0_output(layer, halves) - h0, ref0 - h0)
+        err = self._err(self._chunk0_output(layer, halves) - h0, ref0 - h0)
         report["check"] = {"chunk0_rel_error": err, "rtn_rel_error": rtn_err,
                            "margin": REGRESSION_MARGIN}
         worse = err > REGRESSION_MARGIN * rtn_err + 1e-12
@@ -252,7 +253,7 @@ class LayerRunner:
 
         # ---- pass 2: the next layer's inputs through the quantized layer
         out0 = self._pass2(layer, halves)
-        report["output_rel_error"] = _relerr(out0 - h0, ref0 - h0)
+        report["output_rel_error"] = self._err(out0 - h0, ref0 - h0)
         report["attention_once"] = halves is not None
         clock.lap("pass2_forward")
         report["timing_s"] = clock.laps
@@ -261,6 +262,18 @@ class LayerRunner:
         report["quantized"] = nq
         report["modified_bf16"] = sorted(mods)
         return report
+
+    def _err(self, a: torch.Tensor, b: torch.Tensor) -> float:
+        """||a - b|| / ||b|| over chunk 0 (rows: samples). Under torchrun over the samples one
+        process's first chunk holds, each rank's share of them summed, so the report's
+        per-layer errors measure the same tokens at every world size (one process: chunk 0,
+        as `_relerr`)."""
+        if self.dist is None:
+            return _relerr(a, b)
+        r = max(0, min(a.shape[0], self.report_rows))
+        d, ref = a[:r].float() - b[:r].float(), b[:r].float()
+        sums = self.dist.all_reduce(torch.stack([d.pow(2).sum(), ref.pow(2).sum()]).double())
+        return float(sums[0].sqrt() / sums[1].sqrt().clamp(min=1e-30))
 
     def _emit(self, L: int, layer, n: str, w: Int4Weight) -> None:
         """A rounded weight: into the module for pass 2, packed to the host for the writer."""

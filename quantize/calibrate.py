@@ -191,6 +191,11 @@ class Calibrator:
         self.runner = LayerRunner(ckpt, self.units, opts, device, self.dtype, dist, self.skeleton,
                                   self.inputs, self.carry, self.num_layers, self.log,
                                   self._check_stop, self._before_overwrite, self._warm)
+        if dist is not None:  # the report's per-layer errors over the samples a one-process
+            # run's first chunk holds (0 .. min(chunk, n) - 1): this rank's rows of them
+            n, S = c.tokens.shape
+            first = min(max(1, chunk_tokens(device) // S), n)
+            self.runner.report_rows = max(0, first - dist.samples(n).start)
 
     def write_outputs(self, out: Path) -> list[str]:
         """Write CALIB_REPORT (and AWQ_SCALES when AWQ ran) into `out`; their names. Layers no

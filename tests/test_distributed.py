@@ -118,10 +118,16 @@ def test_gptq_under_torchrun_matches_one_process(src, tmp_path):
     by = {lay["layer"]: lay for lay in rep1["layers"]}
     assert rep2["layers"][1]["expert_tokens"] == by[1]["expert_tokens"]  # every rank's tokens
     assert rep2["layers"][1]["tokens"] == by[1]["tokens"] == 8 * 64
+    # the per-layer errors are taken over the same samples at both world sizes (one process's
+    # first chunk, each rank's share of it summed; issue 25): on the first calibrated layer
+    # (same inputs) they agree to 0.2 % (0.005 % here; 1.7 % when each rank measured its own
+    # first chunk), later ones differ by what the ~1 % of other integers changed upstream
+    first = min(lay["layer"] for lay in rep2["layers"] if lay.get("output_rel_error") is not None)
     for lay in rep2["layers"]:
         if lay.get("output_rel_error") is not None:
             e1, e2 = by[lay["layer"]]["output_rel_error"], lay["output_rel_error"]
-            assert abs(e2 - e1) <= 0.1 * e1, (lay["layer"], e1, e2)
+            bound = 0.002 if lay["layer"] == first else 0.03
+            assert abs(e2 - e1) <= bound * e1, (lay["layer"], e1, e2)
     manifest = json.loads((two / "quantize-manifest.json").read_text())
     assert manifest["calibration"]["processes"] == 2
 
