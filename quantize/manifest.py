@@ -32,7 +32,7 @@ from quantize.names import MANIFEST
 from quantize.plan import Plan
 from quantize.shards import sha256_file, write_json_atomic
 
-__all__ = ["CALIB_IDENTITY", "MANIFEST", "Manifest", "finished_manifest", "output_state",
+__all__ = ["CALIB_IDENTITY", "MANIFEST", "Manifest", "finished_manifest", "manifest_status", "output_state",
            "read_manifest", "source_fingerprint"]
 
 
@@ -135,8 +135,19 @@ def read_manifest(out_dir: Path) -> dict | None:
     return data
 
 
-def output_state(out_dir: Path) -> str:
-    """One sentence on what a failed `convert` left in `out_dir`, for the error message."""
+def manifest_status(out_dir: Path) -> str | None:
+    """The status of `out_dir`'s manifest (None: no readable manifest)."""
+    try:
+        m = read_manifest(out_dir) if out_dir.is_dir() else None
+    except QuantizeError:
+        return None
+    return None if m is None else m.get("status")
+
+
+def output_state(out_dir: Path, before: str | None = "complete") -> str:
+    """One sentence on what a failed `convert` left in `out_dir`, for the error message.
+    `before`: the manifest's status when the run began (`manifest_status`): a conversion this
+    run completed before failing is not called an earlier one."""
     if not out_dir.is_dir() or not any(out_dir.iterdir()):
         return f"nothing was written to {out_dir}"
     try:
@@ -145,8 +156,11 @@ def output_state(out_dir: Path) -> str:
         m = None
     if m is None:
         return f"{out_dir} was left as it was"
-    if m.get("status") == "complete":
+    if m.get("status") == "complete" and before == "complete":
         return f"{out_dir} still holds the earlier, complete conversion"
+    if m.get("status") == "complete":
+        return (f"{out_dir} holds this run's complete conversion ({MANIFEST}), but a step after "
+                "it failed: fix the cause and rerun the same command (finished shards are kept)")
     return (f"{out_dir} holds an unfinished conversion ({MANIFEST} says in-progress; verify and "
             "push refuse it): rerun the same command to resume, or add --overwrite if the "
             "source or the options changed")

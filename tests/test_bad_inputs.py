@@ -1077,3 +1077,28 @@ def test_a_hand_edited_eval_json_with_nan_in_the_card(verified, tmp_path):
     rows = [line for line in card.splitlines() if line.startswith(("| perplexity ratio",
                                                                     "| mean KL", "| same top-1"))]
     assert len(rows) == 3 and all("not a number" in r and "nan" not in r for r in rows), rows
+
+
+def test_a_failure_after_the_manifest_completes_claims_no_earlier_conversion(dsa_fp8, tmp_path,
+                                                                             monkeypatch):
+    """A step after the last shard fails (here the card: a disk error while writing it): the
+    hint says this run's conversion is complete and a step after it failed, not that the folder
+    'still holds the earlier, complete conversion' (there was none; issue 25, defect 7); a run
+    over a folder that was complete before keeps that sentence, one with --overwrite not."""
+    import quantize.readme
+
+    def broken(*a, **k):
+        raise QuantizeError("cannot write README.md", [])
+
+    out = tmp_path / "o"
+    monkeypatch.setattr(quantize.readme, "write_readme", broken)
+    r = convert(dsa_fp8, out)
+    assert r.exit_code == 2, r.output
+    assert "this run's complete conversion" in r.output and "earlier" not in r.output, r.output
+    monkeypatch.undo()
+    assert convert(dsa_fp8, out).exit_code == 0  # the card written: a complete folder
+    monkeypatch.setattr(quantize.readme, "write_readme", broken)
+    r = convert(dsa_fp8, out)  # the same command again: the folder was complete before it
+    assert r.exit_code == 2 and "still holds the earlier, complete conversion" in r.output, r.output
+    r = convert(dsa_fp8, out, "--overwrite")  # nothing of before is kept
+    assert r.exit_code == 2 and "this run's complete conversion" in r.output, r.output

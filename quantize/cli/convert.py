@@ -162,17 +162,17 @@ def convert(
         if sys.argv[0].endswith("quantize") else None
     d = init(device)  # under torchrun: this rank (rank 0 prints and writes, the others compute)
     quiet = d is not None and not d.leader
+    from quantize.manifest import manifest_status, output_state
+
+    # what DST held when this run began (--overwrite: nothing kept), for the failure's hint
+    before = None if overwrite else manifest_status(dst)
     t0 = time.perf_counter()
     try:
         res, total = _run(src, dst, given, command, d, quiet)
     except (QuantizeError, ValueError) as e:
-        from quantize.manifest import output_state
-
-        raise Failed(e, f"(rank {d.rank} of {d.world})" if quiet else output_state(dst)) from None
+        raise Failed(e, f"(rank {d.rank} of {d.world})" if quiet else output_state(dst, before)) from None
     except KeyboardInterrupt:
-        from quantize.manifest import output_state
-
-        err.print(f"interrupted: {output_state(dst)}", highlight=False)
+        err.print(f"interrupted: {output_state(dst, before)}", highlight=False)
         raise typer.Exit(130) from None
     if d is not None:
         import torch.distributed
