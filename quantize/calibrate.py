@@ -193,8 +193,8 @@ class Calibrator:
                                   self._check_stop, self._before_overwrite, self._warm)
         if dist is not None:  # the report's per-layer errors over the samples a one-process
             # run's first chunk holds (0 .. min(chunk, n) - 1): this rank's rows of them
-            n, S = c.tokens.shape
-            first = min(max(1, chunk_tokens(device) // S), n)
+            n = c.tokens.shape[0]
+            first = min(self._chunk_samples(), n)
             self.runner.report_rows = max(0, first - dist.samples(n).start)
 
     def write_outputs(self, out: Path) -> list[str]:
@@ -535,10 +535,14 @@ class Calibrator:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _chunk_samples(self) -> int:
+        """Calibration samples per chunk of hidden states (as `_embed` makes the chunks)."""
+        return max(1, chunk_tokens(self.device) // self.calib.tokens.shape[1])
+
     def _embed(self) -> None:
         emb = self.ckpt.read("model.embed_tokens.weight", self.device)  # (V, H)
         n, S = self.tokens.shape
-        b = max(1, chunk_tokens(self.device) // S)
+        b = self._chunk_samples()
         chunks = [embed(self.skeleton, emb, self.tokens[i: i + b].to(self.device)).to(self.dtype)
                   for i in range(0, n, b)]  # (b, S, H) each
         nbytes = n * S * emb.shape[1] * torch.finfo(self.dtype).bits // 8

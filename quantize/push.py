@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantize import __version__
+from quantize.checkpoint import escapes
 from quantize.errors import Problem, QuantizeError
 from quantize.manifest import MANIFEST, finished_manifest
 from quantize.names import CARD, EVAL_JSON, PICTURES, VERIFY_JSON
@@ -211,9 +212,7 @@ def _not_plain(dst: Path, name: str) -> Problem | None:
                            "a regular file inside the output folder",
                            "push uploads only the folder's own files: replace the link with "
                            "the file it points to, or delete it")
-    try:
-        (dst / name).resolve().relative_to(dst.resolve())
-    except ValueError:
+    if escapes(dst, dst / name) is not None:  # (a `..` in a manifest's name)
         return Problem(str(dst / name), None, "a path leading outside the folder",
                        "a file inside the output folder", "reconvert with --overwrite")
     return None
@@ -241,7 +240,7 @@ def _bound_extras(dst: Path) -> list[str]:
     drawn: dict[str, str] = {}  # picture -> sha256, as the reports of this conversion record
     names, problems = [], []
     for report, tool in ((VERIFY_JSON, "verify"), (EVAL_JSON, "eval")):
-        if not (dst / report).exists() and not (dst / report).is_symlink():
+        if not os.path.lexists(dst / report):
             continue
         fix = f"run `quantize {tool} SRC DST` again (or delete {report})"
         if (link := _not_plain(dst, report)) is not None:
@@ -257,7 +256,7 @@ def _bound_extras(dst: Path) -> list[str]:
         pics = data.get("pictures")
         drawn.update({k: v for k, v in pics.items() if isinstance(v, str)} if isinstance(pics, dict) else {})
     for pic in PICTURES:
-        if not (dst / pic).exists() and not (dst / pic).is_symlink():
+        if not os.path.lexists(dst / pic):
             continue
         if (link := _not_plain(dst, pic)) is not None:
             problems.append(link)

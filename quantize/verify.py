@@ -286,12 +286,14 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, early: Checkpo
         elif p.stat().st_size != rec["bytes"] or sha256_file(p) != rec["sha256"]:
             report.problems.append(f"{name}: sha256 differs from the manifest (the file was changed "
                                    f"after conversion; re-run convert with --overwrite)")
-    for name in _unlisted_weights(dst, manifest["files"]):
-        report.problems.append(f"{name}: a weight file the manifest does not list (an engine may "
-                               f"load it with the checkpoint); delete it, or reconvert with --overwrite")
+    unlisted = _unlisted(dst, manifest["files"])
+    report.problems += [f"{n}: a weight file the manifest does not list (an engine may load it "
+                        f"with the checkpoint); delete it, or reconvert with --overwrite"
+                        for n in unlisted if n.endswith(WEIGHT_SUFFIXES)]
     report.problems += _source_files_problems(Path(src), dst, manifest["files"])
     report.notes += [f"{n}: in the folder, not part of the conversion (push does not upload it)"
-                     for n in _unrecorded_files(dst, manifest["files"])]
+                     for n in unlisted if not n.endswith((*WEIGHT_SUFFIXES, PARTIAL))
+                     and n not in _OURS and not n.startswith(".")]
     if report.problems:
         return _finish(report, dst, write)
 
@@ -438,13 +440,14 @@ def _layer_check(src: Checkpoint, plan, dst: Path, opts: ConvertOptions, device:
         return _unbuildable(e, report, opts, log)
 
 
-def _unlisted_weights(dst: Path, listed: dict) -> list[str]:
-    """Weight files under `dst` (by suffix, links included) that are not among `listed`."""
+def _unlisted(dst: Path, listed: dict) -> list[str]:
+    """Files under `dst` (links included; links to folders not followed; the calibration's
+    checkpoints aside) that are not among `listed`."""
     found = []
-    for folder, dirs, files in os.walk(dst):  # links to folders are not followed
+    for folder, dirs, files in os.walk(dst):
         rel = Path(folder).relative_to(dst)
         dirs[:] = sorted(d for d in dirs if (rel / d).as_posix() != CALIB_STATE)
-        found += [(rel / f).as_posix() for f in sorted(files) if f.endswith(WEIGHT_SUFFIXES)]
+        found += [(rel / f).as_posix() for f in sorted(files)]
     return [n for n in found if n not in listed]
 
 
@@ -467,18 +470,6 @@ def _source_files_problems(src: Path, dst: Path, listed: dict) -> list[str]:
 
 # what verify, eval and convert write beside the manifest's files
 _OURS = {MANIFEST, CARD, VERIFY_JSON, EVAL_JSON, RUN_RECORD, CALIB_TIMINGS, *PICTURES}
-
-
-def _unrecorded_files(dst: Path, listed: dict) -> list[str]:
-    """Files in DST that are neither the conversion's (manifest) nor a report of ours."""
-    found = []
-    for folder, dirs, files in os.walk(dst):
-        rel = Path(folder).relative_to(dst)
-        dirs[:] = sorted(d for d in dirs if (rel / d).as_posix() != CALIB_STATE)
-        found += [n for f in sorted(files) if (n := (rel / f).as_posix()) not in listed
-                  and n not in _OURS and not n.endswith(PARTIAL) and not n.startswith(".")
-                  and not n.endswith(WEIGHT_SUFFIXES)]  # (unlisted weights: problems above)
-    return found
 
 
 def _finish(report: VerifyReport, dst: Path, write: bool) -> VerifyReport:
