@@ -1,32 +1,28 @@
 """Stream FP8 / BF16 GLM mixture-of-experts checkpoints into compressed-tensors INT4.
 
-The stages, in the order `pipeline.convert` runs them:
+Folders by job; the stages in the order `pipeline.convert` runs them:
 
-    names.py        every file name of a checkpoint folder (index, manifest, reports, pictures)
-    checkpoint.py   read: index, safetensors headers, validation, lazy tensor reads
-    source.py       a unit's source tensors, FP8 dequantized; the compute device
-    layout.py       which tensors are quantization targets, the engines' ignore list
-    plan.py         the exact output tensors, shards and bytes, from headers alone
-    fp8.py          FP8 -> float dequantization (block and per-channel)
-    int4.py         group-wise INT4 round-to-nearest, pack/unpack (pack-quantized)
-    qconfig.py      config.json's quantization_config (compressed-tensors' classes)
-    calib_data.py   calibration text (default set in calib_data/) -> token ids   [--method != rtn]
-    layers.py       decoder layers from transformers' classes, filled and run      [--method != rtn]
-    capture.py      the MLP's calibration forward and its statistics (Hessians)    [--method != rtn]
-    folds.py        where AWQ's MLP-input scale goes: the norm found on the layer   [awq]
-    rounding.py     one layer's MLP rounded from its statistics (AWQ, GPTQ, RTN)   [--method != rtn]
-    calib_layer.py  one layer's calibration: load, pass 1, rounding, RTN guard, pass 2 [--method != rtn]
-    calib_mtp.py    the MTP layer's real inputs and its config                 [--method != rtn]
-    calibrate.py    the loop on the layer thread (_run_layers), resume, report  [--method != rtn]
-    handoff.py      each layer's result handed to the writer as a value (LayerResult) [--method != rtn]
-    calib_state.py  layer-boundary checkpoints of the calibration, for resume     [--method != rtn]
-    distributed.py  several processes under torchrun: samples and experts per rank [torchrun]
-    shards.py       write: streamed safetensors shards, index, config, atomic renames
-    pipeline.py     the recipe: validate, plan, stream units, write, finish
-    verify.py       reload the output and compare it with the source
-    layercheck.py   verify's function check: each layer of output and source, against RTN's
-    int4view.py     an output folder read as float weights (verify's layers, eval)
-    evaluate.py     perplexity / KL of the output against the source, layer by layer  [eval]
+    names.py  errors.py  options.py    every file name of a folder; the user's errors; the options
+    plan.py  lint.py  disk.py          the exact output from headers alone; known-bad layouts; disk
+    source/      read the source       checkpoint.py (index, headers, validation, lazy reads),
+                                       hub.py, layout.py (roles, ignore list), fp8.py, staging.py
+                                       (pinned copies), weights.py (a unit's tensors as float, the
+                                       compute device), synth.py (synthetic release checkpoints)
+    rounding/    the math, no I/O      int4.py (RTN, pack-quantized), gptq.py (+ gptq_triton.py),
+                                       awq.py
+    calib/       --method != rtn       data.py (calibration text -> token ids), decoder.py
+                                       (transformers' layers, built, filled, run), loop.py (THE
+                                       layer loop: Calibrator._run_layers), layer.py (one layer:
+                                       pass 1, rounding, RTN guard, pass 2), capture.py (statistics),
+                                       round_layer.py (AWQ / GPTQ / RTN of one MLP), folds.py (where
+                                       AWQ's scale goes), mtp.py, handoff.py (results to the writer
+                                       as values), state.py + resume.py (checkpoints, resume),
+                                       distributed.py (torchrun ranks)
+    write/       the output            shards.py (streamed, atomic), manifest.py, qconfig.py
+    pipeline.py                        the recipe: validate, plan, stream units, write, finish
+    check/       prove it              verify.py + layercheck.py + int4view.py, evaluate.py (eval)
+    publish/     the Hub               readme.py + card.py (model card), plots.py, push.py
+    cli/         one file per command on app.py (the one place errors become exit 2), report.py
 """
 
 __version__ = "0.1.0"

@@ -6,7 +6,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from quantize.layout import ROLES
+from quantize.source.layout import ROLES
 
 __all__ = ["ConvertOptions", "parse_size"]
 
@@ -140,7 +140,7 @@ class ConvertOptions:
         d["targets"] = sorted(self.targets)
         if not d["rtn_fallback"]:  # (off: not recorded, so manifests stay readable by the
             del d["rtn_fallback"]  # versions before it; a missing key reads back as off)
-        from quantize.hub import is_dataset_spec
+        from quantize.source.hub import is_dataset_spec
 
         if d["calib"] is not None and not is_dataset_spec(d["calib"]):  # a Hub id is no path
             d["calib"] = Path(d["calib"]).name

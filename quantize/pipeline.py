@@ -19,7 +19,7 @@ import json
 import shutil
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,12 +27,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from quantize import __version__
-from quantize.checkpoint import Checkpoint, open_checkpoint
+from quantize.calib.distributed import Dist
 from quantize.disk import check_disk
-from quantize.distributed import Dist
 from quantize.errors import Problem, QuantizeError
-from quantize.int4 import int4_outputs, quantize_rtn
-from quantize.manifest import Manifest, read_manifest
 from quantize.names import (
     AWQ_SCALES,
     CALIB_REPORT,
@@ -45,9 +42,14 @@ from quantize.names import (
     WEIGHT_SUFFIXES,
 )
 from quantize.options import ConvertOptions
+from quantize.overlap import Readahead, background
 from quantize.plan import Plan, Shard, Unit, make_plan
-from quantize.qconfig import quantization_config
-from quantize.shards import (
+from quantize.rounding.int4 import int4_outputs, quantize_rtn
+from quantize.source.checkpoint import Checkpoint, open_checkpoint
+from quantize.source.weights import _nonfinite, aux_files, read_unit, resolve_device, source_weight
+from quantize.write.manifest import Manifest, read_manifest
+from quantize.write.qconfig import quantization_config
+from quantize.write.shards import (
     PARTIAL,
     ShardWriter,
     copy_file_atomic,
@@ -56,10 +58,9 @@ from quantize.shards import (
     stall_point,
     write_json_atomic,
 )
-from quantize.source import _nonfinite, aux_files, read_unit, resolve_device, source_weight
 
 if TYPE_CHECKING:
-    from quantize.calibrate import Calibrator
+    from quantize.calib.loop import Calibrator
 
 __all__ = [
     "WEIGHT_SUFFIXES", "ConvertResult", "compute_unit", "convert", "quantization_config", "read_unit",
@@ -102,7 +103,7 @@ def _compute(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.d
     """`compute_unit` without waiting for the device: the outputs (on `device`) and a 0-d
     bool tensor, True when the values checked are finite (None: nothing to check). Reading
     the flag is what synchronizes, so the streaming loop leaves that to its writer thread."""
-    # a calibrated layer's result, taken from the layer thread as a value (quantize/handoff.py):
+    # a calibrated layer's result, taken from the layer thread as a value (quantize/calib/handoff.py):
     # INT4 outputs it packed (on the host), or a BF16 tensor AWQ rescaled (norm, router,
     # non-target Linear); None for the rest, converted here
     done = calib.result(unit) if calib is not None else None
@@ -253,7 +254,7 @@ def convert(
     use it and the manifest records it for the model card's serving commands.
     `checkpoint_interval`: calibrated runs save their resume state at most this often
     (seconds; 0: after every layer a resume can start from). `dist`: this process's rank
-    under torchrun (quantize/distributed.py): rank 0 converts and writes, the other ranks
+    under torchrun (quantize/calib/distributed.py): rank 0 converts and writes, the other ranks
     take their share of the calibration and write nothing (None is returned on them).
     `max_gpu_memory`: bytes the calibration may hold on its GPU (None: all of it)."""
     src, out = Path(src), Path(out)
@@ -263,7 +264,7 @@ def convert(
     dev = resolve_device(device) if dist is None else dist.device
     if dist is not None and not dist.leader:
         if opts.method != "rtn":  # RTN is rank 0's alone: it is bound by the disk
-            from quantize.calibrate import Calibrator
+            from quantize.calib.loop import Calibrator
 
             with Calibrator(ckpt, plan, opts, dev, dist=dist, max_gpu_memory=max_gpu_memory,
                             checkpoint_interval=checkpoint_interval) as calib:
@@ -278,18 +279,23 @@ def convert(
     _check_out_path(src, out, resume, overwrite)
     calib = None
     if opts.method != "rtn":  # calibration data and layer classes, checked before any output
-        from quantize.calibrate import Calibrator
+        from quantize.calib.loop import Calibrator
 
         calib = Calibrator(ckpt, plan, opts, dev, log=log,  # log: one line per layer
                            checkpoint_interval=checkpoint_interval, dist=dist,
                            max_gpu_memory=max_gpu_memory)
+    # config.json's quantization_config needs compressed-tensors, whose import (transformers,
+    # accelerate: seconds) would otherwise come after the last shard: built during the stream.
+    # (After the Calibrator, which imports transformers on this thread: two threads initializing
+    # that package at once can see it half-made, "cannot import name 'AutoConfig'".)
+    qconfig = background(quantization_config, plan)
     try:
         with folder_lock(out):  # one conversion per output folder at a time
             previous = _prepare_out(out, overwrite, _our_partials(plan, aux))
             check_disk(out, plan, previous, dev, checkpoint_interval)
             return _write(ckpt, plan, out, previous, aux, opts, dev, on_unit,
                           {"command": command, "source_format": ckpt.source_format,
-                           "model_type": ckpt.model_type, "tp": tp}, calib, base_model)
+                           "model_type": ckpt.model_type, "tp": tp}, qconfig, calib, base_model)
     finally:
         if calib is not None:
             calib.close()  # stops its layer thread (also when an error or Ctrl-C propagates)
@@ -325,16 +331,17 @@ def _write_shard(ckpt: Checkpoint, shard: Shard, out: Path, opts: ConvertOptions
 
 
 def _write_rest(ckpt: Checkpoint, plan: Plan, out: Path, aux: list[Path], manifest: Manifest,
-                calib: Calibrator | None) -> dict | None:
-    """After the shards: the index, config.json, the source's other files and the calibration's
-    report, each recorded in the manifest; the calibration report (None: none)."""
+                qconfig: Future, calib: Calibrator | None) -> dict | None:
+    """After the shards: the index, config.json (`qconfig`: its quantization_config, being
+    built), the source's other files and the calibration's report, each recorded in the
+    manifest; the calibration report (None: none)."""
     weight_map = {t.name: s.file for s in plan.shards for t in s.tensors}
     write_json_atomic(out / INDEX_NAME, {
         "metadata": {"total_size": plan.output_bytes},
         "weight_map": dict(sorted(weight_map.items())),
     })
     config = dict(ckpt.config)
-    config["quantization_config"] = quantization_config(plan)
+    config["quantization_config"] = qconfig.result()
     config.setdefault("torch_dtype", "bfloat16")
     write_json_atomic(out / "config.json", config)
     for p in aux:
@@ -357,8 +364,8 @@ def _write_rest(ckpt: Checkpoint, plan: Plan, out: Path, aux: list[Path], manife
 
 def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: list[Path],
            opts: ConvertOptions, dev: torch.device, on_unit: Callable[[Unit], None] | None,
-           extra: dict, calib: Calibrator | None = None, base_model: str | None = None
-           ) -> ConvertResult:
+           extra: dict, qconfig: Future, calib: Calibrator | None = None,
+           base_model: str | None = None) -> ConvertResult:
     """Steps 5 and 6 of the recipe, in the prepared and locked output folder."""
     # what a resume must match besides the options: kept shards from other calibration tokens
     # or another device's arithmetic would mix two calibrations in one checkpoint
@@ -376,26 +383,42 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
     # BF16-widened, RTN-rounded: exact, the same bytes on either device) are computed on the
     # host, so the writer never waits for the device's queue of calibration work.
     plain = torch.device("cpu") if calib is not None else dev
+    # Without a calibration the stream reads every source byte once, in plan order: a thread
+    # reads ahead into the page cache (a calibration reads each layer ahead itself)
+    todo = [s for s in plan.shards if not manifest.holds(s.file)]
+    ahead = Readahead(ckpt, [n for s in todo for u in s.units for n in (u.source, u.scale) if n]) \
+        if calib is None else None
+
+    def seen(u: Unit) -> None:
+        if ahead is not None:
+            ahead.consumed(u.source_bytes)
+        if on_unit:
+            on_unit(u)
+
     written, skipped = [], []
-    for shard in plan.shards:
-        if manifest.holds(shard.file):
-            skipped.append(shard.file)
-            if on_unit:
-                for u in shard.units:
-                    on_unit(u)
-            continue
-        if calib is not None:
-            calib.start_shard(shard)  # resumes from a checkpoint; deletes those no longer needed
-        nbytes, sha = _write_shard(ckpt, shard, out, opts, plain, calib, on_unit)
-        manifest.record(shard.file, nbytes, sha)
-        written.append(shard.file)
+    try:
+        for shard in plan.shards:
+            if manifest.holds(shard.file):
+                skipped.append(shard.file)
+                if on_unit:
+                    for u in shard.units:
+                        on_unit(u)
+                continue
+            if calib is not None:
+                calib.start_shard(shard)  # resumes from a checkpoint; deletes those no longer needed
+            nbytes, sha = _write_shard(ckpt, shard, out, opts, plain, calib, seen)
+            manifest.record(shard.file, nbytes, sha)
+            written.append(shard.file)
+    finally:
+        if ahead is not None:
+            ahead.close()
 
     stall_point("finish")
-    report = _write_rest(ckpt, plan, out, aux, manifest, calib)
+    report = _write_rest(ckpt, plan, out, aux, manifest, qconfig, calib)
     manifest.finish(ckpt, tool_version=__version__, tp=plan.tp)  # a resume may serve at another TP
     if calib is not None:
         calib.discard_state()  # complete: the layer checkpoints are no longer needed
-    from quantize.readme import write_readme  # local: readme -> verify -> pipeline
+    from quantize.publish.readme import write_readme  # local: readme -> verify -> pipeline
 
     write_readme(out, plan)  # the model card; a report, so not among the manifest's files
     return ConvertResult(out, plan, written, skipped, str(dev), report)

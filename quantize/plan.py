@@ -21,10 +21,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
-from quantize.checkpoint import DTYPE_BYTES, Checkpoint, SourceFormat
 from quantize.errors import Problem, QuantizeError
-from quantize.layout import (
+from quantize.lint import Check, lint
+from quantize.options import ConvertOptions
+from quantize.source.checkpoint import DTYPE_BYTES, Checkpoint, SourceFormat
+from quantize.source.layout import (
     fp8_targets,
     fused_names,
     ignore_patterns,
@@ -34,8 +37,6 @@ from quantize.layout import (
     module_of,
     natural_key,
 )
-from quantize.lint import Check, lint
-from quantize.options import ConvertOptions
 
 __all__ = ["Check", "OutTensor", "Plan", "Shard", "Unit", "make_plan", "shard_header"]
 
@@ -80,8 +81,8 @@ class Shard:
     def data_bytes(self) -> int:
         return sum(u.nbytes for u in self.units)
 
-    @property
-    def file_bytes(self) -> int:
+    @cached_property
+    def file_bytes(self) -> int:  # (the header's JSON of thousands of tensors: computed once)
         return len(shard_header(self.tensors)) + self.data_bytes
 
 

@@ -7,10 +7,10 @@
 Model: a 2-layer `glm_moe_dsa` with GLM-5.2's shapes (hidden 6144, MLA q_lora 2048 / kv_lora
 512, 64 heads, DSA indexer 32 x 128, layer 0 dense 12288, layer 1: 256 routed experts of width
 2048, top-8, + 1 shared), no MTP layer, vocab cut to 32768 (only the embedding depends on it),
-block-FP8 like the release, written by `quantize.synth` (~10 GB on disk, a few minutes).
+block-FP8 like the release, written by `quantize.source.synth` (~10 GB on disk, a few minutes).
 Calibration: 64 x 2048 random token ids (seed 0), group 32, targets routed.
 
-Runs, each through `quantize.calibrate.Calibrator` on the FP8 checkpoint (what `convert` does
+Runs, each through `quantize.calib.loop.Calibrator` on the FP8 checkpoint (what `convert` does
 for one layer; the report's per-layer `seconds` and `peak_gpu_gib` are the figures):
     rtn-plain   the RTN path: read + dequantize + round every routed expert of layer 1 (no forward)
     rtn         calibration pipeline with RTN rounding (forward, capture, round, forward again)
@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-from quantize.calib_data import CalibrationSet
-from quantize.calibrate import Calibrator
-from quantize.checkpoint import open_checkpoint
+from quantize.calib.data import CalibrationSet
+from quantize.calib.loop import Calibrator
 from quantize.options import ConvertOptions
 from quantize.pipeline import compute_unit
 from quantize.plan import make_plan
-from quantize.synth import GLM52_CONFIG, tiny_config, write_checkpoint, write_tokenizer
+from quantize.source.checkpoint import open_checkpoint
+from quantize.source.synth import GLM52_CONFIG, tiny_config, write_checkpoint, write_tokenizer
 
 RUNS = {
     "rtn": {"method": "rtn"},

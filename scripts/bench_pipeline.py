@@ -145,7 +145,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (figures meaningless)")
     args = ap.parse_args()
 
-    from quantize.synth import GLM52_CONFIG, tiny_config, write_checkpoint, write_tokenizer
+    from quantize.source.synth import GLM52_CONFIG, tiny_config, write_checkpoint, write_tokenizer
 
     if args.smoke:
         cfg, device = tiny_config("glm_moe_dsa"), "cpu"

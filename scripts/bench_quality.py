@@ -14,7 +14,7 @@
    default set (language reference, code, prose, dialogue). Out of domain: each `--ood` file
    (default `calib_data/heldout_english.md`, general English written for the project and in no
    calibration set).
-3. Calibration token ids: `quantize.calib_data.load_calibration(file, tokenizer, N, L, seed)`,
+3. Calibration token ids: `quantize.calib.data.load_calibration(file, tokenizer, N, L, seed)`,
    the function `convert` itself calls with the same file and seed; the same tensor goes to
    llm-compressor's `oneshot` as its dataset (input_ids), so both tools see the same tokens.
 4. Runs: `--runs` items `METHOD[:key=value,...]` with METHOD one of ours (rtn, gptq, awq,
@@ -213,7 +213,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantize.calib_data import load_calibration
+    from quantize.calib.data import load_calibration
 
     dev = torch.device(args.device)
     work = args.workdir

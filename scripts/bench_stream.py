@@ -43,7 +43,7 @@ print(json.dumps({"seconds": dt, "peak_rss_bytes": hwm,
 
 
 def _config(layers: int, hidden: int, experts: int, width: int) -> dict:
-    from quantize.synth import tiny_config
+    from quantize.source.synth import tiny_config
 
     return tiny_config("glm_moe_dsa", num_hidden_layers=layers, hidden_size=hidden,
                        intermediate_size=2 * width, n_routed_experts=experts,
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="disk to run on (default: a temp dir)")
     args = ap.parse_args()
 
-    from quantize.synth import write_checkpoint
+    from quantize.source.synth import write_checkpoint
 
     work = Path(tempfile.mkdtemp(dir=args.workdir, prefix="bench_stream_"))
     result: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]),

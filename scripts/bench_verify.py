@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--methods", default="rtn,gptq,awq+gptq")
     ap.add_argument("--num-samples", type=int, default=64)
     a = ap.parse_args()
-    from quantize.synth import GLM52_CONFIG, tiny_config, write_checkpoint, write_tokenizer
+    from quantize.source.synth import GLM52_CONFIG, tiny_config, write_checkpoint, write_tokenizer
 
     cfg = {**tiny_config("glm_moe_dsa"), **GLM52_CONFIG}
     cfg.update(num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=1,

@@ -19,7 +19,7 @@ import torch
 
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
-from quantize.synth import tiny_config, write_checkpoint
+from quantize.source.synth import tiny_config, write_checkpoint
 
 
 def _digests(folder: Path) -> dict[str, str]:

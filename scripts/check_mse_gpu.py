@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from quantize import gptq
-from quantize.int4 import rtn_qparams
+from quantize.rounding import gptq
+from quantize.rounding.int4 import rtn_qparams
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", type=Path, required=True, help="JSON file to write")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from quantize import gptq
+from quantize.rounding import gptq
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--rows", type=int, default=32768, help="routed tokens of one expert (512 x 2048 x 8 / 256)")

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from quantize.int4 import unpack_int4
-from quantize.layout import layer_of
+from quantize.rounding.int4 import unpack_int4
+from quantize.source.layout import layer_of
 
 
 def tensors(d: Path) -> dict[str, Path]:

@@ -9,7 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
 
 
 def main() -> None:

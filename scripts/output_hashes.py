@@ -22,7 +22,7 @@ import torch
 
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
 
 # per-run files whose bytes hold times or paths, not results
 VARIABLE = {"calibration/timings.json", "quantize-manifest.json", "README.md"}

@@ -36,11 +36,11 @@ t0 = time.perf_counter(); torch.cuda.init(); torch.zeros(1, device=dev); res["cu
 print("cuda init", res["cuda_init_s"], flush=True)
 
 part = sys.argv[1] if len(sys.argv) > 1 else "ABC"
-from quantize.checkpoint import open_checkpoint
 from quantize.options import ConvertOptions
 from quantize.pipeline import source_weight
 from quantize.plan import make_plan
-from quantize.synth import GLM52_CONFIG, tiny_config, write_checkpoint
+from quantize.source.checkpoint import open_checkpoint
+from quantize.source.synth import GLM52_CONFIG, tiny_config, write_checkpoint
 
 if "A" in part:
     cfg = {**tiny_config("glm_moe_dsa"), **(GLM52_CONFIG if not SMALL else {})}
@@ -96,7 +96,7 @@ if "A" in part:
 if "B" in part:
     from torch.profiler import ProfilerActivity, profile
 
-    from quantize import gptq as G
+    from quantize.rounding import gptq as G
     torch.manual_seed(0)
     B, I, Hd = (32, 2048, 6144) if not SMALL else (2, 64, 256)
     W = torch.randn(B, 2 * I, Hd, device=dev)
@@ -149,7 +149,7 @@ if "C" in part:
     P._check_scales = wrap("check_scales", P._check_scales)
     P.make_plan = wrap("make_plan", P.make_plan)
     P.open_checkpoint = wrap("open_checkpoint", P.open_checkpoint)
-    import quantize.shards as S
+    import quantize.write.shards as S
     S.ShardWriter.__exit__ = wrap("shard_close", S.ShardWriter.__exit__)
     torch.set_num_threads(16)
     t = time.perf_counter(); P.convert(src, Path("/tmp/profC_out"), ConvertOptions(), device=dev.type)
@@ -161,9 +161,9 @@ if "C" in part:
 print(json.dumps(res, indent=2))
 
 if "D" in part:
-    import quantize.calibrate as Cm
+    import quantize.calib.loop as Cm
     import quantize.pipeline as P
-    from quantize.calib_data import CalibrationSet
+    from quantize.calib.data import CalibrationSet
     src = Path("/tmp/profA")
     ck = open_checkpoint(src)
     V = ck.config["vocab_size"]

@@ -21,13 +21,13 @@ import torch
 OUT = Path(os.environ.get("OUT", "/tmp/out")); OUT.mkdir(exist_ok=True, parents=True)
 SMALL = bool(os.environ.get("SMALL"))
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-import quantize.calibrate as Cm
-from quantize.calib_data import CalibrationSet
-from quantize.checkpoint import open_checkpoint
-from quantize.layers import ReadAhead
+import quantize.calib.loop as Cm
+from quantize.calib.data import CalibrationSet
+from quantize.calib.decoder import ReadAhead
 from quantize.options import ConvertOptions
 from quantize.plan import make_plan
-from quantize.synth import GLM52_CONFIG, tiny_config, write_checkpoint
+from quantize.source.checkpoint import open_checkpoint
+from quantize.source.synth import GLM52_CONFIG, tiny_config, write_checkpoint
 
 cfg = {**tiny_config("glm_moe_dsa"), **(GLM52_CONFIG if not SMALL else {})}
 cfg.update(num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=0, vocab_size=4096,

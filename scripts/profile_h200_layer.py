@@ -21,10 +21,15 @@ from pathlib import Path
 
 import torch
 
-from quantize.capture import MLPStats, moe_forward
-from quantize.gptq import GPTQConfig, _factor_flipped_inplace, _factor_inplace, gptq_quantize
-from quantize.layers import _mask, build_skeleton, layer_inputs, run_layer
-from quantize.synth import GLM52_CONFIG, tiny_config
+from quantize.calib.capture import MLPStats, moe_forward
+from quantize.calib.decoder import _mask, build_skeleton, layer_inputs, run_layer
+from quantize.rounding.gptq import (
+    GPTQConfig,
+    _factor_flipped_inplace,
+    _factor_inplace,
+    gptq_quantize,
+)
+from quantize.source.synth import GLM52_CONFIG, tiny_config
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--chunks", type=int, default=4)

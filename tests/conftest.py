@@ -10,7 +10,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
-from quantize.synth import tiny_config, write_checkpoint
+from quantize.source.synth import tiny_config, write_checkpoint
 
 
 @pytest.fixture(scope="session")

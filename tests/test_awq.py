@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from quantize.awq import (
+from quantize.rounding.awq import (
     AWQConfig,
     awq_search,
     fold_into_linear_rows,
     fold_into_norm,
     scale_linear_inputs,
 )
-from quantize.int4 import dequantize, quantize_rtn
+from quantize.rounding.int4 import dequantize, quantize_rtn
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -152,7 +152,7 @@ def test_validation_names_the_offending_weight():
 
 def test_awq_then_gptq_uses_the_rescaled_hessian():
     """awq+gptq: GPTQ on W diag(s) with H' = diag(1/s) H diag(1/s), the Hessian of X diag(1/s)."""
-    from quantize.gptq import accumulate_hessian, gptq_quantize
+    from quantize.rounding.gptq import accumulate_hessian, gptq_quantize
 
     N, K, T = 64, 256, 1024
     g = _gen(15)

@@ -12,20 +12,21 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantize import calib_layer
-from quantize.calibrate import AWQ_SCALES, CALIB_REPORT, Calibrator
-from quantize.checkpoint import open_checkpoint
+from quantize.calib import layer as calib_layer
+from quantize.calib.decoder import build_skeleton, layer_inputs, load_layer, run_layer
+from quantize.calib.folds import LEGACY, NormFold, find_norm_fold, read_folds
+from quantize.calib.loop import Calibrator
+from quantize.check.evaluate import Evaluator, open_output
+from quantize.check.verify import verify
 from quantize.errors import QuantizeError
-from quantize.evaluate import Evaluator, open_output
-from quantize.folds import LEGACY, NormFold, find_norm_fold, read_folds
-from quantize.layers import build_skeleton, layer_inputs, load_layer, run_layer
-from quantize.manifest import MANIFEST
+from quantize.names import AWQ_SCALES, CALIB_REPORT
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.plan import make_plan
-from quantize.shards import sha256_file
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
-from quantize.verify import verify
+from quantize.source.checkpoint import open_checkpoint
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.write.manifest import MANIFEST
+from quantize.write.shards import sha256_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
@@ -277,8 +278,8 @@ def test_verify_fails_a_wrong_fold_that_every_weight_check_agrees_with(tmp_path,
 def test_rtn_reference_in_expert_batches_equals_one_call_per_expert(tmp_path):
     """The run's RTN reference rounds a fused expert parameter in batches of experts: the same
     values as rounding each expert's gate, up and down on its own."""
-    from quantize.int4 import dequantize, quantize_rtn
-    from quantize.layers import layer_weight, round_in_place
+    from quantize.calib.decoder import layer_weight, round_in_place
+    from quantize.rounding.int4 import dequantize, quantize_rtn
 
     src = _glm_source(tmp_path / "glm", "glm4_moe")
     ck = open_checkpoint(src)

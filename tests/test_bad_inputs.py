@@ -21,15 +21,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from quantize.calibrate import AWQ_SCALES, CALIB_REPORT, Calibrator
-from quantize.checkpoint import INDEX_NAME, open_checkpoint
+from quantize.calib.loop import Calibrator
 from quantize.cli import app
 from quantize.errors import QuantizeError
-from quantize.manifest import MANIFEST
+from quantize.names import AWQ_SCALES, CALIB_REPORT
 from quantize.options import ConvertOptions
 from quantize.plan import make_plan
-from quantize.shards import sha256_file
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.source.checkpoint import INDEX_NAME, open_checkpoint
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.write.manifest import MANIFEST
+from quantize.write.shards import sha256_file
 
 runner = CliRunner()
 
@@ -523,8 +524,8 @@ def test_disk_full_stops_cleanly_and_resumes(dsa_fp8, small_disk, tmp_path):
             except OSError:
                 pass
 
-    from quantize.manifest import output_state
     from quantize.pipeline import convert as run_convert
+    from quantize.write.manifest import output_state
 
     with pytest.raises(QuantizeError) as e:
         run_convert(dsa_fp8, out, ConvertOptions(max_shard_size=200_000), device="cpu", on_unit=fill,
@@ -602,7 +603,7 @@ def test_a_failed_folder_sync_is_a_clean_write_error(tmp_path):
         "import torch\n"
         "from quantize.errors import QuantizeError\n"
         "from quantize.plan import OutTensor\n"
-        "from quantize.shards import ShardWriter, copy_file_atomic, write_json_atomic\n"
+        "from quantize.write.shards import ShardWriter, copy_file_atomic, write_json_atomic\n"
         "d = Path(sys.argv[1])\n"
         "def shard():\n"
         "    with ShardWriter(d / 'model-00001-of-00001.safetensors', [OutTensor('t', 'F32', (2,))]) as w:\n"
@@ -764,9 +765,9 @@ def test_block_size_other_than_the_scales_imply_is_refused(src, tmp_path, block)
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):
     """A converted, verified and evaluated tiny output (verify.json, eval.json, their pictures)."""
-    from quantize.evaluate import EvalOptions, evaluate
+    from quantize.check.evaluate import EvalOptions, evaluate
+    from quantize.check.verify import verify
     from quantize.pipeline import convert as run_convert
-    from quantize.verify import verify
 
     d = tmp_path_factory.mktemp("pushable")
     cfg = tiny_config("glm4_moe", num_hidden_layers=2)
@@ -1067,7 +1068,7 @@ def test_json_errors_are_a_json_object_on_stdout(tmp_path):
 def test_a_hand_edited_eval_json_with_nan_in_the_card(verified, tmp_path):
     """eval.json whose figures are NaN (hand-edited): the card says 'not a number' for each
     (it printed 'nan')."""
-    from quantize.readme import card_text
+    from quantize.publish.readme import card_text
 
     dst = _pushable_copy(verified, tmp_path)
     ev = json.loads((dst / "eval.json").read_text())
@@ -1085,19 +1086,19 @@ def test_a_failure_after_the_manifest_completes_claims_no_earlier_conversion(dsa
     hint says this run's conversion is complete and a step after it failed, not that the folder
     'still holds the earlier, complete conversion' (there was none; issue 25, defect 7); a run
     over a folder that was complete before keeps that sentence, one with --overwrite not."""
-    import quantize.readme
+    import quantize.publish.readme
 
     def broken(*a, **k):
         raise QuantizeError("cannot write README.md", [])
 
     out = tmp_path / "o"
-    monkeypatch.setattr(quantize.readme, "write_readme", broken)
+    monkeypatch.setattr(quantize.publish.readme, "write_readme", broken)
     r = convert(dsa_fp8, out)
     assert r.exit_code == 2, r.output
     assert "this run's complete conversion" in r.output and "earlier" not in r.output, r.output
     monkeypatch.undo()
     assert convert(dsa_fp8, out).exit_code == 0  # the card written: a complete folder
-    monkeypatch.setattr(quantize.readme, "write_readme", broken)
+    monkeypatch.setattr(quantize.publish.readme, "write_readme", broken)
     r = convert(dsa_fp8, out)  # the same command again: the folder was complete before it
     assert r.exit_code == 2 and "still holds the earlier, complete conversion" in r.output, r.output
     r = convert(dsa_fp8, out, "--overwrite")  # nothing of before is kept

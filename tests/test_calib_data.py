@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from quantize.calib_data import (
+from quantize.calib.data import (
     DEFAULT_CALIB,
     HELDOUT_ENGLISH,
     data_sha256,
@@ -17,7 +17,7 @@ from quantize.calib_data import (
     read_documents,
 )
 from quantize.errors import QuantizeError
-from quantize.synth import write_tokenizer
+from quantize.source.synth import write_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_parquet_and_saved_dataset_folders(tmp_path):
 def test_batched_tokenization_equals_one_call_per_document(tok):
     """`tokenize_documents` encodes all documents in one batched call: the ids must be those of
     encoding each rendered document on its own (the default set: prose, code, chats)."""
-    from quantize.calib_data import _render, tokenize_documents
+    from quantize.calib.data import _render, tokenize_documents
 
     docs = read_documents(DEFAULT_CALIB)
     ids, chats, templated = tokenize_documents(docs, tok)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from hubserver import Hub, HubState
 
-from quantize.hub import is_dataset_spec, split_files
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.source.hub import is_dataset_spec, split_files
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "from quantize.cli import app; app()"

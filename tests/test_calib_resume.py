@@ -1,11 +1,11 @@
-"""Calibrated runs resume from layer-boundary checkpoints (quantize/calib_state.py), byte for byte.
+"""Calibrated runs resume from layer-boundary checkpoints (quantize/calib/state.py), byte for byte.
 
 Tiny glm_moe_dsa (3 decoder layers + MTP; layer 2 shares layer 1's DSA top-k, so a resume at
 layer 2 needs the top-k from the checkpoint), awq+gptq, 200 KB shards: ~20 shards, a new layer
 starting in several of them, so checkpoints after layers 0, 1, 2 and the last one (MTP) are
 written. The per-layer wall-clock times in calibration-report.json are the only bytes that
 differ between two runs, so every run here reads a clock that stands still
-(`quantize.calib_layer.time`), in process and in the CLI subprocesses alike: then the whole
+(`quantize.calib.layer.time`), in process and in the CLI subprocesses alike: then the whole
 folder, report and manifest included, must be identical.
 """
 
@@ -25,16 +25,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantize.calib_state import CALIB_STATE, StateDir
-from quantize.checkpoint import open_checkpoint
+from quantize.calib.state import CALIB_STATE, StateDir
 from quantize.errors import QuantizeError
-from quantize.layout import layer_of
-from quantize.manifest import MANIFEST
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert as _convert
 from quantize.plan import make_plan
-from quantize.shards import STALL_ENV
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.source.checkpoint import open_checkpoint
+from quantize.source.layout import layer_of
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.write.manifest import MANIFEST
+from quantize.write.shards import STALL_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIB = {"num_samples": 8, "seq_len": 64}
@@ -64,7 +64,7 @@ def src(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def still_clock(monkeypatch):
-    monkeypatch.setattr("quantize.calib_layer.time", STILL_CLOCK)
+    monkeypatch.setattr("quantize.calib.layer.time", STILL_CLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def reference(src, tmp_path_factory) -> Path:
     """An uninterrupted run (in process), with the clock standing still."""
     out = tmp_path_factory.mktemp("ref") / "out"
     mp = pytest.MonkeyPatch()
-    mp.setattr("quantize.calib_layer.time", STILL_CLOCK)
+    mp.setattr("quantize.calib.layer.time", STILL_CLOCK)
     try:
         convert(src, out, OPTS, device="cpu")
     finally:
@@ -265,11 +265,11 @@ def test_resume_refused_after_the_seed_the_tokenizer_or_config_changed(tmp_path)
 
 
 def run_cli(src: Path, out: Path, stall: str | None = None, sig=signal.SIGKILL) -> tuple[int, str]:
-    """`quantize convert` in a subprocess with a clock standing still in quantize.calib_layer;
+    """`quantize convert` in a subprocess with a clock standing still in quantize.calib.layer;
     with `stall`, sent `sig` (SIGKILL) when it reaches that point. Returns (exit status, stderr)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "300"}
     env.pop(STALL_ENV, None)
-    code = ("import signal, types, quantize.calib_layer as c; "
+    code = ("import signal, types, quantize.calib.layer as c; "
             "signal.signal(signal.SIGINT, signal.default_int_handler); "
             "c.time = types.SimpleNamespace(perf_counter=lambda: 0.0); "
             "from quantize.cli import app; app()")
@@ -329,7 +329,7 @@ def test_checkpointer_policy_and_background_bytes(tmp_path):
     """`Checkpointer`: due only `interval` seconds after the last save began and never while one
     is still being written; its background save writes the same bytes as `StateDir.save`; a
     failed background save is raised by the next `wait()`."""
-    from quantize.calib_state import Checkpointer
+    from quantize.calib.state import Checkpointer
 
     now = [100.0]
     h = [torch.randn(2, 4, 8, dtype=torch.bfloat16) for _ in range(2)]

@@ -9,16 +9,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantize.calibrate import CALIB_REPORT, Calibrator, awq_expected
-from quantize.capture import MLPStats, moe_forward
-from quantize.checkpoint import open_checkpoint
+from quantize.calib.capture import MLPStats, moe_forward
+from quantize.calib.decoder import HiddenStates, build_skeleton, load_layer
+from quantize.calib.loop import Calibrator
+from quantize.calib.round_layer import awq_expected
+from quantize.check.verify import verify
 from quantize.errors import QuantizeError
-from quantize.layers import HiddenStates, build_skeleton, load_layer
+from quantize.names import CALIB_REPORT
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.plan import make_plan
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
-from quantize.verify import verify
+from quantize.source.checkpoint import open_checkpoint
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
@@ -164,8 +166,8 @@ def test_gptq_and_awq_beat_rtn_on_held_out_text(ckpt_dir, tmp_path):
     Measured (this fixture, 8 x 64 calibration tokens, 16 x 64 eval tokens): glm_moe_dsa
     hidden error RTN 0.270 / GPTQ 0.202 / AWQ 0.258, KL 0.0378 / 0.0281 / 0.0376; glm4_moe
     0.245 / 0.156 / 0.210, KL 0.0326 / 0.0177 / 0.0282."""
-    from quantize.calib_data import DEFAULT_CALIB
-    from quantize.evaluate import EvalOptions, evaluate
+    from quantize.calib.data import DEFAULT_CALIB
+    from quantize.check.evaluate import EvalOptions, evaluate
 
     lines = DEFAULT_CALIB.read_text().splitlines()
     calib, held = tmp_path / "calib.jsonl", tmp_path / "held.jsonl"
@@ -244,8 +246,8 @@ def test_converted_checkpoint_loads_in_transformers(ckpt_dir, tmp_path, method):
                 assert torch.equal(got, want.to(got.dtype)), name
         # every output tensor against the source with the folds applied: exact for BF16
         # tensors, INT4-level error for targets (what an AWQ-aware `verify` checks)
-        from quantize.int4 import Int4Weight, dequantize, unpack_int4
         from quantize.pipeline import source_weight
+        from quantize.rounding.int4 import Int4Weight, dequantize, unpack_int4
 
         dst = {k: v for f in set(index.values()) for k, v in load_file(out / f).items()}
         sqnr = []
@@ -270,7 +272,7 @@ def test_converted_checkpoint_loads_in_transformers(ckpt_dir, tmp_path, method):
         ts[norm] = src.read(norm).to(ts[norm].dtype)
         save_file(ts, f, metadata={"format": "pt"})
         m = json.loads((out / "quantize-manifest.json").read_text())
-        from quantize.shards import sha256_file
+        from quantize.write.shards import sha256_file
 
         m["files"][index[norm]] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
         (out / "quantize-manifest.json").write_text(json.dumps(m))
@@ -327,7 +329,7 @@ def test_bad_calibration_file_fails_before_any_output(tmp_path):
 def test_resumed_calibrated_conversion_is_byte_identical(tmp_path):
     """Interrupted after some shards, resumed: the calibration reruns the layers it needs and
     the rewritten shards equal the uninterrupted run's bytes (calibration is deterministic)."""
-    from quantize.manifest import MANIFEST
+    from quantize.write.manifest import MANIFEST
 
     cfg = tiny_config("glm_moe_dsa")
     src = write_checkpoint(tmp_path / "src", cfg, "fp8-block")
@@ -373,7 +375,7 @@ def test_dense_llama_like_model(tmp_path):
 def test_mse_clip_reaches_gptq_and_verifies(tmp_path):
     """--mse-clip changes GPTQ's group scales (never widening them), keeps the layer error
     below RTN's, is recorded, and the output passes verify; it is refused without GPTQ."""
-    from quantize.verify import verify
+    from quantize.check.verify import verify
 
     with pytest.raises(ValueError, match="--mse-clip"):
         ConvertOptions(method="awq", mse_clip=True)
@@ -521,7 +523,7 @@ def test_two_identical_calibrated_runs_write_identical_checksummed_files(ckpt_di
 
 def _random_layer(cfg: dict, L: int):
     """Layer L of a model built from `cfg` by transformers, random weights, float32 on the CPU."""
-    from quantize.layers import layer_inputs
+    from quantize.calib.decoder import layer_inputs
 
     skeleton = build_skeleton(cfg)
     layer = skeleton.model.layers[L]
@@ -540,7 +542,7 @@ def test_split_layer_reproduces_the_whole_forward_or_says_not(model_type):
     pre-norm decoders (GLM-5 MoE with its DSA top-k, GLM-4 MoE, Llama); Cohere's parallel
     block (attention and MLP both read the layer input) does not split, and `check` says so
     instead of giving wrong hidden states."""
-    from quantize.layers import SplitLayer, run_layer
+    from quantize.calib.decoder import SplitLayer, run_layer
 
     if model_type in ("glm_moe_dsa", "glm4_moe"):
         cfg, L = tiny_config(model_type), 1
@@ -575,7 +577,7 @@ def test_whole_layer_fallback_gives_the_split_result(ckpt_dir, monkeypatch):
     """A layer whose halves do not check out runs whole-layer forwards in both passes; on a
     layer where they do, both ways give the same calibration (same statistics, same
     rounding, the same pass-2 output bit for bit)."""
-    from quantize.layers import SplitLayer
+    from quantize.calib.decoder import SplitLayer
 
     split = _calibrate(ckpt_dir, method="gptq")
     real = SplitLayer.check
@@ -606,7 +608,7 @@ def test_grouped_mlp_passes_match_one_chunk_at_a_time(ckpt_dir, monkeypatch):
     routed token counts and the same statistics up to float summation order, so nearly the
     same codes (GPTQ's error feedback turns a flipped tie into a few more) and output error;
     the later layers see inputs that differ by that rounding."""
-    import quantize.layers as layers_mod
+    import quantize.calib.decoder as layers_mod
 
     monkeypatch.setitem(layers_mod.CHUNK_TOKENS, "cpu", 128)  # 8 x 64 tokens: 4 chunks
     monkeypatch.setitem(layers_mod.MLP_GROUP_TOKENS, "cpu", 1)  # each chunk alone
@@ -632,7 +634,7 @@ def test_grouped_statistics_equal_per_chunk_statistics(ckpt_dir):
     """MLPStats fed one call per chunk or one call for two chunks: every expert's routed
     gate/up and down Hessians agree to float32 summation order (the rows each expert was
     routed are found in the grouped token store)."""
-    from quantize.capture import moe_forward
+    from quantize.calib.capture import moe_forward
 
     ck, layer = _moe_layer(ckpt_dir)
     H = ck.config["hidden_size"]
@@ -674,8 +676,8 @@ def test_dense_families_forward_as_transformers_and_calibrate(model_type, tmp_pa
     dense MLPs runs, verifies and loads back in transformers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from quantize.evaluate import Evaluator, open_output
-    from quantize.verify import verify
+    from quantize.check.evaluate import Evaluator, open_output
+    from quantize.check.verify import verify
 
     cfg = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128,
                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

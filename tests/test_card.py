@@ -10,16 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantize.card import render_card
-from quantize.checkpoint import open_checkpoint
-from quantize.manifest import MANIFEST
+from quantize.check.verify import VERIFY_JSON, verify
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.plan import make_plan
-from quantize.push import prepare_push
-from quantize.readme import card_facts, hub_source, write_readme
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
-from quantize.verify import VERIFY_JSON, verify
+from quantize.publish.card import render_card
+from quantize.publish.push import prepare_push
+from quantize.publish.readme import card_facts, hub_source, write_readme
+from quantize.source.checkpoint import open_checkpoint
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.write.manifest import MANIFEST
 
 
 @pytest.fixture(scope="module")

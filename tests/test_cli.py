@@ -113,10 +113,10 @@ def test_inspect_and_plan_read_an_int4_output(tmp_path):
     plan's), the conversion; `plan DST --tp N` the serving checks there (--strict: exit 1)."""
     from collections import Counter
 
-    from quantize.checkpoint import open_checkpoint
     from quantize.options import ConvertOptions
     from quantize.plan import make_plan
-    from quantize.synth import tiny_config, write_checkpoint
+    from quantize.source.checkpoint import open_checkpoint
+    from quantize.source.synth import tiny_config, write_checkpoint
 
     # expert width 512: 512 / TP is a multiple of 64 at TP 1, 2, 4, 8, not at 16
     src = write_checkpoint(tmp_path / "src", tiny_config(moe_intermediate_size=512), "fp8-block")
@@ -242,7 +242,7 @@ def test_calibrated_convert_json_leaves_stdout_to_the_json(tmp_path):
     import sys
     from pathlib import Path
 
-    from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+    from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
 
     cfg = tiny_config("glm4_moe")
     src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel", seed=3)
@@ -260,7 +260,7 @@ def test_calibrated_convert_json_leaves_stdout_to_the_json(tmp_path):
 
 def test_verify_json_is_strict_with_a_schema_version(dsa_fp8, tmp_path):
     """Reports hold numbers or null, never "inf" strings or NaN (strict parsers read them)."""
-    from quantize.verify import VERIFY_JSON
+    from quantize.check.verify import VERIFY_JSON
 
     out = tmp_path / "o"
     assert runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--device", "cpu", "--tp", "1"]).exit_code == 0
@@ -286,7 +286,7 @@ def test_config_file_run_record_and_replay(dsa_fp8, tmp_path):
     an unknown key is refused by name before anything is written."""
     import tomllib
 
-    from quantize.push import prepare_push
+    from quantize.publish.push import prepare_push
 
     cfg = tmp_path / "run.toml"
     cfg.write_text('[convert]\ngroup-size = 32\nseed = 5\ntargets = ["routed", "shared"]\ndevice = "cpu"\n'

@@ -7,13 +7,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quantize.checkpoint import open_checkpoint
-from quantize.int4 import Int4Weight, dequantize, quantize_rtn, unpack_int4
-from quantize.layout import fused_names, is_ignored, linear_role, module_of
+from quantize.check.verify import verify
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert, source_weight
 from quantize.plan import make_plan
-from quantize.verify import verify
+from quantize.rounding.int4 import Int4Weight, dequantize, quantize_rtn, unpack_int4
+from quantize.source.checkpoint import open_checkpoint
+from quantize.source.layout import fused_names, is_ignored, linear_role, module_of
 
 
 def _load_all(folder):
@@ -62,7 +62,7 @@ def test_block_fp8_layout(dsa_fp8, dsa_out):
             continue
         if t.dtype == "F8_E4M3":
             s = src.read(name[: -len("weight")] + "weight_scale_inv")
-            from quantize.fp8 import dequant_block
+            from quantize.source.fp8 import dequant_block
             assert torch.equal(got[name], dequant_block(src.read(name), s, (128, 128)).bfloat16()), name
         else:
             assert torch.equal(got[name], src.read(name)), name
@@ -116,7 +116,7 @@ def test_verify_passes_and_reports(dsa_fp8, dsa_out):
 def test_verify_catches_a_wrong_scale(dsa_fp8, dsa_out, tmp_path):
     import shutil
 
-    from quantize.shards import sha256_file
+    from quantize.write.shards import sha256_file
 
     bad = tmp_path / "bad"
     shutil.copytree(dsa_out, bad)
@@ -201,7 +201,7 @@ def test_shards_respect_max_size(dsa_fp8, tmp_path):
     """On the written files: each shard's tensor bytes (from its own header) at most
     --max-shard-size unless it holds a single source tensor's outputs; the names as the Hub
     expects; the planned files are the written ones."""
-    from quantize.checkpoint import read_safetensors_header
+    from quantize.source.checkpoint import read_safetensors_header
 
     opts = ConvertOptions(max_shard_size=250_000)
     out = tmp_path / "o"
@@ -232,7 +232,7 @@ def test_verify_compares_every_config_field_with_the_source(dsa_fp8, dsa_out, tm
     weights are intact but the engines would compute something else; verify names the field."""
     import shutil
 
-    from quantize.shards import sha256_file
+    from quantize.write.shards import sha256_file
 
     bad = tmp_path / "bad"
     shutil.copytree(dsa_out, bad)
@@ -297,7 +297,7 @@ def test_verify_catches_a_few_doubled_group_scales(dsa_fp8, dsa_out, tmp_path):
 
     from safetensors.torch import save_file
 
-    from quantize.shards import sha256_file
+    from quantize.write.shards import sha256_file
 
     bad = tmp_path / "bad"
     shutil.copytree(dsa_out, bad)

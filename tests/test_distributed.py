@@ -1,7 +1,7 @@
 """`torchrun --nproc-per-node 2 -m quantize convert ...` on the CPU (gloo), against one process.
 
 RTN runs on rank 0 alone: the output must be byte-identical. GPTQ splits the calibration samples
-and the routed experts across the two ranks (quantize/distributed.py); the Hessians are the same
+and the routed experts across the two ranks (quantize/calib/distributed.py); the Hessians are the same
 sums taken in another order, so the first calibrated layer (whose inputs are the same in both
 runs: layer 0 is a dense layer without INT4 targets) must agree in nearly every integer, the
 routed-token counts exactly, and every layer's output error must be within 10 % of the
@@ -22,15 +22,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from quantize.calibrate import Calibrator
-from quantize.checkpoint import open_checkpoint
-from quantize.distributed import Dist, owned
+from quantize.calib.distributed import Dist, owned
+from quantize.calib.loop import Calibrator
 from quantize.errors import QuantizeError
-from quantize.int4 import unpack_int4
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.plan import make_plan
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.rounding.int4 import unpack_int4
+from quantize.source.checkpoint import open_checkpoint
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIB = ["--num-samples", "8", "--seq-len", "64"]
@@ -157,7 +157,7 @@ def test_a_killed_torchrun_run_resumes_from_every_ranks_checkpoint(src, tmp_path
     import signal
     import time
 
-    from quantize.shards import STALL_ENV
+    from quantize.write.shards import STALL_ENV
 
     args = ("--method", "gptq", *CALIB, "--max-shard-size", "200KB", "--checkpoint-interval", "0")
     ref, out = tmp_path / "ref", tmp_path / "out"

@@ -14,16 +14,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from quantize.calib_data import (
+from quantize.calib.data import (
     HELDOUT_ENGLISH,
     load_calibration,
     read_documents,
     tokenize_documents,
 )
-from quantize.card import _metric
-from quantize.checkpoint import open_checkpoint
-from quantize.errors import QuantizeError
-from quantize.evaluate import (
+from quantize.check.evaluate import (
     CalibWindows,
     EvalOptions,
     Evaluator,
@@ -34,11 +31,14 @@ from quantize.evaluate import (
     select_windows,
     summarize,
 )
-from quantize.manifest import MANIFEST
+from quantize.errors import QuantizeError
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert, source_weight
 from quantize.plan import make_plan
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.publish.card import _metric
+from quantize.source.checkpoint import open_checkpoint
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.write.manifest import MANIFEST
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from quantize.fp8 import dequant_block, dequant_channel
+from quantize.source.fp8 import dequant_block, dequant_channel
 
 
 @pytest.mark.parametrize("shape", [(576, 640), (160, 256), (80, 96), (300, 129), (128, 128),

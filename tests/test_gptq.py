@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
-from quantize.int4 import Int4Weight, dequantize, quantize_rtn
+from quantize.rounding.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
+from quantize.rounding.int4 import Int4Weight, dequantize, quantize_rtn
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -225,7 +225,7 @@ def test_blocked_inverse_cholesky_matches_float64():
     on damped Hessians of correlated inputs at a size that recurses twice with uneven halves;
     no worse than the library's float32 Cholesky + inverse + Cholesky; a slice that is not
     positive definite is flagged alone."""
-    from quantize.gptq import CHOL_LEAF, _factor_flipped_inplace, _factor_inplace
+    from quantize.rounding.gptq import CHOL_LEAF, _factor_flipped_inplace, _factor_inplace
 
     K = 2 * CHOL_LEAF + 76
     Hs = []

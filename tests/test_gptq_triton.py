@@ -20,9 +20,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 SCRIPT = textwrap.dedent("""
     import torch
-    import quantize.gptq as G
-    from quantize.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
-    from quantize.int4 import quantize_rtn
+    import quantize.rounding.gptq as G
+    from quantize.rounding.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
+    from quantize.rounding.int4 import quantize_rtn
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu":

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from hubserver import Hub, HubState
 
-from quantize.synth import tiny_config, write_checkpoint
+from quantize.source.synth import tiny_config, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "from quantize.cli import app; app()"

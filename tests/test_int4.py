@@ -8,7 +8,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
 from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
-from quantize.int4 import Int4Weight, dequantize, pack_int4, quantize_rtn, unpack_int4
+from quantize.rounding.int4 import Int4Weight, dequantize, pack_int4, quantize_rtn, unpack_int4
 
 
 def _args(group_size: int, symmetric: bool) -> QuantizationArgs:

@@ -16,13 +16,13 @@ from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.utils.match import match_name
 from safetensors.torch import load_file
 
-from quantize.checkpoint import open_checkpoint
-from quantize.evaluate import open_output
-from quantize.layout import fused_names, is_ignored, linear_role
+from quantize.check.evaluate import open_output
+from quantize.check.verify import verify
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert, source_weight
 from quantize.plan import make_plan
-from quantize.verify import verify
+from quantize.source.checkpoint import open_checkpoint
+from quantize.source.layout import fused_names, is_ignored, linear_role
 
 
 def _tensors(d):
@@ -91,7 +91,7 @@ def test_keep_fp8_refusals(tmp_path):
     with pytest.raises(ValueError, match="--keep-fp8 keeps the FP8 tensors"):
         ConvertOptions(keep_fp8=True, method="awq+gptq")
     from quantize.errors import QuantizeError
-    from quantize.synth import tiny_config, write_checkpoint
+    from quantize.source.synth import tiny_config, write_checkpoint
 
     src = write_checkpoint(tmp_path / "bf16", tiny_config(), "bf16")
     with pytest.raises(QuantizeError, match="nothing to keep"):
@@ -124,8 +124,8 @@ def test_the_serving_options_together(tmp_path):
     """--keep-fp8, --scheme w4afp8, --mtp keep and GPTQ in one run (expert width 512, so W4AFP8
     serves at TP 1-2): it verifies, the MTP experts are FP8-kept (not INT4), and inspect reads
     the scheme, the FP8 group and the TP sizes back."""
-    from quantize.report import inspect_int4_data
-    from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+    from quantize.cli.report import inspect_int4_data
+    from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
 
     cfg = tiny_config("glm_moe_dsa", moe_intermediate_size=512)
     src = write_checkpoint(tmp_path / "src", cfg, "fp8-block")

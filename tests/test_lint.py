@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 
+from quantize.check.verify import verify
 from quantize.lint import lint
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
-from quantize.shards import sha256_file
-from quantize.verify import verify
+from quantize.write.shards import sha256_file
 
 GOOD_QC = {"config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
                                          "weights": {"type": "int", "group_size": 32, "symmetric": True}}}}

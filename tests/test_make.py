@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")

@@ -29,8 +29,8 @@ SCRIPT = textwrap.dedent("""
     import os
     import torch
     from dataclasses import replace
-    import quantize.gptq as G
-    from quantize.int4 import QMAX, QMIN, rtn_qparams
+    import quantize.rounding.gptq as G
+    from quantize.rounding.int4 import QMAX, QMIN, rtn_qparams
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     seed = int.from_bytes(os.urandom(4), "little")

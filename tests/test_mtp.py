@@ -11,12 +11,12 @@ import json
 import pytest
 from safetensors import safe_open
 
-from quantize.checkpoint import open_checkpoint
-from quantize.layout import is_ignored
+from quantize.check.verify import verify
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.plan import make_plan
-from quantize.verify import verify
+from quantize.source.checkpoint import open_checkpoint
+from quantize.source.layout import is_ignored
 
 
 def _names(mtp: int) -> dict[str, list[str]]:
@@ -69,7 +69,7 @@ def test_mtp_keep_writes_bf16_mtp_experts_and_verifies(dsa_fp8, tmp_path):
 
     # an index that leaves out the shard holding MTP tensors (as a converter bug would, the
     # manifest agreeing): verify says what that does to the draft
-    from quantize.shards import sha256_file
+    from quantize.write.shards import sha256_file
 
     ip = out / "model.safetensors.index.json"
     idx = json.loads(ip.read_text())

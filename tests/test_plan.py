@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from quantize.checkpoint import open_checkpoint
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.plan import make_plan
-from quantize.synth import GLM52_CONFIG, release_tensors, tiny_config, write_checkpoint
+from quantize.source.checkpoint import open_checkpoint
+from quantize.source.synth import GLM52_CONFIG, release_tensors, tiny_config, write_checkpoint
 
 GiB = 2**30
 
@@ -53,7 +53,7 @@ PUBLISHED_GLM52_FP8 = {
 
 
 def test_glm52_replica_matches_what_the_release_publishes():
-    """Our replica's tensor list (quantize.synth.release_tensors with GLM52_CONFIG) against the
+    """Our replica's tensor list (quantize.source.synth.release_tensors with GLM52_CONFIG) against the
     release's own published figures above: counts, bytes, dtypes, shapes by group."""
     import math
     import re

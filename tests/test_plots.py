@@ -10,13 +10,13 @@ import json
 import pytest
 from PIL import Image
 
-from quantize import plots
-from quantize.evaluate import EvalOptions, evaluate
+from quantize.check.evaluate import EvalOptions, evaluate
+from quantize.check.verify import verify
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
-from quantize.push import prepare_push
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
-from quantize.verify import verify
+from quantize.publish import plots
+from quantize.publish.push import prepare_push
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
 
 pytestmark = pytest.mark.skipif(not plots.available(), reason="needs the plots extra (matplotlib)")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from quantize.push import prepare_push
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.publish.push import prepare_push
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

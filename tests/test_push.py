@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 from hubserver import Hub, HubState
 
-from quantize.manifest import MANIFEST
+from quantize.check.verify import VERIFY_JSON, verify
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
-from quantize.plots import PICTURES
-from quantize.push import prepare_push
-from quantize.synth import tiny_config, write_checkpoint
-from quantize.verify import VERIFY_JSON, verify
+from quantize.publish.plots import PICTURES
+from quantize.publish.push import prepare_push
+from quantize.source.synth import tiny_config, write_checkpoint
+from quantize.write.manifest import MANIFEST
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_loopbackTESTtoken0123456789abcdef"

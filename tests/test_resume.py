@@ -1,7 +1,7 @@
 """Crash safety (issue 5): kill the converter from outside, resume, get the same bytes.
 
 The converter runs as a real subprocess through the CLI. `QUANTIZE_TEST_STALL_AT=EVENT:N`
-(quantize/shards.py) makes it announce and sleep at an exact point, where the test SIGKILLs
+(quantize/write/shards.py) makes it announce and sleep at an exact point, where the test SIGKILLs
 it: no sleeps-and-hope, no races. Also here: resume refuses other options or a changed
 source, verify never passes an unfinished folder and names any changed byte, and the output
 folder rules (not inside the source, not a non-empty stranger's folder).
@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from quantize.check.verify import verify
 from quantize.cli import app
 from quantize.errors import QuantizeError
-from quantize.manifest import MANIFEST
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
-from quantize.shards import STALL_ENV, sha256_file
-from quantize.verify import verify
+from quantize.write.manifest import MANIFEST
+from quantize.write.shards import STALL_ENV, sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD = "200KB"  # ~20 output shards from the tiny checkpoint

@@ -20,7 +20,7 @@ import pytest
 
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
-from quantize.synth import tiny_config, write_checkpoint
+from quantize.source.synth import tiny_config, write_checkpoint
 
 GOLDEN = Path(__file__).parent / "golden" / "output_digests.json"
 # per-run files holding times, versions or paths: not the conversion's bytes

@@ -12,12 +12,12 @@ from compressed_tensors.quantization import QuantizationConfig
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from safetensors.torch import load_file
 
-from quantize.checkpoint import Checkpoint
+from quantize.check.verify import verify
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.plan import tp_checks
-from quantize.synth import tiny_config, write_checkpoint
-from quantize.verify import verify
+from quantize.source.checkpoint import Checkpoint
+from quantize.source.synth import tiny_config, write_checkpoint
 
 
 def test_w4afp8_is_w4a16_g128_weights_with_fp8_activations_declared(tmp_path):
@@ -82,9 +82,9 @@ def test_the_config_names_the_observer_that_chose_the_scales(dsa_fp8, method, ms
     """quantization_config's weights observer says how the group scales were chosen: "mse" when
     GPTQ's MSE clip searched each group's range (the default of gptq and awq+gptq), else
     "minmax" (it said minmax for every method; issue 27)."""
-    from quantize.checkpoint import open_checkpoint
     from quantize.plan import make_plan
-    from quantize.qconfig import quantization_config
+    from quantize.source.checkpoint import open_checkpoint
+    from quantize.write.qconfig import quantization_config
 
     opts = ConvertOptions(method=method, mse_clip=mse_clip)
     qc = quantization_config(make_plan(open_checkpoint(dsa_fp8), opts, 1))

@@ -8,10 +8,10 @@ import itertools
 import torch
 from safetensors import safe_open
 
-from quantize import shards
-from quantize.checkpoint import st_dtype
 from quantize.plan import OutTensor
-from quantize.shards import PARTIAL, ShardWriter
+from quantize.source.checkpoint import st_dtype
+from quantize.write import shards
+from quantize.write.shards import PARTIAL, ShardWriter
 
 
 def test_streamed_shard_reads_back_exactly(tmp_path, monkeypatch):

@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from quantize.checkpoint import open_checkpoint
-from quantize.int4 import Int4Weight, dequantize, unpack_int4
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert, source_weight
 from quantize.plan import make_plan
+from quantize.rounding.int4 import Int4Weight, dequantize, unpack_int4
+from quantize.source.checkpoint import open_checkpoint
 
 
 def _bf16_folder(path, config, tensors):
@@ -49,7 +49,7 @@ def test_transformers_loads_int4_and_logits_match(fixture, method, request, tmp_
     if method != "rtn":  # calibration needs a tokenizer: a copy of the fixture with one
         import shutil
 
-        from quantize.synth import write_tokenizer
+        from quantize.source.synth import write_tokenizer
 
         shutil.copytree(src_dir, tmp_path / "src")
         src_dir = tmp_path / "src"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def test_wheel_ships_the_default_calibration_set(tmp_path):
     src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
     write_tokenizer(src, cfg["vocab_size"])
     env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    probe = "import quantize.calib_data as c; print(c.__file__); print(c.DEFAULT_CALIB)"
+    probe = "import quantize.calib.data as c; print(c.__file__); print(c.DEFAULT_CALIB)"
     where = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True,
                            text=True, check=True).stdout.split()
     assert all(Path(p).is_relative_to(site) for p in where), where  # the wheel, not the checkout

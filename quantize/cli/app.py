@@ -35,7 +35,7 @@ class Failed(Exception):
 def print_json(d: dict) -> None:
     """--json output: the schema version first, strict JSON (non-finite numbers as null)."""
     from quantize import SCHEMA_VERSION
-    from quantize.shards import json_text
+    from quantize.write.shards import json_text
 
     out.print_json(json_text({"schema_version": SCHEMA_VERSION, **d}, indent=None))
 

@@ -147,8 +147,8 @@ def convert(
     the files `push` uploads).
     """
     given = dict(locals())  # every parameter as resolved (flags, --config, --from, defaults)
-    from quantize.distributed import init
-    from quantize.hub import is_dataset_spec
+    from quantize.calib.distributed import init
+    from quantize.source.hub import is_dataset_spec
 
     if dst is None and from_ is not None and src is not None:  # `--from OLD NEW`: NEW is DST
         dst, src = Path(src), read_run_file(from_ / RUN_RECORD, "--from").get("src")
@@ -162,7 +162,7 @@ def convert(
         if sys.argv[0].endswith("quantize") else None
     d = init(device)  # under torchrun: this rank (rank 0 prints and writes, the others compute)
     quiet = d is not None and not d.leader
-    from quantize.manifest import manifest_status, output_state
+    from quantize.write.manifest import manifest_status, output_state
 
     # what DST held when this run began (--overwrite: nothing kept), for the failure's hint
     before = None if overwrite else manifest_status(dst)
@@ -201,12 +201,12 @@ def _checked_numbers(checkpoint_interval: float, max_gpu_memory: float | None) -
 def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
     """Options, source, plan and the conversion with its progress bar and timestamped lines;
     (the pipeline's result or None on a rank other than 0, the source bytes)."""
-    from quantize.checkpoint import open_checkpoint
-    from quantize.hub import is_repo_id, resolve_source
-    from quantize.manifest import read_manifest
     from quantize.pipeline import convert as run_convert
     from quantize.plan import make_plan
     from quantize.sizes import fmt_bytes
+    from quantize.source.checkpoint import open_checkpoint
+    from quantize.source.hub import is_repo_id, resolve_source
+    from quantize.write.manifest import read_manifest
 
     opts = convert_options(a["method"], a["group_size"], a["targets"], a["asymmetric"],
                            a["max_shard_size"], calib=a["calib"], num_samples=a["num_samples"],

@@ -55,9 +55,9 @@ def eval_(
       quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4 --max-kl 0.5
       quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4 --ood my-other-domain.txt   # or --ood none
     """
-    from quantize.evaluate import EvalOptions, evaluate
-    from quantize.hub import resolve_source
-    from quantize.report import eval_tables
+    from quantize.check.evaluate import EvalOptions, evaluate
+    from quantize.cli.report import eval_tables
+    from quantize.source.hub import resolve_source
 
     opts = EvalOptions(data=data, num_samples=num_samples, seq_len=seq_len, seed=seed,
                        dtype=value(dtype), ood=ood, ood_samples=ood_samples,

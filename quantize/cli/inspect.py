@@ -15,14 +15,14 @@ def inspect(src: Src, revision: Revision = None, json_: Json = False, debug: Deb
       quantize inspect zai-org/GLM-5.2-FP8       # Hub: config + safetensors headers, no weights
       quantize inspect ./GLM-5.2-INT4            # an INT4 output: scheme, INT4 Linears, bytes
     """
-    from quantize.hub import resolve_source
-    from quantize.report import (
+    from quantize.cli.report import (
         inspect_data,
         inspect_int4_data,
         inspect_int4_table,
         inspect_table,
         int4_folder,
     )
+    from quantize.source.hub import resolve_source
 
     if int4_folder(src):  # our own output (or any pack-quantized folder)
         d = inspect_int4_data(src)

@@ -59,15 +59,15 @@ def plan(
       quantize plan ./GLM-5.2-FP8 --method gptq --num-samples 512   # + checkpoint disk
       quantize plan ./GLM-5.2-INT4 --tp 8        # an INT4 output: the serving checks at TP 8
     """
-    from quantize.hub import resolve_source
-    from quantize.plan import make_plan
-    from quantize.report import (
+    from quantize.cli.report import (
         inspect_int4_data,
         inspect_int4_table,
         int4_folder,
         plan_data,
         plan_tables,
     )
+    from quantize.plan import make_plan
+    from quantize.source.hub import resolve_source
 
     if int4_folder(src):  # an INT4 output: where it can be served, nothing left to plan
         d = inspect_int4_data(src, tp)

@@ -49,7 +49,7 @@ def push(
       quantize push ./GLM-5.2-INT4 GLM-5.2-INT4                   # into your user namespace
       quantize push ./GLM-5.2-INT4 their-org/GLM-5.2-INT4 --create-pr
     """
-    from quantize.push import prepare_push, resolve_repo_id, upload
+    from quantize.publish.push import prepare_push, resolve_repo_id, upload
     from quantize.sizes import fmt_bytes
 
     repo_id = resolve_repo_id(repo_id, token)

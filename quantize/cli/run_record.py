@@ -33,7 +33,7 @@ def public_command(args: list[str], src: str, dst: Path, base_model: str | None)
     value, and no local path of this machine (the folder gets published). SRC becomes its repo
     id (or folder name), DST its name, any other argument naming an existing file or folder
     (--calib) its name."""
-    from quantize.hub import source_identity
+    from quantize.source.hub import source_identity
 
     src_name = source_identity(src, base_model)["name"] if Path(src).exists() else src
 
@@ -130,7 +130,7 @@ def write_run_record(dst: Path, values: dict) -> None:
     """DST/quantize-run.toml: every convert option as this run resolved it, replayable with
     `quantize convert --from DST` or `--config DST/quantize-run.toml`."""
     from quantize import __version__
-    from quantize.shards import write_bytes_atomic
+    from quantize.write.shards import write_bytes_atomic
 
     lines = [f"# quantize convert's options for this folder, glm-int4-quantize {__version__}",
              "# replay: quantize convert --from DST NEW_DST  (or --config this-file SRC NEW_DST)",

@@ -38,10 +38,10 @@ def verify(
       quantize verify ./GLM-5.2-FP8 ./GLM-5.2-INT4 --min-sqnr 15 --json
       quantize verify ./GLM-5.2-FP8 ./GLM-5.2-INT4 --no-layer-check   # tensors only
     """
-    from quantize.hub import resolve_source
-    from quantize.manifest import finished_manifest
-    from quantize.report import verify_table
-    from quantize.verify import verify as run_verify
+    from quantize.check.verify import verify as run_verify
+    from quantize.cli.report import verify_table
+    from quantize.source.hub import resolve_source
+    from quantize.write.manifest import finished_manifest
 
     finished_manifest(dst)  # an unfinished DST is said before SRC is resolved (or downloaded)
     local = resolve_source(src, revision, headers_only=False)

@@ -46,7 +46,7 @@ from transformers import AutoModelForCausalLM
 
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
-from quantize.synth import tiny_config, write_checkpoint, write_tokenizer
+from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
 
 HERE = Path(__file__).parent
 LOGPROB_TOL = 1e-5

@@ -1,0 +1,269 @@
+"""The calibration forwards of a layer's MLP, and the statistics they collect (`MLPStats`).
+
+transformers v5 fuses a MoE block's experts into 3-D parameters (`experts.gate_up_proj`
+(E, 2I, H), `experts.down_proj` (E, H, I)) and exposes no per-expert inputs, so the calibration
+runs the MLP through `moe_forward` / `dense_forward`: the same output as the module's forward,
+op for op (tests/test_calibrate.py proves them equal), feeding each Linear's inputs to `MLPStats`.
+
+MoE statistics (`expert_calibration`):
+    routed  expert e's gate/up Hessian from the tokens routed to e, its down Hessian from its
+            intermediate activations on those tokens (an expert below `min_expert_tokens`
+            falls back to all-token statistics: the caller decides, the report says so)
+    all     every expert's statistics from every token: the gate/up Hessian is the layer's
+            single all-token Hessian, the down Hessians from every token through every expert;
+            only routed outputs flow on
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from quantize.rounding.gptq import accumulate_hessian, xtx
+
+__all__ = ["EXPERT_BATCH", "SAMPLE_EXPERT_TOKENS", "SAMPLE_TOKENS", "MLPStats", "dense_forward",
+           "expert_inter", "moe_forward"]
+
+SAMPLE_TOKENS = 2048  # all-token MLP inputs kept for AWQ's search and expert fallbacks
+SAMPLE_EXPERT_TOKENS = 256  # routed intermediate activations kept per expert for AWQ
+EXPERT_BATCH = 32  # experts per AWQ search / all-expert pass (bounds their GPU memory)
+
+
+
+
+@dataclass
+class MLPStats:
+    """What pass 1 collects for one layer's MLP; which parts are filled depends on the method.
+
+    A routed expert's gate/up Hessian 2 XᵀX / n is built when its GPTQ batch is solved
+    (`experts_H_in`), from the layer's MLP inputs and the rows routed to it, instead of 256
+    float32 (H, H) running sums held through the whole pass (GLM-5.2: 38.7 GB). The inputs are
+    either kept (`x_store`: GLM-5.2 at 512 x 2048 tokens, 12.9 GB of bf16) or, with `x_of`,
+    recomputed per statistics call c when a batch needs them (the calibration's hidden states
+    hold the layer's residual stream after the attention: x is its norm, a cheap pass). With
+    `store_tokens` off the sums are kept instead, a size that does not grow with the
+    calibration set.
+    """
+
+    kind: str  # "moe" | "dense"
+    hessians: bool  # GPTQ needs them
+    samples: bool  # AWQ needs activation samples
+    all_experts: bool  # expert_calibration == "all"
+    num_experts: int = 0
+    store_tokens: bool = True  # routed gate/up Hessians from the inputs (else running sums)
+    x_of: Callable[[int], torch.Tensor] | None = None  # call c's MLP inputs, recomputed (not kept)
+    tokens: int = 0
+    H_in: torch.Tensor | None = None  # (H, H) all MLP-input tokens
+    H_down: torch.Tensor | None = None  # dense / shared down_proj (I, I)
+    n_down: int = 0
+    expert_tokens: list[int] = field(default_factory=list)  # routed tokens per expert
+    x_store: list[torch.Tensor] = field(default_factory=list)  # MLP inputs (T_c, H) per chunk
+    rows_e: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)  # (chunk, rows)
+    S_in_e: dict[int, torch.Tensor] = field(default_factory=dict)  # XᵀX sums (no store_tokens)
+    S_down_e: dict[int, torch.Tensor] = field(default_factory=dict)  # down inputs' XᵀX sums
+    S_down_all: torch.Tensor | None = None  # (E, I, I) the same, all-expert mode
+    n_down_e: dict[int, int] = field(default_factory=dict)
+    x_sample: list[torch.Tensor] = field(default_factory=list)  # all-token MLP inputs (float32)
+    inter_sample: list[torch.Tensor] = field(default_factory=list)  # dense/shared down inputs
+    inter_e: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # routed down inputs
+
+    def __post_init__(self) -> None:
+        self.expert_tokens = [0] * self.num_experts
+
+    @property
+    def routed_hessians(self) -> bool:
+        return self.hessians and not self.all_experts
+
+    @staticmethod
+    def _keep(buf: list[torch.Tensor], x: torch.Tensor, limit: int) -> None:
+        have = sum(t.shape[0] for t in buf)
+        if have < limit:
+            buf.append(x[: limit - have].float().clone())
+
+    def all_reduce(self, d, device: torch.device) -> None:
+        """Several ranks (`d`: distributed.Dist; None: one process, nothing to do): token
+        counts summed on every rank, the all-token and dense / shared Hessians summed (weighted
+        by tokens) on every rank, rank 0's all-token input sample on every rank. The routed
+        experts' Hessians are summed onto their owners later, one GPTQ batch at a time
+        (round_layer's `_gptq_routed_ranks`)."""
+        if d is None:
+            return
+        E = self.num_experts
+        counts = torch.tensor([self.tokens, self.n_down, *self.expert_tokens,
+                               *[self.n_down_e.get(e, 0) for e in range(E)]], dtype=torch.int64)
+        c = d.all_reduce(counts).tolist()
+        n_in, n_down = self.tokens, self.n_down
+        self.tokens, self.n_down = c[0], c[1]
+        self.expert_tokens = c[2:2 + E]
+        self.n_down_e = {e: n for e, n in enumerate(c[2 + E:]) if n}
+        if self.H_in is not None:  # 2 XᵀX / n per rank -> over every rank's tokens
+            self.H_in = d.all_reduce(self.H_in * (n_in / self.tokens))
+        if self.H_down is not None:
+            self.H_down = d.all_reduce(self.H_down * (n_down / self.n_down))
+        xs = torch.cat(self.x_sample) if self.x_sample else None
+        shape = d.broadcast_object(None if xs is None else tuple(xs.shape))
+        if shape is not None:
+            buf = xs.contiguous() if d.leader else torch.empty(shape, device=device)
+            self.x_sample = [d.broadcast(buf, 0)]
+
+    def mlp_input(self, x: torch.Tensor) -> None:  # x (T, H); after the chunk's routed() calls
+        self.tokens += x.shape[0]
+        if self.hessians:
+            self.H_in, _ = accumulate_hessian(self._zeros(self.H_in, x.shape[-1], x), x,
+                                              self.tokens - x.shape[0])
+        if self.kind == "moe" and self.routed_hessians and self.store_tokens:
+            # call index len(x_store) - 1, as routed() recorded; None: `x_of` recomputes it
+            self.x_store.append(x if self.x_of is None else None)
+        self._keep(self.x_sample, x, SAMPLE_TOKENS)
+
+    def down_input(self, inter: torch.Tensor) -> None:  # dense / shared (T, I)
+        if self.hessians:
+            self.H_down, self.n_down = accumulate_hessian(
+                self._zeros(self.H_down, inter.shape[-1], inter), inter, self.n_down)
+        if self.samples:
+            self._keep(self.inter_sample, inter, SAMPLE_TOKENS)
+
+    def routed(self, e: int, x: torch.Tensor, inter: torch.Tensor, rows: torch.Tensor) -> None:
+        """Expert e's routed tokens of the current chunk: inputs x (n, H) = the chunk's rows
+        `rows`, and its down_proj inputs inter (n, I)."""
+        self.expert_tokens[e] += x.shape[0]
+        if self.routed_hessians:
+            if self.store_tokens:
+                self.rows_e.setdefault(e, []).append((len(self.x_store), rows))
+            else:
+                self.S_in_e[e] = xtx(x, self.S_in_e.get(e))
+            self.expert_down(e, inter)
+        if self.samples:
+            self._keep(self.inter_e.setdefault(e, []), inter, SAMPLE_EXPERT_TOKENS)
+
+    def expert_down(self, e: int, inter: torch.Tensor) -> None:
+        self.S_down_e[e] = xtx(inter, self.S_down_e.get(e))
+        self.n_down_e[e] = self.n_down_e.get(e, 0) + inter.shape[0]
+
+    def experts_down(self, es: range, inter: torch.Tensor) -> None:
+        """All-expert mode: the down_proj inputs of experts `es` on every token (e, T, I),
+        summed into one (E, I, I) tensor with one batched matmul."""
+        if self.S_down_all is None:
+            I = inter.shape[-1]
+            self.S_down_all = torch.zeros(self.num_experts, I, I, device=inter.device)
+        xtx(inter, self.S_down_all[es.start:es.stop])
+        for e in es:
+            self.n_down_e[e] = self.n_down_e.get(e, 0) + inter.shape[1]
+
+    def expert_H_in(self, e: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """2 XᵀX / n over the tokens routed to expert e (None if it got none); its statistics
+        are released. `out`: a (H, H) float32 tensor to write it into."""
+        K = self.H_in.shape[-1]
+        buf = torch.empty(1, K, K, device=self.H_in.device) if out is None else out[None]
+        return buf[0] if self.experts_H_in([e], buf)[0] else None
+
+    def experts_H_in(self, es: list[int], out: torch.Tensor, skip: set[int] = frozenset()
+                     ) -> list[bool]:
+        """2 XᵀX / n over the tokens routed to each expert es[j], into out[j] ((H, H) float32;
+        zeros where it got none or is in `skip`); which got any. Their statistics are released.
+        Each call's inputs are read (or recomputed) once for the whole batch."""
+        have = [False] * len(es)
+        want = {e: j for j, e in enumerate(es) if e not in skip}
+        if not self.store_tokens:
+            for e, j in want.items():
+                S = self.S_in_e.pop(e, None)
+                if S is None:
+                    out[j].zero_()
+                else:
+                    torch.mul(S, 2.0 / self.expert_tokens[e], out=out[j])
+                    have[j] = True
+            return have
+        by_call: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for e in es:
+            for c, r in self.rows_e.pop(e, None) or []:
+                if e in want:
+                    by_call.setdefault(c, []).append((want[e], r))
+        for j in range(len(es)):
+            out[j].zero_()
+        for c in sorted(by_call):
+            x = self.x_store[c] if self.x_store[c] is not None else self.x_of(c)
+            for j, r in by_call[c]:
+                xtx(x.index_select(0, r), acc=out[j])
+                have[j] = True
+            del x
+        for e, j in want.items():
+            if have[j]:
+                out[j].mul_(2.0 / self.expert_tokens[e])
+        return have
+
+    def expert_H_down(self, e: int) -> torch.Tensor | None:
+        """2 XᵀX / n of expert e's down_proj inputs (None if it got none), released."""
+        if self.S_down_all is not None:
+            return self.S_down_all[e] * (2.0 / self.n_down_e[e])
+        S = self.S_down_e.pop(e, None)
+        return None if S is None else S.mul_(2.0 / self.n_down_e[e])
+
+    @staticmethod
+    def _zeros(H: torch.Tensor | None, K: int, like: torch.Tensor) -> torch.Tensor:
+        return H if H is not None else torch.zeros(K, K, device=like.device)
+
+
+def expert_inter(experts: torch.nn.Module, es: range, x: torch.Tensor) -> torch.Tensor:
+    """act(gate_e x) * up_e x for experts `es` on all tokens x (T, H) -> (len(es), T, I)."""
+    gu = torch.matmul(x.unsqueeze(0), experts.gate_up_proj[es.start:es.stop].transpose(1, 2))
+    gate, up = gu.chunk(2, dim=-1)  # (e, T, I) each
+    return experts.act_fn(gate) * up
+
+
+def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = None,
+                outputs: bool = True) -> torch.Tensor | None:
+    """`GlmMoeDsaMoE.forward` / `Glm4MoeMoE.forward`, op for op, exposing each expert's routed
+    tokens (and, with `stats.all_experts`, every expert's activations on every token).
+    `outputs=False`: statistics only, returns None (no down projections, no sum)."""
+    shape = x.shape
+    _, topk_weights, topk_indices = moe.gate(x)  # (T, k) each
+    xf = x.reshape(-1, shape[-1])  # (T, H)
+    experts = moe.experts
+    E = experts.num_experts
+    out = torch.zeros_like(xf) if outputs else None
+    # Each expert's (top-k slot, token) pairs in the order transformers' loop visits them
+    # (torch.where over its (k, T) one-hot mask: slot-major), found with one stable sort of
+    # the (k, T) expert ids and one host read of the counts, instead of a mask of (E+1, k, T)
+    # and a device sync per expert (256 per chunk on GLM-5.2).
+    T = xf.shape[0]
+    with torch.no_grad():
+        flat = topk_indices.t().reshape(-1)  # (k * T,): position p = slot * T + token
+        order = torch.argsort(flat, stable=True)  # grouped by expert, p ascending within one
+        counts = torch.bincount(flat, minlength=E + 1).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        p, start = order[start:start + n], start + n
+        if n == 0 or e == E:
+            continue
+        top_k_pos, token_idx = p // T, p % T
+        current = xf[token_idx]
+        gate, up = F.linear(current, experts.gate_up_proj[e]).chunk(2, dim=-1)
+        inter = experts.act_fn(gate) * up
+        if outputs:
+            y = F.linear(inter, experts.down_proj[e]) * topk_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        if stats is not None:
+            stats.routed(e, current, inter, token_idx)
+    sh = moe.shared_experts
+    inter_s = sh.act_fn(sh.gate_proj(x)) * sh.up_proj(x)
+    if stats is not None:
+        stats.mlp_input(xf)
+        stats.down_input(inter_s.reshape(-1, inter_s.shape[-1]))
+        if stats.all_experts and stats.hessians:
+            for s in range(0, E, EXPERT_BATCH):
+                es = range(s, min(s + EXPERT_BATCH, E))
+                stats.experts_down(es, expert_inter(experts, es, xf))  # (e, T, I)
+    return out.view(*shape) + sh.down_proj(inter_s) if outputs else None
+
+
+def dense_forward(mlp: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = None,
+                  outputs: bool = True) -> torch.Tensor | None:
+    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))` (GLM / Llama MLP), feeding `stats`."""
+    inter = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+    if stats is not None:
+        stats.mlp_input(x.reshape(-1, x.shape[-1]))
+        stats.down_input(inter.reshape(-1, inter.shape[-1]))
+    return mlp.down_proj(inter) if outputs else None

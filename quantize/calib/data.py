@@ -1,0 +1,308 @@
+"""Calibration text -> a fixed (num_samples, seq_len) block of token ids.
+
+Accepted `--calib` sources (the default is the shipped `calib_data/default.jsonl`):
+
+    *.jsonl / *.json   one JSON object per line: {"text": ...} or {"messages": [{role, content}]};
+                       messages are rendered with the checkpoint's own chat template
+    *.txt / *.md       plain UTF-8 text, the whole file one document
+    *.parquet          a `text` or `messages` column (needs pyarrow)
+    a folder           a dataset saved with `datasets` `save_to_disk` (read with pyarrow)
+    ORG/NAME[@REV][:SPLIT]  a dataset on the Hugging Face Hub (no local file of that name): the
+                       split's .parquet / .jsonl / .txt files (default: train, else all),
+                       fetched into the Hub cache at the revision's commit (`hub.resolve_dataset`)
+
+Sampling is deterministic for a given `seed`: the documents are shuffled with
+`torch.Generator().manual_seed(seed)`, tokenized, joined with the EOS token into one
+stream, and cut into consecutive windows of `seq_len` tokens. When the stream holds fewer
+than `num_samples * seq_len` tokens, the windows start at seeded random offsets instead and
+overlap (recorded in `CalibrationSet.overlapping`); a stream shorter than one window is an error.
+e.g. 1,000,000 tokens, 512 x 2048 requested: 488 full windows exist, so the 512 overlap.
+
+The data is named in reports (calibration-report.json, which `push` uploads) by its file name and
+sha256, never by its local path: the name says what it was, the hash pins the exact bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantize.errors import Problem, QuantizeError
+from quantize.write.shards import sha256_file
+
+__all__ = ["DEFAULT_CALIB", "HELDOUT_ENGLISH", "CalibrationSet", "checkpoint_calibration", "data_sha256",
+           "join_documents", "load_calibration",
+           "read_documents", "resolve_calib", "tokenize_documents", "window_starts"]
+
+def _shipped(name: str) -> Path:
+    """A shipped data file: inside the package in an installed wheel (quantize/_shipped/NAME,
+    pyproject's package-data), calib_data/NAME in a checkout."""
+    here = Path(__file__).resolve().parent.parent  # the package folder
+    wheel = here / "_shipped" / name
+    return wheel if wheel.is_file() else here.parent / "calib_data" / name
+
+
+DEFAULT_CALIB = _shipped("default.jsonl")
+# General English written for the project, in no calibration set: eval's out-of-domain text.
+HELDOUT_ENGLISH = _shipped("heldout_english.md")
+
+
+@dataclass(frozen=True)
+class CalibrationSet:
+    tokens: torch.Tensor  # int64 (num_samples, seq_len)
+    source: str  # the file (or saved-dataset folder) name, no local path
+    documents: int
+    stream_tokens: int  # tokens in the joined stream the windows were cut from
+    overlapping: bool  # fewer tokens than num_samples * seq_len: windows overlap
+    chat_template: str  # "checkpoint" | "plain (the tokenizer has none)" | "unused"
+    sha256: str | None = None  # of the data's bytes (`data_sha256`); None: tokens given directly
+
+    def summary(self) -> dict:
+        return {"source": self.source, "sha256": self.sha256, "documents": self.documents,
+                "stream_tokens": self.stream_tokens, "num_samples": self.tokens.shape[0],
+                "seq_len": self.tokens.shape[1], "overlapping": self.overlapping,
+                "chat_template": self.chat_template}
+
+
+def data_sha256(path: Path) -> str:
+    """sha256 of a calibration file; of a saved-dataset folder, over its files' relative paths
+    and sha256s in sorted order."""
+    if not path.is_dir():
+        return sha256_file(path)
+    return _files_sha256((f.relative_to(path).as_posix(), f)
+                         for f in sorted(p for p in path.rglob("*") if p.is_file()))
+
+
+def _files_sha256(files) -> str:
+    """sha256 over (relative name, file) pairs in the given order: each name and its sha256."""
+    h = hashlib.sha256()
+    for rel, f in files:
+        h.update(f"{rel}\0{sha256_file(f)}\n".encode())
+    return h.hexdigest()
+
+
+def _error(file: str, found: str, expected: str, fix: str) -> QuantizeError:
+    return QuantizeError("unusable calibration data", [Problem(file, None, found, expected, fix)])
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise _error(str(path), f"not UTF-8 (byte {e.start}: {e.reason})", "UTF-8 text",
+                     "re-encode it, e.g. `iconv -f latin1 -t utf-8 IN > OUT`") from None
+
+
+def _record(rec: object, where: str) -> str | list[dict]:
+    if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+        return rec["text"]
+    if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+        for i, m in enumerate(rec["messages"]):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), (str, list))):
+                raise _error(where, f"message {i} of `messages` is {str(m)[:60]!r}",
+                             'chat messages as objects {"role": "user", "content": "..."}',
+                             "write each message with a role and its content")
+        return rec["messages"]
+    raise _error(where, f"a record without `text` or `messages`: {str(rec)[:80]}",
+                 'JSON objects with a "text" string or a "messages" list',
+                 "rename the field holding the text to `text`")
+
+
+def _pyarrow(p: Path, what: str):
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise _error(str(p), f"{what}, and `pyarrow` is not installed", "pyarrow to read it",
+                     "pip install pyarrow, or export the text to JSONL") from None
+    return pyarrow
+
+
+def _saved_dataset_rows(p: Path) -> list[dict]:
+    """Rows of a folder written by `datasets` `save_to_disk` (a Dataset, or the first split of
+    a DatasetDict), read with pyarrow: `state.json` lists the Arrow stream files in order."""
+    if (p / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((p / "dataset_dict.json").read_text())["splits"]
+        except (ValueError, KeyError, TypeError):
+            splits = []
+        if not splits or not (p / str(splits[0])).is_dir():
+            raise _error(str(p / "dataset_dict.json"), "no readable split", "a DatasetDict "
+                         "saved with save_to_disk", "save one split, or export to JSONL")
+        p = p / str(splits[0])
+    try:
+        files = [f["filename"] for f in json.loads((p / "state.json").read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise _error(str(p), "a folder without a datasets state.json", "a dataset saved with "
+                     "`save_to_disk` (state.json + data-*.arrow)", "point --calib at a file, "
+                     "or at the folder save_to_disk wrote") from None
+    pa = _pyarrow(p, "a saved dataset")
+    rows: list[dict] = []
+    for name in files:
+        f = p / name
+        if Path(name).name != name or not f.is_file():
+            raise _error(str(p / "state.json"), f"data file {name!r} missing or outside the folder",
+                         "data files next to state.json", "save the dataset again")
+        with pa.memory_map(str(f)) as src:
+            rows += pa.ipc.open_stream(src).read_all().to_pylist()
+    return rows
+
+
+def read_documents(path: str | Path) -> list[str | list[dict]]:
+    """The documents of a calibration source: strings, or chat message lists."""
+    p = Path(path)
+    if not p.exists():
+        fix = ("the default set ships in the package (quantize/_shipped/default.jsonl): "
+               "reinstall the package, or pass --calib" if p == DEFAULT_CALIB
+               else "check the --calib path")
+        raise _error(str(p), "no such file or folder", "a .jsonl, .txt, .parquet file or a "
+                     "saved datasets folder", fix)
+    _regular(p)
+    if p.is_dir():
+        docs = [_record(r, str(p)) for r in _saved_dataset_rows(p)]
+    elif p.suffix == ".parquet":
+        pq = _pyarrow(p, "a parquet file").parquet
+        docs = [_record(r, str(p)) for r in pq.read_table(p).to_pylist()]
+    elif p.suffix in (".jsonl", ".json"):
+        docs = []
+        for i, line in enumerate(_read_text(p).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise _error(f"{p}:{i}", f"invalid JSON ({e.msg})", "one JSON object per line",
+                             "fix that line (JSONL, not a JSON array)") from None
+            docs.append(_record(rec, f"{p}:{i}"))
+    else:
+        docs = [_read_text(p)]
+    docs = [d for d in docs if (d.strip() if isinstance(d, str) else d)]
+    if not docs:
+        raise _error(str(p), "no text", "at least one non-empty document",
+                     "point --calib at a file with text, or leave it out for the default set")
+    return docs
+
+
+def _regular(p: Path) -> None:
+    """A calibration path must be a file or a folder (a device or a pipe, e.g. /dev/zero, would
+    be read without end)."""
+    if p.exists() and not p.is_dir() and not p.is_file():
+        raise _error(str(p), "not a regular file or folder (a device or a pipe)",
+                     "a .jsonl, .txt, .parquet file or a saved datasets folder",
+                     "write the calibration text to a file and pass that")
+
+
+def _render(doc: str | list[dict], tokenizer) -> tuple[str, bool]:
+    """(text, used the checkpoint's chat template)."""
+    if isinstance(doc, str):
+        return doc, False
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            return tokenizer.apply_chat_template(doc, tokenize=False), True
+        except Exception as e:  # noqa: BLE001 - the template's own error (jinja, its sandbox)
+            raise QuantizeError("the checkpoint's chat template cannot render a calibration "
+                                "record", [Problem(
+                                    "tokenizer_config.json / chat_template.jinja", None,
+                                    f"{type(e).__name__}: {e}"[:200],
+                                    "a template that renders the records' messages",
+                                    "check the records' roles against the template, or pass "
+                                    "plain-text records ({\"text\": ...})")]) from None
+    return "".join(f"{m['role']}: {m['content']}\n" for m in doc), False
+
+
+def tokenize_documents(docs: list[str | list[dict]], tokenizer) -> tuple[list[list[int]], int, int]:
+    """Each document's token ids (no special tokens), and (chats, templated) counts. One
+    batched call: a fast (Rust) tokenizer encodes the batch on all cores, with the same ids
+    as one call per document (no padding, no truncation)."""
+    texts, chats, templated = [], 0, 0
+    for doc in docs:
+        text, used = _render(doc, tokenizer)
+        chats += not isinstance(doc, str)
+        templated += used
+        texts.append(text)
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    return [list(x) for x in ids], chats, templated
+
+
+def join_documents(doc_ids: list[list[int]], seed: int, eos: int | None) -> tuple[torch.Tensor, tuple]:
+    """The stream of `doc_ids` in the order `torch.randperm` gives for `seed`, each document
+    followed by `eos`; and each document's span in it (indexed like `doc_ids`)."""
+    order = torch.randperm(len(doc_ids), generator=torch.Generator().manual_seed(seed)).tolist()
+    stream: list[int] = []
+    spans: list[tuple[int, int]] = [(0, 0)] * len(doc_ids)
+    for i in order:
+        begin = len(stream)
+        stream += doc_ids[i]
+        if eos is not None:
+            stream.append(eos)
+        spans[i] = (begin, len(stream))
+    return torch.tensor(stream, dtype=torch.int64), tuple(spans)
+
+
+def window_starts(stream_tokens: int, num_samples: int, seq_len: int, seed: int) -> tuple[list[int], bool]:
+    """Where the calibration windows start in a stream of `stream_tokens` ids, and whether they
+    overlap: consecutive windows from 0 when the stream holds them all, else seeded random
+    starts (`seed + 1`)."""
+    if stream_tokens >= num_samples * seq_len:
+        return [i * seq_len for i in range(num_samples)], False
+    g = torch.Generator().manual_seed(seed + 1)
+    starts = torch.randint(0, stream_tokens - seq_len + 1, (num_samples,), generator=g)
+    return starts.tolist(), True
+
+
+def resolve_calib(calib: str | Path | None) -> tuple[str, list[Path], str]:
+    """`--calib` -> (its name in reports, the local files to read, their sha256).
+
+    None: the shipped default set. A local file or folder: itself, by name. ORG/NAME[@REV][:SPLIT]
+    with no local file of that name: a Hub dataset, its split's files downloaded
+    (`hub.resolve_dataset`); the sha256 is over their repo paths and contents."""
+    from quantize.source.hub import is_dataset_spec, resolve_dataset
+
+    if isinstance(calib, str) and is_dataset_spec(calib):
+        name, files = resolve_dataset(calib)
+        return name, [local for _, local in files], _files_sha256(files)
+    p = Path(calib) if calib is not None else DEFAULT_CALIB
+    _regular(p)
+    return p.name, [p], (data_sha256(p) if p.exists() else "")
+
+
+def load_calibration(path: str | Path | None, tokenizer, num_samples: int, seq_len: int,
+                     seed: int = 0) -> CalibrationSet:
+    """`num_samples` windows of `seq_len` token ids from `path` (default set when None; a Hub
+    dataset ORG/NAME[@REV][:SPLIT] too, see `resolve_calib`)."""
+    name, files, sha = resolve_calib(path)
+    docs = [d for f in files for d in read_documents(f)]
+    doc_ids, chats, templated = tokenize_documents(docs, tokenizer)
+    ids, _ = join_documents(doc_ids, seed, tokenizer.eos_token_id)
+    if len(ids) < seq_len:
+        raise _error(str(path if path is not None else DEFAULT_CALIB), f"{len(ids)} tokens in all",
+                     f"at least --seq-len {seq_len} tokens", "add text, or lower --seq-len")
+    starts, overlapping = window_starts(len(ids), num_samples, seq_len, seed)
+    tokens = torch.stack([ids[s: s + seq_len] for s in starts])  # (num_samples, seq_len)
+    template = "unused" if not chats else (
+        "checkpoint" if templated == chats else "plain role: content (the tokenizer has none)")
+    return CalibrationSet(tokens, name, len(docs), len(ids), overlapping, template, sha)
+
+
+def checkpoint_calibration(root: Path, opts) -> CalibrationSet:
+    """`load_calibration` of `opts.calib` (--num-samples x --seq-len, --seed) with the
+    checkpoint's own tokenizer (`opts`: options.ConvertOptions)."""
+    from transformers import AutoTokenizer
+
+    # trust_remote_code=False: a tokenizer_config.json `auto_map` naming the checkpoint's own
+    # code is refused (ValueError), never imported; unset, transformers would ask on stdin
+    try:
+        tok = AutoTokenizer.from_pretrained(str(root), trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise QuantizeError("calibration needs the checkpoint's tokenizer", [Problem(
+            str(root), None, f"no loadable tokenizer ({e.__class__.__name__})",
+            "tokenizer.json / tokenizer_config.json next to config.json, with a tokenizer "
+            "class of transformers (a tokenizer's own code is never run)",
+            "copy the tokenizer files from the model release, or use --method rtn")]) from None
+    return load_calibration(opts.calib, tok, opts.num_samples, opts.seq_len, opts.seed)

@@ -1,0 +1,432 @@
+"""One decoder layer's calibration, the body of the calibration's loop (loop.py runs it
+layer after layer on its thread):
+
+    layer   = load_layer(...)                          the source's weights, dequantized
+    pass 1  statistics of the MLP's inputs             capture.py (Hessians, routed tokens, samples)
+    round   the MLP's target Linears                   rounding.LayerRounding (AWQ / GPTQ / RTN)
+    check   the MLP's output error against RTN's       REGRESSION_MARGIN: stop, or --rtn-fallback
+    pass 2  the carried hidden states through the rounded layer (the next layer's inputs)
+
+`Carry` is what goes from one layer to the next (and into a resume checkpoint): the hidden
+states in chunks, the DSA top-k, the report's entries, the AWQ scales as applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quantize.calib.capture import MLPStats, dense_forward, moe_forward
+from quantize.calib.decoder import (
+    MOE_CLASSES,
+    HiddenStates,
+    SplitLayer,
+    free_layer,
+    layer_weight,
+    load_layer,
+    mlp_group_tokens,
+    mlp_kind,
+    round_in_place,
+    run_layer,
+)
+from quantize.calib.distributed import Dist
+from quantize.calib.folds import NormFold, find_norm_fold
+from quantize.calib.handoff import LayerResult
+from quantize.calib.round_layer import LayerRounding, LayerWeights, Target
+from quantize.errors import Problem, QuantizeError
+from quantize.options import ConvertOptions
+from quantize.plan import Unit
+from quantize.rounding.int4 import Int4Weight, dequantize, int4_outputs, quantize_rtn
+from quantize.source.checkpoint import Checkpoint, torch_dtype
+from quantize.source.staging import to_host
+
+__all__ = ["PROFILE_ENV", "REGRESSION_MARGIN", "Carry", "LayerRunner", "mlp_targets"]
+# a folder: the first calibrated layer runs under torch.profiler, its tables written there
+PROFILE_ENV = "QUANTIZE_TORCH_PROFILE"
+# A calibrated layer whose MLP output error (chunk 0, against the unrounded layer) exceeds this
+# many times round-to-nearest's on the same tokens stops the run (`--rtn-fallback`: that layer is
+# rounded to nearest instead). A coarse guard, verify's layer check the finer one: in sample,
+# GPTQ and AWQ+GPTQ land below RTN (six tiny families: 0.2-0.95x; Gemma-3-270M: 0.31-0.63x and
+# 0.40-1.04x), AWQ alone can land a little above it (Gemma-3-270M layer 5: 1.19x: its search
+# bounds each Linear's error, not the layer's); the Gemma3 fold into the wrong norm landed at
+# 1.85-7.0x on the real model and 0.5-2.2x on the tiny ones, where GPTQ hides it in sample
+# (verify's layer check, on other text, is the finer check: quantize/check/layercheck.py).
+REGRESSION_MARGIN = 1.5
+
+
+class _Clock:
+    """Wall-clock laps of a layer's phases (device-synchronized), and on CUDA each phase's peak
+    allocated memory, for the report."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.laps, self.peaks, self.t = device, {}, {}, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peaks[name] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
+            # the layer's peak is the max over phases; the next phase starts from here
+            torch.cuda.reset_peak_memory_stats(self.device)
+        now = time.perf_counter()
+        self.laps[name] = round(now - self.t, 3)
+        self.t = now
+
+
+def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+
+
+def mlp_targets(units: dict[str, Unit], L: int) -> dict[str, Target]:
+    """Layer L's MLP Linears, each with whether it is rounded to INT4."""
+    prefix = f"model.layers.{L}.mlp."
+    return {n: Target(n, u.action == "quantize") for n, u in units.items()
+            if n.startswith(prefix) and n.endswith("_proj.weight")}
+
+
+def check_mlps(skeleton, units: dict[str, Unit]) -> None:
+    """Refuse, before any output exists, a layer whose MLP has INT4 targets but a class the
+    calibration forward does not mirror (e.g. Qwen3-MoE's or Mixtral's MoE blocks)."""
+    problems = [Problem("config.json", f"model.layers.{L}.mlp", type(layer.mlp).__name__,
+                        f"an MoE block of {', '.join(MOE_CLASSES)} or a gate/up/down MLP",
+                        "use --method rtn for this model")
+                for L, layer in enumerate(skeleton.model.layers)
+                if mlp_kind(layer.mlp) == "unsupported"
+                and any(t.quantize for t in mlp_targets(units, L).values())]
+    if problems:
+        raise QuantizeError("calibration does not know this MLP", problems[:3])
+
+
+@contextlib.contextmanager
+def torch_profile(L: int, device: torch.device, profiled: set[int]):
+    """The first calibrated layer (or layer $QUANTIZE_TORCH_PROFILE_LAYER) under torch.profiler
+    when PROFILE_ENV names a folder (its tables written there); nothing otherwise. `profiled`:
+    the layers profiled so far (one per run)."""
+    pdir = os.environ.get(PROFILE_ENV)
+    want = os.environ.get(PROFILE_ENV + "_LAYER")
+    if not pdir or profiled or (want is not None and int(want) != L):
+        yield
+        return
+    profiled.add(L)
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        yield
+    Path(pdir).mkdir(parents=True, exist_ok=True)
+    for key in ("cuda_time_total", "cpu_time_total") if cuda else ("cpu_time_total",):
+        (Path(pdir) / f"layer{L}-{key}.txt").write_text(
+            prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=70))
+
+
+@dataclass
+class Carry:
+    """What the calibration carries from layer to layer, and what a resume checkpoint holds:
+    the hidden states of the calibration tokens (chunks; None before the embedding), the DSA
+    top-k each chunk passes on, whether the hidden states live off the GPU, the report's entry
+    of every layer run, the AWQ scales as applied, and the MTP layers not calibrated (why)."""
+
+    hidden: HiddenStates | None = None
+    topk: list[torch.Tensor | None] = field(default_factory=list)
+    spilled: bool = False
+    layers: list[dict] = field(default_factory=list)
+    awq_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    mtp_skip: dict[int, str] = field(default_factory=dict)
+
+
+class LayerRunner:
+    """Runs one decoder layer's calibration on the carried hidden states (`run`). `skeleton` and
+    `inputs` are the model the layer comes from and its rotary / masks (the MTP layer swaps in
+    its own); `check_stop` raises to leave a layer, `before_overwrite` waits for a checkpoint
+    still copying the hidden states, `warm(L)` reads layer L's bytes ahead."""
+
+    def __init__(self, ckpt: Checkpoint, units: dict[str, Unit], opts: ConvertOptions,
+                 device: torch.device, dtype: torch.dtype, dist: Dist | None, skeleton, inputs,
+                 carry: Carry, num_layers: int, log: Callable[[str], None],
+                 check_stop: Callable[[], None], before_overwrite: Callable[[], None],
+                 warm: Callable[[int], None]) -> None:
+        self.ckpt, self.units, self.opts, self.device, self.dtype = ckpt, units, opts, device, dtype
+        self.dist, self.skeleton, self.inputs, self.carry = dist, skeleton, inputs, carry
+        self.num_layers, self.log = num_layers, log
+        self.check_stop, self.before_overwrite, self.warm = check_stop, before_overwrite, warm
+        self.results = LayerResult(-1)  # the layer in progress's
+        self.report_rows = 0  # several ranks: this rank's chunk-0 rows the errors are taken over
+        self.host = ThreadPoolExecutor(1, thread_name_prefix="quantize-d2h")
+        self._profiled: set[int] = set()  # (torch_profile: the layers profiled)
+
+    @torch.no_grad()
+    def run(self, L: int) -> tuple[dict, LayerResult]:
+        """Layer L over the carried hidden states (replaced by its outputs through the rounded
+        layer); its report entry and its result for the writer."""
+        t0 = time.perf_counter()
+        self.results = LayerResult(L)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        layer = load_layer(self.skeleton, self.ckpt, self.units, L, self.device, self.dtype)
+        self.warm(L + 1)  # the next layer's bytes into the page cache while this one runs
+        kind = mlp_kind(layer.mlp)
+        targets = mlp_targets(self.units, L)
+        active = any(t.quantize for t in targets.values())
+        entry: dict = {"layer": L, "mlp": kind}
+        if not active:
+            self.before_overwrite()
+            for i in range(len(self.carry.hidden)):
+                self.check_stop()
+                h, self.carry.topk[i] = run_layer(self.skeleton, layer, self.inputs, self.carry.hidden.on_device(i),
+                                            self.carry.topk[i])
+                self.carry.hidden.put(i, h)
+            entry["quantized"] = 0
+        else:
+            with torch_profile(L, self.device, self._profiled):
+                entry.update(self._calibrate(L, layer, kind, targets))
+        free_layer(layer)
+        self.results.on_host()  # the layer's outputs are all on the host
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            entry["peak_gpu_gib"] = max([round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2),
+                                         *entry.get("peak_gpu_gib_by_phase", {}).values()])
+        entry["seconds"] = round(time.perf_counter() - t0, 3)
+        fb = entry.get("fallback") or []
+        self.log(f"layer {L}{' (MTP)' if L >= self.num_layers else ''}: "
+                 f"{entry.get('quantized', 0)} Linears {self.opts.method}"
+                 + (f", experts {[f['expert'] for f in fb]} below --min-expert-tokens: all-token "
+                    "statistics" if fb else "") + f", {entry['seconds']} s")
+        return entry, self.results
+
+    def _calibrate(self, L: int, layer, kind: str, targets: dict[str, Target]) -> dict:
+        o = self.opts
+        method = o.method
+        mlp = layer.mlp
+        E = mlp.experts.num_experts if kind == "moe" else 0
+        fold = self._norm_fold(L, layer, targets) if "awq" in method else None
+        # the routed Hessians keep the layer's MLP inputs (one more copy of the hidden states)
+        # where they fit in a quarter of the free memory; else running sums (bounded size)
+        kept = 0 if self.carry.spilled else \
+            sum(self.carry.hidden.get(i).numel() for i in range(len(self.carry.hidden))) * self.dtype.itemsize
+        stats = MLPStats(kind, hessians="gptq" in method, samples="awq" in method,
+                         all_experts=o.expert_calibration == "all", num_experts=E,
+                         store_tokens=not self.carry.spilled and not HiddenStates.should_spill(2 * kept, self.device))
+        clock = _Clock(self.device)
+        ref0, h0, halves = self._pass1(L, layer, kind, stats)
+        clock.lap("pass1_forward_statistics")
+        stats.all_reduce(self.dist, self.device)  # several ranks: counts and shared statistics summed
+        quant = [n for n, t in targets.items() if t.quantize]
+        # what round-to-nearest would give on chunk 0 (the module's targets rounded in place:
+        # the rounding below reads the source from the checkpoint and overwrites every one)
+        round_in_place(layer, L, quant, o.group_size, o.symmetric)
+        rtn_err = self._err(self._chunk0_output(layer, halves) - h0, ref0 - h0)
+        clock.lap("rtn_reference")
+
+        rounding = LayerRounding(L, mlp, kind, targets, stats, self.ckpt, self.units, o,
+                                 self.device, self.dtype, self.dist, self.check_stop, fold)
+        nq = 0
+
+        def done(n: str, w: Int4Weight) -> None:
+            nonlocal nq
+            nq += 1
+            self._emit(L, layer, n, w)
+
+        report = rounding.run(done, clock.lap)
+        mods = rounding.mods
+        for n, t in mods.items():  # the BF16 tensors AWQ rescaled, as they will be written
+            t = t.to(torch_dtype(self.units[n].outputs[0].dtype))
+            self.results.rescaled[n] = t.cpu()
+            self._set_weight(L, layer, n, t.float())
+        clock.lap("rounding")
+
+        # ---- the calibrated layer against round-to-nearest, on chunk 0 (in sample)
+        err = self._err(self._chunk0_output(layer, halves) - h0, ref0 - h0)
+        report["check"] = {"chunk0_rel_error": err, "rtn_rel_error": rtn_err,
+                           "margin": REGRESSION_MARGIN}
+        worse = err > REGRESSION_MARGIN * rtn_err + 1e-12
+        if self.dist is not None:  # every rank takes the same branch (collectives follow)
+            worse = bool(self.dist.all_reduce(torch.tensor([int(worse)])).item())
+        if worse:
+            where = f"layer {L}{' (MTP)' if L >= self.num_layers else ''}"
+            if not o.rtn_fallback:
+                raise QuantizeError(
+                    f"{where}: --method {method} made the MLP's output worse than round-to-nearest "
+                    f"(relative error {err:.4g}, RTN's {rtn_err:.4g} on the same tokens, margin "
+                    f"{REGRESSION_MARGIN}x); stopped. Fix: pass --rtn-fallback to round such layers "
+                    "to nearest (the report and the card list them), or use --method gptq / rtn")
+            self.log(f"warning: {where}: {method} error {err:.4g} > {REGRESSION_MARGIN} x RTN's "
+                     f"{rtn_err:.4g}: rounded to nearest instead (--rtn-fallback)")
+            self._fall_back_to_rtn(L, layer, quant, mods)
+            mods = {}
+            report["rtn_fallback"] = {"method": method, "rel_error": err, "rtn_rel_error": rtn_err}
+            report.pop("awq", None)
+        else:
+            self.carry.awq_scales.update(rounding.awq_scales)
+
+        # ---- pass 2: the next layer's inputs through the quantized layer
+        out0 = self._pass2(layer, halves)
+        report["output_rel_error"] = self._err(out0 - h0, ref0 - h0)
+        report["attention_once"] = halves is not None
+        clock.lap("pass2_forward")
+        report["timing_s"] = clock.laps
+        if clock.peaks:
+            report["peak_gpu_gib_by_phase"] = clock.peaks
+        report["quantized"] = nq
+        report["modified_bf16"] = sorted(mods)
+        return report
+
+    def _err(self, a: torch.Tensor, b: torch.Tensor) -> float:
+        """||a - b|| / ||b|| over chunk 0 (rows: samples). Under torchrun over the samples one
+        process's first chunk holds, each rank's share of them summed, so the report's
+        per-layer errors measure the same tokens at every world size (one process: chunk 0,
+        as `_relerr`)."""
+        if self.dist is None:
+            return _relerr(a, b)
+        r = max(0, min(a.shape[0], self.report_rows))
+        d, ref = a[:r].float() - b[:r].float(), b[:r].float()
+        sums = self.dist.all_reduce(torch.stack([d.pow(2).sum(), ref.pow(2).sum()]).double())
+        return float(sums[0].sqrt() / sums[1].sqrt().clamp(min=1e-30))
+
+    def _emit(self, L: int, layer, n: str, w: Int4Weight) -> None:
+        """A rounded weight: into the module for pass 2, packed to the host for the writer."""
+        self._set_weight(L, layer, n, dequantize(w, torch.float32))
+        if self.dist is not None and not self.dist.leader:
+            return  # only rank 0 writes the output
+        outs = int4_outputs(w)  # packed where it was computed: 1/2 of the int8 codes' bytes
+        if self.device.type == "cuda":  # to the host on a copy thread and stream: the
+            # solves queued behind it go on (resolved in `result`, at the latest at layer end)
+            self.results.int4[n] = self.host.submit(lambda ts: [to_host(t) for t in ts], outs)
+        else:
+            self.results.int4[n] = outs
+
+    def _fall_back_to_rtn(self, L: int, layer, quant: list[str], mods: dict) -> None:
+        """The layer rounded to nearest from the source instead (`--rtn-fallback`): every target
+        re-emitted, every tensor AWQ rescaled back to the source's value (and not written:
+        the plain path copies it), the layer's AWQ scales dropped."""
+        W = LayerWeights(self.ckpt, self.units, self.device)
+        for n in quant:
+            self._emit(L, layer, n, quantize_rtn(W.source(n), self.opts.group_size,
+                                                 self.opts.symmetric))
+        for n in mods:
+            self.results.rescaled.pop(n, None)
+            self._set_weight(L, layer, n, W.source(n))
+
+    def _chunk0_output(self, layer, halves: SplitLayer | None) -> torch.Tensor:
+        """Chunk 0's layer output through the layer as it is now (after pass 1: chunk 0 holds
+        h1 where the layer splits, else the layer's input)."""
+        if halves is not None:
+            return halves.mlp(self.carry.hidden.on_device(0))
+        return run_layer(self.skeleton, layer, self.inputs, self.carry.hidden.on_device(0), self.carry.topk[0])[0]
+
+    def _norm_fold(self, L: int, layer, targets: dict[str, Target]) -> NormFold | None:
+        """Where this layer's AWQ input scale goes (folds.find_norm_fold, proven on the layer
+        with one sample of chunk 0), when AWQ rounds a gate/up target; else None."""
+        if not any(t.quantize and n.endswith(("gate_proj.weight", "up_proj.weight"))
+                   for n, t in targets.items()):
+            return None
+        h = self.carry.hidden.on_device(0)[:1]
+        topk = None if self.carry.topk[0] is None else self.carry.topk[0][:1]
+        return find_norm_fold(layer, lambda: run_layer(self.skeleton, layer, self.inputs, h, topk),
+                              L, self.ckpt.model_type)
+
+    def _pass1(self, L: int, layer, kind: str, stats: MLPStats
+               ) -> tuple[torch.Tensor, torch.Tensor, SplitLayer | None]:
+        """Pass 1: the layer over every chunk, the MLP's statistics on. Where the layer splits
+        into its halves (`SplitLayer.check` on chunk 0, bit for bit), the attention runs once
+        per chunk, its output h1 replaces the chunk (pass 2 starts there), and the statistics
+        forward runs on groups of chunks without computing outputs nobody reads; else whole
+        layers. Returns (chunk 0's output through the unrounded layer, chunk 0's input, the
+        split or None)."""
+        fwd = moe_forward if kind == "moe" else dense_forward
+        mlp = layer.mlp
+        h0 = self.carry.hidden.on_device(0)
+        halves = SplitLayer(self.skeleton, layer, self.inputs)
+        ok, ref0, h1, topk1, x0 = halves.check(h0, self.carry.topk[0])
+        if not ok:
+            self.log(f"layer {L}: its forward is not attention + MLP on one residual, bit for "
+                     "bit: whole-layer forwards in both passes")
+            # the statistics of the MLP's input, captured by a pre-hook as the class's own
+            # forward runs (the layer's output is not kept: pass 2 computes it after rounding)
+            hook = mlp.register_forward_pre_hook(lambda m, args: fwd(m, args[0], stats, outputs=False))
+            try:
+                for i in range(len(self.carry.hidden)):
+                    self.check_stop()
+                    run_layer(self.skeleton, layer, self.inputs, self.carry.hidden.on_device(i), self.carry.topk[i])
+            finally:
+                hook.remove()
+            return ref0, h0, None
+        # several chunks per statistics call (all-expert mode: one, its (e, T, I) activations
+        # grow with T); the routed Hessians recompute a call's MLP inputs from the hidden
+        # states (h1 after this pass) instead of keeping a copy of them
+        group = 0 if stats.all_experts else mlp_group_tokens(self.device)
+        calls: list[list[int]] = []  # the chunks of each statistics call
+        pending: list[torch.Tensor] = []
+        if stats.routed_hessians and kind == "moe":
+            stats.store_tokens = True
+            stats.x_of = lambda c: torch.cat([halves.mlp_input(self.carry.hidden.on_device(i)).flatten(0, -2)
+                                              for i in calls[c]])
+
+        def flush(upto: int) -> None:
+            if pending:
+                x = pending[0] if len(pending) == 1 else torch.cat(pending)
+                start = calls[-1][-1] + 1 if calls else 0
+                calls.append(list(range(start, upto + 1)))
+                pending.clear()
+                fwd(mlp, x, stats, outputs=False)
+
+        def take(x: torch.Tensor) -> None:
+            pending.append(x.reshape(-1, x.shape[-1]))
+
+        self.before_overwrite()
+        for i in range(len(self.carry.hidden)):
+            self.check_stop()
+            if i == 0:
+                take(x0)
+                h1_i, topk_i = h1, topk1
+            else:
+                h1_i, topk_i = halves.attention(self.carry.hidden.on_device(i), self.carry.topk[i], take)
+            self.carry.topk[i] = topk_i  # what the layer passes on (pass 2 does not recompute it)
+            self.carry.hidden.put(i, h1_i)
+            if sum(p.shape[0] for p in pending) >= group:
+                flush(i)
+        flush(len(self.carry.hidden) - 1)
+        return ref0, h0, halves
+
+    def _pass2(self, layer, halves: SplitLayer | None) -> torch.Tensor:
+        """Pass 2: every chunk through the rounded layer, replaced by the output (the next
+        layer's input); from h1 through the MLP half, several chunks at once, when split.
+        Returns chunk 0's output."""
+        self.before_overwrite()
+        out0 = None
+        if halves is None:
+            for i in range(len(self.carry.hidden)):
+                self.check_stop()
+                out, self.carry.topk[i] = run_layer(self.skeleton, layer, self.inputs,
+                                              self.carry.hidden.on_device(i), self.carry.topk[i])
+                out0 = out if i == 0 else out0
+                self.carry.hidden.put(i, out)
+            return out0
+        group, start = mlp_group_tokens(self.device, pass2=True), 0
+        while start < len(self.carry.hidden):
+            self.check_stop()
+            hs = [self.carry.hidden.on_device(start)]
+            while start + len(hs) < len(self.carry.hidden) and \
+                    sum(h.shape[0] * h.shape[1] for h in hs) < group:
+                hs.append(self.carry.hidden.on_device(start + len(hs)))
+            out = halves.mlp(hs[0] if len(hs) == 1 else torch.cat(hs))
+            # a chunk of its own (a checkpoint saves each chunk: never a view of the group)
+            parts = [out] if len(hs) == 1 else [o.clone() for o in out.split([h.shape[0] for h in hs])]
+            del out, hs
+            for j, o in enumerate(parts):
+                self.carry.hidden.put(start + j, o)
+            out0 = parts[0] if start == 0 else out0
+            start += len(parts)
+        return out0
+
+    def _set_weight(self, L: int, layer, name: str, t: torch.Tensor) -> None:
+        """Copy a written value into the module (fused experts included)."""
+        with torch.no_grad():
+            layer_weight(layer, L, name).copy_(t)

@@ -1,0 +1,408 @@
+"""The rounding of one calibrated layer's MLP, from the statistics its first pass gathered.
+
+    r = LayerRounding(L, mlp, kind, targets, stats, ...)       after pass 1 (capture.MLPStats)
+    report = r.run(done)          AWQ scales searched and folded (exactly, before rounding), then
+                                  GPTQ batched over experts (across ranks under torchrun) or RTN;
+                                  every INT4 result handed to `done(name, Int4Weight)` as soon
+                                  as it exists; `r.mods` the BF16 tensors AWQ rescaled
+
+The layer's driver (layer.LayerRunner) owns what happens to a result (into the module for the
+second pass, to the host for the writer); this module owns which weights are read with which
+scales (`LayerWeights`), which Hessian each solve gets, and in what batches.
+
+Statistics of a starved expert: one with fewer than `min_expert_tokens` routed tokens falls back
+to all-token statistics (the layer's all-token gate/up Hessian; down Hessian from a sample of
+all tokens run through it), and the report says which and why.
+
+AWQ folds (quantize/rounding/awq.py does the search): each down_proj's input scale s (I,) goes into
+the same expert's up_proj rows; the MLP input's scale s (H,) into the norm that produces it
+(quantize/calib/folds.py finds which norm and its formula on the layer itself: GLM / Llama / Qwen's
+post-attention norm, w / s; Gemma3's pre-feedforward norm, (1 + w) / s - 1), with every reader
+(all experts' and the shared gate/up, the router) multiplied by s. In a MoE
+layer that s is rounded to powers of two, so the BF16 norm and router are scaled exactly and no
+token changes experts; it is searched on the shared expert and the AWQ_SEARCH_EXPERTS busiest
+experts. The scales as applied go to `awq_scales` (`awq_expected` re-applies them).
+
+GPTQ runs batched over experts (quantize/rounding/gptq.py): gate and up of an expert share its Hessian,
+so one (2I, H) solve per expert, up to GPTQ_BATCH experts at once (fewer when a quarter of the
+free GPU memory does not hold them, `gptq_batch`). Routed gate/up Hessians are built per batch
+from the layer's MLP inputs and each expert's routed rows (`MLPStats.experts_H_in`). Under
+torchrun (`dist`) rank r owns a block of the experts: in step j every owner's j-th batch gets
+its Hessians summed from every rank's tokens, each owner solves its batch, and every solved
+expert goes to every rank in expert order; one process is the same loop with one owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import record_function
+
+from quantize.calib.capture import EXPERT_BATCH, MLPStats
+from quantize.calib.decoder import ReadAhead, device_free
+from quantize.calib.distributed import Dist, owned
+from quantize.calib.folds import NormFold, awq_expected
+from quantize.options import ConvertOptions
+from quantize.plan import Unit
+from quantize.rounding.awq import AWQConfig, awq_search, fold_into_linear_rows, scale_linear_inputs
+from quantize.rounding.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
+from quantize.rounding.int4 import Int4Weight, quantize_rtn
+from quantize.source.checkpoint import Checkpoint, torch_dtype
+
+__all__ = ["AWQ_SEARCH_EXPERTS", "GPTQ_BATCH", "LayerRounding", "LayerWeights", "Target",
+           "awq_expected", "gptq_batch"]
+# Experts per batched GPTQ solve at most: 32 GLM-5.2 experts (6144^2 factorizations, 2 x 2048
+# rows each) already keep an H200 busy (measured: a batch of 32 takes 0.6 s, 19 ms/expert),
+# and a larger batch only adds memory (~0.5 GB per expert).
+GPTQ_BATCH = 32
+AWQ_SEARCH_EXPERTS = 32  # routed experts the shared gate/up input scale is searched on
+
+
+@dataclass
+class Target:
+    """One Linear weight of the layer's MLP: where it lives on disk and in the module."""
+
+    name: str  # checkpoint tensor name (`...weight`)
+    quantize: bool  # a --targets Linear (else a BF16 tensor that AWQ may rescale)
+
+
+class LayerWeights:
+    """The MLP's Linear weights as they will be rounded, read on demand (never all held):
+    float32 source (FP8 dequantized) * AWQ column scales / AWQ row scales."""
+
+    def __init__(self, ckpt: Checkpoint, units: dict[str, Unit], device: torch.device) -> None:
+        self.ckpt, self.units, self.device = ckpt, units, device
+        self.col: dict[str, torch.Tensor] = {}  # name -> (K,) input scales (weight columns * s)
+        self.row: dict[str, torch.Tensor] = {}  # name -> (N,) output scales (weight rows / s)
+
+    def source(self, name: str) -> torch.Tensor:
+        from quantize.source.weights import source_weight
+
+        return source_weight(self.ckpt, self.units[name], self.device)  # (N, K) float32
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.ckpt.tensors[name].shape
+
+    def scaled(self, name: str) -> bool:
+        return name in self.col or name in self.row
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        w = self.source(name)
+        if name in self.col:
+            w = scale_linear_inputs(w, self.col[name])
+        if name in self.row:
+            w = fold_into_linear_rows(w, self.row[name])
+        return w
+
+
+def gptq_batch(shape: tuple[int, ...], E: int, device: torch.device, dist: Dist | None) -> int:
+    """Experts per batched GPTQ solve: all of them when a quarter of the free device memory
+    holds their gate/up working set (W, H, Hinv in float32, ~(2 K^2 + 4 I K) * 4 bytes), else as
+    many as fit (GLM-5.2: K 6144, I 2048 -> 0.5 GB per expert), at most GPTQ_BATCH; at least 1.
+    On the CPU: EXPERT_BATCH. The same on every rank (their collectives follow the batches)."""
+    if device.type != "cuda":
+        return min(EXPERT_BATCH, E)
+    I, K = shape
+    per_expert = (2 * K * K + 4 * I * K) * 4
+    nb = max(1, min(E, GPTQ_BATCH, device_free(device) // 4 // per_expert))
+    if dist is not None:
+        nb = int(dist.all_reduce(torch.tensor([nb]), op="min").item())
+    return nb
+
+
+def _split(w: Int4Weight, i, sl=slice(None)) -> Int4Weight:
+    zp = None if w.zero_point is None else w.zero_point[i][sl]
+    return Int4Weight(w.q[i][sl], w.scale[i][sl], zp)
+
+
+def _H_scaled(H: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    return H if s is None else H / (s.unsqueeze(-1) * s.unsqueeze(-2))  # inputs x / s
+
+
+class LayerRounding:
+    """One layer's MLP rounded from its statistics (module docstring). `run(done)` returns the
+    report entries (tokens, expert counts, fallbacks, AWQ and GPTQ figures); afterwards `mods`
+    holds the non-target tensors AWQ rescaled (norm, router, BF16 Linears), float32, and
+    `awq_scales` the scales as applied (float32 on the host)."""
+
+    def __init__(self, L: int, mlp: torch.nn.Module, kind: str, targets: dict[str, Target],
+                 stats: MLPStats, ckpt: Checkpoint, units: dict[str, Unit], opts: ConvertOptions,
+                 device: torch.device, dtype: torch.dtype, dist: Dist | None = None,
+                 check_stop: Callable[[], None] = lambda: None,
+                 norm_fold: NormFold | None = None) -> None:
+        """`norm_fold`: where the MLP input's AWQ scale goes (folds.find_norm_fold on this
+        layer); needed when AWQ rounds gate/up targets."""
+        self.norm_fold = norm_fold
+        self.L, self.mlp, self.kind, self.targets, self.stats = L, mlp, kind, targets, stats
+        self.ckpt, self.opts, self.device, self.dtype, self.dist = ckpt, opts, device, dtype, dist
+        self.check_stop = check_stop
+        self.gptq_cfg = GPTQConfig(group_size=opts.group_size, symmetric=opts.symmetric,
+                                   percdamp=opts.percdamp, mse_clip=opts.mse_clip)
+        self.awq_cfg = AWQConfig(group_size=opts.group_size, symmetric=opts.symmetric)
+        self.p = f"model.layers.{L}.mlp."
+        self.W = LayerWeights(ckpt, units, device)
+        self.E = mlp.experts.num_experts if kind == "moe" else 0
+        self.fallback: list[dict] = []
+        if kind == "moe" and not stats.all_experts:  # (with "all" every expert saw every token)
+            for e, n in enumerate(stats.expert_tokens):
+                if n < max(opts.min_expert_tokens, 1) and (stats.hessians or stats.samples):
+                    self.fallback.append({"expert": e, "tokens": n, "reason":
+                                          f"{n} routed tokens < --min-expert-tokens "
+                                          f"{opts.min_expert_tokens}: all-token statistics"})
+        self.fb = {f["expert"] for f in self.fallback}
+        self.x_sample = torch.cat(stats.x_sample)  # (T', H) float32, all tokens
+        self.s_in: torch.Tensor | None = None  # AWQ's scale of the norm's output, when searched
+        self.mods: dict[str, torch.Tensor] = {}
+        self.awq_scales: dict[str, torch.Tensor] = {}
+        self._damps: list[torch.Tensor] = []
+        self._retries = 0
+
+    # -- the layer ------------------------------------------------------------------------------
+
+    def run(self, done: Callable[[str, Int4Weight], None],
+            lap: Callable[[str], None] = lambda phase: None) -> dict:
+        """Round the layer; `lap("awq_search")` once the AWQ scales are folded (the report's
+        phase timing)."""
+        stats = self.stats
+        report: dict = {"tokens": stats.tokens}
+        if self.kind == "moe":
+            report["expert_tokens"] = list(stats.expert_tokens)
+            report["fallback"] = self.fallback
+        if "awq" in self.opts.method:
+            report["awq"] = self._awq()
+        lap("awq_search")
+        quant = [n for n, t in self.targets.items() if t.quantize]
+        if "gptq" not in self.opts.method:
+            with ReadAhead(self.W.__getitem__, quant, depth=32) as R:
+                for n in quant:
+                    done(n, quantize_rtn(R[n], self.opts.group_size, self.opts.symmetric))
+        else:
+            report.update(self._gptq(quant, done))
+        for n, t in self.targets.items():  # BF16 Linears AWQ rescaled, as they will be written
+            if not t.quantize and self.W.scaled(n):
+                self.mods[n] = self.W[n]
+        return report
+
+    def expert_inter_sample(self, e: int) -> torch.Tensor:
+        """Expert e's down_proj inputs: its routed sample, or all-token sample through it."""
+        stats, p = self.stats, self.p
+        if e in self.fb or stats.all_experts or e not in stats.inter_e:
+            W_gu = torch.cat([self.W.source(f"{p}experts.{e}.gate_proj.weight"),
+                              self.W.source(f"{p}experts.{e}.up_proj.weight")])  # unscaled
+            gate, up = (self.x_sample @ W_gu.t()).chunk(2, dim=-1)
+            return self.mlp.experts.act_fn(gate) * up
+        return torch.cat(stats.inter_e[e])
+
+    # -- AWQ ------------------------------------------------------------------------------------
+
+    def _awq(self) -> dict:
+        """Search the scales and fold them into the producing ops (exactly, before rounding)."""
+        stats, W, p, targets, E = self.stats, self.W, self.p, self.targets, self.E
+        awq: dict = {}
+        alphas = []
+        stems = ([(f"{p}experts.{e}.", e) for e in range(E)] if self.kind == "moe" else []) + \
+            [(p + ("shared_experts." if self.kind == "moe" else ""), None)]
+        stems = [(st, e) for st, e in stems if targets.get(st + "down_proj.weight")
+                 and targets[st + "down_proj.weight"].quantize]
+        for c in range(0, len(stems), EXPERT_BATCH):  # down_proj: one search per expert, batched
+            chunk = stems[c: c + EXPERT_BATCH]
+            Xs = [self.expert_inter_sample(e) if e is not None else torch.cat(stats.inter_sample)
+                  for _, e in chunk]
+            T = max(x.shape[0] for x in Xs)
+            X = torch.stack([F.pad(x, (0, 0, 0, T - x.shape[0])) for x in Xs])  # (e, T, I)
+            Wd = torch.stack([W[st + "down_proj.weight"] for st, _ in chunk])  # (e, H, I)
+            r = awq_search([Wd], X, self.awq_cfg)  # zero rows pad: no effect on s or error
+            for i, (st, _) in enumerate(chunk):
+                W.col[st + "down_proj.weight"] = r.scales[i]  # down_proj columns * s
+                W.row[st + "up_proj.weight"] = r.scales[i]  # its own up_proj rows / s: exact
+                self.awq_scales[st + "down_proj.awq_input_scale"] = r.scales[i].float().cpu()
+            alphas += r.alpha.tolist()
+        gate_up = [n for n, t in targets.items() if t.quantize and
+                   n.endswith(("gate_proj.weight", "up_proj.weight"))]
+        if gate_up:
+            # One s for every reader of the norm's output, searched on the shared / dense
+            # projections and the AWQ_SEARCH_EXPERTS most-routed experts (bounded memory;
+            # the error of the busiest experts dominates the layer's), as (sum N, H).
+            busiest = sorted(range(E), key=lambda e: -stats.expert_tokens[e])[:AWQ_SEARCH_EXPERTS]
+            keep = {f"{p}experts.{e}." for e in busiest}
+            search = [n for n in gate_up if ".experts." not in n or n.rsplit(".", 2)[0] + "." in keep]
+            r = awq_search([torch.cat([W[n].to(self.dtype) for n in search])], self.x_sample,
+                           self.awq_cfg)
+            # MoE: powers of two, so dividing the BF16 norm and multiplying the BF16 router
+            # (and non-target shared experts) is exact and no token changes its experts
+            # (bf16-rounded arbitrary scales flipped near-tie routings and cost more than they
+            # gained on the tiny models: layer error 0.141 vs 0.137 glm4_moe). Dense MLPs:
+            # the exact scales (the norm's bf16 rounding, 2^-9 relative, is negligible).
+            s_in = torch.exp2(torch.round(torch.log2(r.scales))) if self.kind == "moe" else r.scales
+            fold = self.norm_fold
+            if fold is None:
+                raise RuntimeError(f"internal: layer {self.L}: AWQ on gate/up without a norm fold")
+            norm = fold.tensor(self.L)
+            w_norm = self.ckpt.read(norm, self.device).float()
+            # the scale the stored norm really applies (folds.NormFold.realized: the powers of
+            # two of a MoE layer's x * w norm are exact, s_eff == s)
+            s_in = fold.realized(w_norm, s_in, torch_dtype(W.units[norm].outputs[0].dtype))
+            self.s_in = s_in
+            self.awq_scales[p + "awq_input_scale"] = s_in.float().cpu()
+            for n in targets:  # every consumer of the norm's output
+                if n.endswith(("gate_proj.weight", "up_proj.weight")):
+                    W.col[n] = s_in
+            self.mods[norm] = fold.apply(w_norm, s_in)
+            if fold.bias:
+                b = fold.tensor(self.L, "bias")
+                self.mods[b] = fold.apply_bias(self.ckpt.read(b, self.device).float(), s_in)
+            awq["norm_fold"] = {"norm": fold.module, "formula": fold.formula, "bias": fold.bias}
+            if self.kind == "moe":
+                router = p + "gate.weight"
+                self.mods[router] = scale_linear_inputs(
+                    self.ckpt.read(router, self.device).float(), s_in)
+            awq["alpha_in"] = float(r.alpha)
+            awq["error_in"] = {"rtn": float(r.err_before), "awq": float(r.err_after)}
+        if alphas:
+            awq["alpha_down_mean"] = sum(alphas) / len(alphas)
+        return awq
+
+    # -- GPTQ -----------------------------------------------------------------------------------
+
+    def _solve(self, Ws: torch.Tensor, H: torch.Tensor) -> Int4Weight:
+        r = gptq_quantize(Ws, H, self.gptq_cfg)
+        self._damps.append(r.damp.max())  # a device scalar: read once at the end, no sync here
+        self._retries += r.retries
+        return r.weight
+
+    def _gptq(self, quant: list[str], done: Callable[[str, Int4Weight], None]) -> dict:
+        stats, W, p = self.stats, self.W, self.p
+        report: dict = {}
+        H_in = _H_scaled(stats.H_in, self.s_in)
+        routed = [e for e in range(self.E) if f"{p}experts.{e}.gate_proj.weight" in quant]
+        nb = gptq_batch(W.shape(f"{p}experts.{routed[0]}.gate_proj.weight"), len(routed),
+                        self.device, self.dist) if routed else 1
+        report["gptq_expert_batch"] = nb
+        if routed:
+            self._gptq_routed(routed, nb, H_in, done)
+        rest = [n for n in quant if ".experts." not in n]  # shared experts / dense MLP
+        gu = [n for n in rest if n.endswith(("gate_proj.weight", "up_proj.weight"))]
+        if gu:
+            w = self._solve(torch.cat([W[n] for n in gu]), H_in)  # (len(gu) * I, H)
+            rows = w.q.shape[0] // len(gu)
+            for i, n in enumerate(gu):
+                done(n, _split(w, slice(i * rows, (i + 1) * rows)))
+        for n in rest:
+            if n.endswith("down_proj.weight"):
+                done(n, self._solve(W[n], _H_scaled(stats.H_down, W.col.get(n))))
+        report["gptq"] = {"damp_max": float(torch.stack(self._damps).max()) if self._damps else None,
+                          "retries": self._retries}
+        return report
+
+    def _gptq_routed(self, routed: list[int], nb: int, H_in: torch.Tensor,
+                     done: Callable[[str, Int4Weight], None]) -> None:
+        """The routed experts' GPTQ in batches of nb, their owners' batches in step (one
+        process: one owner). Per step: each owner's gate/up and down Hessians (summed onto it
+        from every rank's tokens), its solves, its results to `done` (every rank: in expert
+        order, broadcast from the owner); the next batches' weights read meanwhile."""
+        stats, W, d, fb, dev = self.stats, self.W, self.dist, self.fb, self.device
+        world, rank = (1, 0) if d is None else (d.world, d.rank)
+        own = [[e for e in routed if owned(e, self.E, world) == o] for o in range(world)]
+        mine = own[rank]
+        name = f"{self.p}experts.{{}}.{{}}.weight".format
+        I, K = W.shape(name(routed[0], "gate_proj"))
+        order = [name(e, proj) for c in range(0, len(mine), nb)
+                 for proj in ("gate_proj", "up_proj", "down_proj") for e in mine[c: c + nb]]
+        steps = max(-(-len(x) // nb) for x in own)
+        with ReadAhead(W.__getitem__, order, depth=min(2 * nb, 64)) as R:
+            for j in range(steps):
+                if d is None:
+                    self.check_stop()  # (ranks leave together, at the layer's end)
+                H_gu, H_dn = self._batch_hessians(own, j * nb, (j + 1) * nb, K, I)
+                got: dict[str, Int4Weight] = {}
+                emit = done if d is None else got.__setitem__
+                es = mine[j * nb:(j + 1) * nb]
+                if es:
+                    with record_function("calib.read_weights"):
+                        Ws = torch.stack([torch.cat([R[name(e, "gate_proj")], R[name(e, "up_proj")]])
+                                          for e in es])  # (e, 2I, H)
+                    if stats.all_experts:  # one Hessian for every expert: one solve of e*2I rows
+                        w = self._solve(Ws.reshape(-1, K), H_in)
+                        w = Int4Weight(*(None if t is None else t.reshape(len(es), -1, t.shape[-1])
+                                         for t in w))
+                    else:  # gate and up of an expert share its routed-token Hessian
+                        for i, e in enumerate(es):
+                            if e in fb:  # a starved expert: all-token statistics (scaled)
+                                H_gu[i] = H_in
+                            elif self.s_in is not None:
+                                H_gu[i] = _H_scaled(H_gu[i], self.s_in)
+                        with record_function("calib.gptq_gate_up"):
+                            w = self._solve(Ws, H_gu)
+                    del Ws, H_gu
+                    with record_function("calib.publish"):
+                        for i, e in enumerate(es):
+                            emit(name(e, "gate_proj"), _split(w, i, slice(0, I)))
+                            emit(name(e, "up_proj"), _split(w, i, slice(I, None)))
+                    for i, e in enumerate(es):
+                        n = name(e, "down_proj")
+                        if e in fb:  # all-token statistics for a starved expert
+                            H_dn[i], _ = accumulate_hessian(torch.zeros(I, I, device=dev),
+                                                            self.expert_inter_sample(e), 0)
+                        H_dn[i] = _H_scaled(H_dn[i], W.col.get(n))
+                    with record_function("calib.gptq_down"):
+                        w = self._solve(torch.stack([R[name(e, "down_proj")] for e in es]), H_dn)
+                    del H_dn
+                    with record_function("calib.publish"):
+                        for i, e in enumerate(es):
+                            emit(name(e, "down_proj"), _split(w, i))
+                if d is not None:  # every solved expert to every rank, in expert order
+                    self._share_results(own, j * nb, (j + 1) * nb, got, done)
+
+    def _batch_hessians(self, own: list[list[int]], a: int, b: int, K: int, I: int
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This rank's batch of routed Hessians, gate/up (e, K, K) (None when every expert
+        shares H_in) and down (e, I, I), summed over every rank's tokens: each owner's batch
+        own[o][a:b] in turn, reduced onto it."""
+        stats, d, fb, dev = self.stats, self.dist, self.fb, self.device
+        rank = 0 if d is None else d.rank
+        H_gu = H_dn = None
+        for o, experts in enumerate(own):
+            es = experts[a:b]
+            if not es:
+                continue
+            if not stats.all_experts:  # (all-expert gate/up share H_in)
+                Hb = torch.empty(len(es), K, K, device=dev)  # (e, H, H)
+                with record_function("calib.routed_hessians"):
+                    stats.experts_H_in(es, Hb, skip=fb)  # this rank's share, or 0
+                if d is not None:
+                    d.reduce_to(Hb, o)
+                H_gu = Hb if o == rank else H_gu
+                del Hb
+            Hd = torch.zeros(len(es), I, I, device=dev)  # (e, I, I)
+            for i, e in enumerate(es):
+                H = stats.expert_H_down(e)  # (released)
+                if e not in fb and H is not None:
+                    Hd[i] = H
+            if d is not None:
+                d.reduce_to(Hd, o)
+            H_dn = Hd if o == rank else H_dn
+            del Hd
+        return H_gu, H_dn
+
+    def _share_results(self, own: list[list[int]], a: int, b: int, got: dict[str, Int4Weight],
+                       done: Callable[[str, Int4Weight], None]) -> None:
+        """Several ranks: every owner's solved experts own[o][a:b] broadcast to every rank and
+        handed to `done` in expert order (`got`: this rank's own results)."""
+        d, W, g, dev = self.dist, self.W, self.opts.group_size, self.device
+        name = f"{self.p}experts.{{}}.{{}}.weight".format
+        for o in range(d.world):
+            for e in own[o][a:b]:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    n = name(e, proj)
+                    N_, K_ = W.shape(n)
+                    w = got.pop(n, None)
+                    if w is None:  # another rank's: room for it
+                        q = torch.empty(N_, K_, dtype=torch.int8, device=dev)
+                        sc = torch.empty(N_, K_ // g, dtype=torch.bfloat16, device=dev)
+                        zp = None if self.opts.symmetric else torch.empty_like(q[:, :K_ // g])
+                        w = Int4Weight(q, sc, zp)
+                    done(n, Int4Weight(*(None if t is None else d.broadcast(t.contiguous(), o)
+                                         for t in w)))

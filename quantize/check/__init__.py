@@ -1,0 +1,1 @@
+"""Proving an output: verify (weights, config, layer function check) and eval (held-out text)."""

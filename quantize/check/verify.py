@@ -1,0 +1,535 @@
+"""Reload a converted checkpoint and prove it against its source.
+
+For every planned output (the plan is recomputed from the source with the options recorded
+in the manifest):
+
+    quantize   unpack `weight_packed`, dequantize with `weight_scale` (and zero point) as the
+               engines do, compare with the FP8-dequantized source weight in float32:
+               rel_err = ||W_q - W|| / ||W||,  SQNR = 20 log10(||W|| / ||W_q - W||) dB.
+               Gaussian weights at group 32 give ~20 dB; the default floor of 12 dB catches a
+               wrong scale or a scrambled nibble order (both give < 3 dB), not honest INT4 error.
+    dequant    must equal bf16(FP8 dequant of the source) bit for bit
+    copy       must equal the source bytes bit for bit
+    AWQ        (method awq, awq+gptq) the reference is the source with the folds recorded in
+               calibration/awq-scales.safetensors re-applied (`folds.awq_expected`, each norm
+               by its recorded formula): the rescaled norms, routers and up_proj rows must
+               equal it exactly in their dtype, INT4 targets are compared with it as above
+    layers     then the function (quantize/check/layercheck.py): every decoder layer of the output as
+               written against the source's on the same hidden states, its error bounded by
+               3x round-to-nearest's; a fold into the wrong norm agrees with every weight
+               check above and fails this
+
+plus: the manifest is `complete` and every file's sha256 matches it, no weight file lies in
+the folder that the manifest does not list (an engine globbing `*.safetensors` would load a
+stray shard with the checkpoint; the reports written after conversion, README.md, verify.json,
+eval.json, are not weights), the index lists exactly the planned tensors in the planned shards,
+`total_size` is right, and config.json carries the expected `quantization_config`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from quantize import SCHEMA_VERSION
+from quantize.errors import QuantizeError
+from quantize.names import (
+    AWQ_SCALES,
+    CALIB_STATE,
+    CALIB_TIMINGS,
+    CARD,
+    EVAL_JSON,
+    PARTIAL,
+    PICTURES,
+    ROUTED_PICTURE,
+    RUN_RECORD,
+    SQNR_PICTURE,
+    VERIFY_JSON,
+    WEIGHT_SUFFIXES,
+)
+from quantize.options import ConvertOptions
+from quantize.overlap import Readahead, background
+from quantize.plan import Unit, make_plan
+from quantize.rounding.int4 import Int4Weight, dequantize, rtn_qparams, unpack_int4
+from quantize.source.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor_table
+from quantize.source.layout import layer_of
+from quantize.source.weights import aux_files, resolve_device, source_weight
+from quantize.write.manifest import MANIFEST, finished_manifest
+from quantize.write.qconfig import quantization_config
+from quantize.write.shards import sha256_file
+
+__all__ = ["TensorCheck", "VerifyReport", "verify"]
+
+_ABSENT = object()  # a config field one side does not have
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    name: str  # source tensor name
+    action: str
+    rel_err: float  # 0.0 for exact checks that pass
+    sqnr_db: float  # inf for exact
+    ok: bool
+    note: str = ""
+
+
+@dataclass
+class VerifyReport:
+    src: str
+    dst: str
+    min_sqnr_db: float
+    tensors: list[TensorCheck] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    layer_check: dict | None = None  # quantize/check/layercheck.py's report, or {"skipped": why}
+    notes: list[str] = field(default_factory=list)  # said, not failed (e.g. a file of the user's)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(t.ok for t in self.tensors)
+
+    def worst(self, n: int = 10) -> list[TensorCheck]:
+        q = [t for t in self.tensors if t.action == "quantize"]
+        return sorted(q, key=lambda t: t.sqnr_db)[:n]
+
+    def summary(self) -> dict:
+        q = [t for t in self.tensors if t.action == "quantize"]
+        return {
+            "ok": self.ok,
+            "tensors_checked": len(self.tensors),
+            "quantized": len(q),
+            "exact_ok": sum(t.ok for t in self.tensors if t.action != "quantize"),
+            "exact_total": sum(t.action != "quantize" for t in self.tensors),
+            "min_sqnr_db": min((t.sqnr_db for t in q), default=float("inf")),
+            "mean_sqnr_db": sum(t.sqnr_db for t in q) / len(q) if q else float("inf"),
+            "max_rel_err": max((t.rel_err for t in q), default=0.0),
+            "failed": [t.name for t in self.tensors if not t.ok][:50],
+            "problems": self.problems,
+            "layer_check": None if self.layer_check is None else
+            {k: v for k, v in self.layer_check.items() if k != "layers"},
+        }
+
+    def to_json(self) -> dict:
+        def num(x: float) -> float | None:
+            return x if math.isfinite(x) else None  # SQNR of an exact tensor: no error, null
+
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "src": self.src, "dst": self.dst, "min_sqnr_db_threshold": self.min_sqnr_db,
+            "summary": {k: (num(v) if isinstance(v, float) else v) for k, v in self.summary().items()},
+            "worst": [asdict(t) | {"sqnr_db": num(t.sqnr_db)} for t in self.worst()],
+            "layer_check": self.layer_check,
+            "notes": self.notes,
+            "tensors": [asdict(t) | {"sqnr_db": num(t.sqnr_db)} for t in self.tensors],
+        }
+
+
+def _error_stats(W: torch.Tensor, Wq: torch.Tensor) -> tuple[float, float]:
+    W64, d = W.double(), (Wq.double() - W.double())
+    sig, err = W64.norm().item(), d.norm().item()
+    if err == 0:
+        return 0.0, float("inf")
+    if sig == 0:
+        return float("inf"), float("-inf")
+    return err / sig, 20 * math.log10(sig / err)
+
+
+def _check_unit(src: Checkpoint, dst: Checkpoint, unit: Unit, opts: ConvertOptions,
+                min_sqnr: float, device: torch.device,
+                awq_scales: tuple[dict, dict] | None = None) -> TensorCheck:
+    if awq_scales:
+        from quantize.calib.folds import awq_expected
+
+        W = source_weight(src, unit, device)
+        want = awq_expected(unit.source, W, *awq_scales)
+        if want is not W and unit.action != "quantize":  # a norm, router or expert AWQ rescaled
+            got = dst.read(unit.source, device)
+            same = torch.equal(got, want.to(got.dtype))
+            rel, sq = _error_stats(want, got.float())
+            return TensorCheck(unit.source, unit.action, rel, sq, same,
+                               "AWQ-folded" if same else "differs from the AWQ-folded source")
+        if unit.action == "quantize":
+            return _check_quantized(dst, unit, opts, min_sqnr, device, want)
+    if unit.action == "keep":  # --keep-fp8: the FP8 weight and its scale, byte for byte
+        scale_out = unit.source[: -len("weight")] + "weight_scale"
+        same = torch.equal(_bytes(src, unit.source), _bytes(dst, unit.source)) and \
+            torch.equal(_bytes(src, unit.scale), _bytes(dst, scale_out))
+        return TensorCheck(unit.source, "keep", 0.0 if same else float("nan"), float("inf"), same,
+                           "" if same else "FP8 weight or scale bytes differ from the source")
+    if unit.action == "copy":
+        same = torch.equal(_bytes(src, unit.source), _bytes(dst, unit.source))
+        return TensorCheck(unit.source, "copy", 0.0 if same else float("nan"), float("inf"), same,
+                           "" if same else "bytes differ from the source")
+    W = source_weight(src, unit, device)
+    if unit.action == "dequant":
+        got = dst.read(unit.source, device)
+        same = torch.equal(got, W.to(torch.bfloat16))
+        rel, sq = _error_stats(W, got.float())
+        return TensorCheck(unit.source, "dequant", rel, sq, same,
+                           "" if same else "differs from the BF16 dequant of the FP8 source")
+    return _check_quantized(dst, unit, opts, min_sqnr, device, W)
+
+
+def _check_quantized(dst: Checkpoint, unit: Unit, opts: ConvertOptions, min_sqnr: float,
+                     device: torch.device, W: torch.Tensor) -> TensorCheck:
+    """Unpack and dequantize `unit`'s INT4 output; compare it with W (the float reference)."""
+    m = unit.source[: -len(".weight")]
+    N, K = (int(x) for x in dst.read(m + ".weight_shape"))
+    q = unpack_int4(dst.read(m + ".weight_packed", device), K)
+    scale = dst.read(m + ".weight_scale", device)
+    zp = None
+    if not opts.symmetric:
+        zp = unpack_int4(dst.read(m + ".weight_zero_point", device), N, dim=0)
+    notes = []
+    if (N, K) != tuple(W.shape):
+        notes.append(f"weight_shape {[N, K]} != source {list(W.shape)}")
+    if not (torch.isfinite(scale.float()).all() and (scale.float() > 0).all()):
+        notes.append("non-finite or non-positive scale")
+    if notes:
+        return TensorCheck(unit.source, "quantize", float("nan"), float("-inf"), False, "; ".join(notes))
+    if (groups := _group_problems(W, scale, zp, opts)) is not None:
+        rel, sq = _error_stats(W, dequantize(Int4Weight(q, scale, zp), torch.float32))
+        return TensorCheck(unit.source, "quantize", rel, sq, False, groups)
+    Wq = dequantize(Int4Weight(q, scale, zp), torch.float32)
+    rel, sq = _error_stats(W, Wq)
+    tiny = torch.finfo(torch.float32).tiny  # 1.2e-38, bf16's smallest normal too
+    if 0 < float(W.abs().max()) < tiny:
+        # every value subnormal: no bf16 group scale can resolve it, INT4 writes 0 (what bf16
+        # products with such a weight give anyway); right when the output is that small too
+        ok = bool((Wq.abs() <= tiny).all())
+        return TensorCheck(unit.source, "quantize", rel, sq, ok,
+                           "subnormal source (every |w| < 1.2e-38): zero codes" if ok else
+                           "subnormal source, but the output is not: wrong scale")
+    ok = sq >= min_sqnr
+    return TensorCheck(unit.source, "quantize", rel, sq, ok,
+                       "" if ok else f"SQNR {sq:.1f} dB below the {min_sqnr} dB floor")
+
+
+def _group_problems(W: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None,
+                    opts: ConvertOptions) -> str | None:
+    """Group by group, the written scales (and zero points) against the rule every method
+    uses (static groups: `int4.rtn_qparams` of the reference weight W; `--mse-clip` may only
+    shrink a group's range, to 0.80 of it): a single tampered group fails its tensor, which a
+    tensor-wide SQNR would average away (4 doubled groups of 1,280 kept 12+ dB)."""
+    want_s, want_z = rtn_qparams(W, opts.group_size, opts.symmetric)
+    s, w = scale.float(), want_s.float()
+    # 1 %: one bf16 step (0.8 %) of slack for a reference recomputed on another device
+    bad = (s > w * 1.01) | (s < w * 0.79) if opts.mse_clip else (s - w).abs() > 0.01 * w
+    if zp is not None and want_z is not None and not opts.mse_clip:
+        bad |= (zp.to(torch.int32) - want_z.to(torch.int32)).abs() > 1
+    n = int(bad.sum())
+    if n == 0:
+        return None
+    r, g = (int(i) for i in bad.nonzero()[0])
+    return (f"{n} of {bad.numel():,} group scales{'/zero points' if zp is not None else ''} differ "
+            f"from the rounding rule's (first: row {r}, group {g}: scale {s[r, g].item():.4g}, "
+            f"the rule gives {w[r, g].item():.4g})")
+
+
+def _bytes(ckpt: Checkpoint, name: str) -> torch.Tensor:
+    t = ckpt.read(name)
+    return (t.reshape(1) if t.dim() == 0 else t).view(torch.uint8)
+
+
+DEFAULT_MIN_SQNR_DB = 12.0  # verify's floor; push refuses a report checked against a lower one
+
+
+def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQNR_DB, device: str = "cpu",
+           on_unit: Callable[[Unit], None] | None = None, write: bool = True,
+           on_start: Callable[[int], None] | None = None, layer_check: bool = True,
+           log: Callable[[str], None] | None = None) -> VerifyReport:
+    """Check `dst` against `src`; write `dst/verify.json`; return the report.
+    `on_start(source_bytes)` once the tensors are about to be read, `on_unit(unit)` after each;
+    `layer_check`: also run every decoder layer of both (quantize/check/layercheck.py); `log`: its
+    per-layer lines."""
+    dst = Path(dst)
+    manifest = finished_manifest(dst)
+    # names, not this machine's paths (verify.json is published beside the weights): SRC's repo
+    # id, else the name the conversion recorded for its source, else the folder's name
+    from quantize.source.hub import source_identity
+
+    ident = source_identity(src) if Path(src).exists() else {"repo_id": str(src)}
+    src_name = ident["repo_id"] or (manifest.get("source") or {}).get("name") or Path(src).name
+    report = VerifyReport(src_name, dst.name, min_sqnr_db)
+    dev = resolve_device(device)  # auto: the GPU when there is one; cuda without one: exit 2
+    prep = early = None
+    if layer_check:  # transformers, the layer classes and the tokenizer load meanwhile
+        try:
+            from quantize.check.layercheck import prepare_in_background
+
+            early = open_checkpoint(src)
+            prep = prepare_in_background(early)
+        except (QuantizeError, OSError, ValueError):
+            prep = None  # (said where SRC is opened below)
+    try:
+        return _verify(report, src, dst, manifest, early, prep, min_sqnr_db, dev, on_unit, write,
+                       on_start, layer_check, log)
+    finally:  # never return with the preparation still building on its thread: transformers
+        # sets torch's process-wide default dtype while it builds (a later build in this
+        # process would take BF16 as the default to restore)
+        if prep is not None:
+            prep.exception()
+
+
+def _verify(report: VerifyReport, src, dst: Path, manifest: dict, early: Checkpoint | None,
+            prep, min_sqnr_db: float, dev: torch.device, on_unit, write: bool, on_start,
+            layer_check: bool, log) -> VerifyReport:
+    """verify()'s checks once the report is started and the layer check is preparing."""
+    # compressed-tensors (for config.json's quantization_config; seconds to import) loads while
+    # the files are hashed. (transformers, which it imports, is whole already when the layer
+    # check is preparing: `prepare_in_background` imports it on this thread first.)
+    background(importlib.import_module, "compressed_tensors.quantization")
+    _files_problems(report, Path(src), dst, manifest["files"])
+    if report.problems:
+        return _finish(report, dst, write)
+
+    o = manifest["options"]
+    opts = ConvertOptions(**{**o, "targets": frozenset(o["targets"])})
+    src_ckpt = early if early is not None else open_checkpoint(src)
+    plan = make_plan(src_ckpt, opts)
+    tensors, files, sizes = read_tensor_table(dst)
+    config = json.loads((dst / "config.json").read_text())
+    dst_ckpt = Checkpoint(dst, str(dst), config, tensors, files, sizes, "compressed-tensors")
+
+    _layout_problems(report, src_ckpt, plan, dst, tensors, config)
+    if report.problems:
+        return _finish(report, dst, write)
+
+    awq_scales = None
+    if AWQ_SCALES in manifest["files"]:  # AWQ folded scales into norms, routers and weights
+        from quantize.calib.folds import read_folds
+
+        awq_scales = read_folds(dst / AWQ_SCALES)
+    elif "awq" in opts.method:
+        report.problems.append(f"{AWQ_SCALES}: missing, but the manifest says method {opts.method}")
+        return _finish(report, dst, write)
+    checker = _layer_check(src_ckpt, plan, dst, opts, dev, report, layer_check, log, prep)
+    _check_tensors_and_layers(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
+                              awq_scales, checker, on_start, on_unit, log)
+    return _finish(report, dst, write)
+
+
+def _files_problems(report: VerifyReport, src: Path, dst: Path, files: dict) -> None:
+    """The manifest's files present and unchanged, no weight file it does not list, the
+    source's files convert copies present; the user's other files noted."""
+    present = {n: (dst / n).stat().st_size for n in files if (dst / n).is_file()}
+    # the files hashed several at once, largest first (hashlib releases the GIL): one thread
+    # hashing shard after shard waits on each cold read in turn, at half the disk's rate
+    same_size = sorted((n for n in present if present[n] == files[n]["bytes"]), key=lambda n: -present[n])
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1, len(same_size)))) as pool:
+        digests = dict(zip(same_size, pool.map(lambda n: sha256_file(dst / n), same_size)))
+    for name, rec in sorted(files.items()):
+        if name not in present:
+            report.problems.append(f"{name}: listed in the manifest but missing")
+        elif digests.get(name) != rec["sha256"]:
+            report.problems.append(f"{name}: sha256 differs from the manifest (the file was changed "
+                                   f"after conversion; re-run convert with --overwrite)")
+    unlisted = _unlisted(dst, files)
+    report.problems += [f"{n}: a weight file the manifest does not list (an engine may load it "
+                        f"with the checkpoint); delete it, or reconvert with --overwrite"
+                        for n in unlisted if n.endswith(WEIGHT_SUFFIXES)]
+    report.problems += _source_files_problems(src, dst, files)
+    report.notes += [f"{n}: in the folder, not part of the conversion (push does not upload it)"
+                     for n in unlisted if not n.endswith((*WEIGHT_SUFFIXES, PARTIAL))
+                     and n not in _OURS and not n.startswith(".")]
+
+
+def _layout_problems(report: VerifyReport, src_ckpt: Checkpoint, plan, dst: Path,
+                     tensors: dict, config: dict) -> None:
+    """The output's tensors, index total, quantization_config and every other config field
+    as the plan implies; the known-bad layouts (lint)."""
+    planned = {t.name: (s.file, t.dtype, t.shape) for s in plan.shards for t in s.tensors}
+    actual = {n: (t.file, t.dtype, t.shape) for n, t in tensors.items()}
+    L0 = src_ckpt.num_hidden_layers
+    for n in sorted(set(planned) - set(actual)):
+        mtp = (L := layer_of(n)) is not None and L >= L0
+        report.problems.append(f"{n}: planned but missing from the output index" + (
+            " (an MTP-layer tensor: engines load the speculative-decoding draft without it and "
+            "accept almost none of its tokens)" if mtp else ""))
+    for n in sorted(set(actual) - set(planned)):
+        report.problems.append(f"{n}: in the output but not planned")
+    for n in sorted(set(planned) & set(actual)):
+        if planned[n] != actual[n]:
+            report.problems.append(f"{n}: output {actual[n]} != planned {planned[n]}")
+    index = json.loads((dst / INDEX_NAME).read_text())
+    total = sum(t.nbytes for t in tensors.values())
+    if index.get("metadata", {}).get("total_size") != total:
+        report.problems.append(f"{INDEX_NAME}: total_size {index.get('metadata', {}).get('total_size')}"
+                               f" != {total} bytes of tensors")
+    expect_qc = quantization_config(plan)
+    got_qc = dict(config.get("quantization_config") or {})
+    for k in ("version", "quantization_method"):
+        got_qc.pop(k, None)
+        expect_qc.pop(k, None)
+    if got_qc != expect_qc:
+        report.problems.append("config.json: quantization_config differs from the one the plan implies")
+    from quantize.lint import lint
+
+    report.problems += [f"config.json / index: {c.what}: {c.detail}"
+                        for c in lint(config.get("quantization_config") or {}, actual) if c.level == "fail"]
+    # every other field is the source's, as convert copies it (an edited routed_scaling_factor
+    # or rms_norm_eps would change what the engines compute, with every weight intact)
+    want = {**src_ckpt.config, "torch_dtype": src_ckpt.config.get("torch_dtype", "bfloat16")}
+    for k in sorted((set(want) | set(config)) - {"quantization_config"}):
+        if config.get(k, _ABSENT) != want.get(k, _ABSENT):
+            shown = [repr(v) if v is not _ABSENT else "(absent)"
+                     for v in (config.get(k, _ABSENT), want.get(k, _ABSENT))]
+            report.problems.append(f"config.json: {k} = {shown[0][:80]}, the source has {shown[1][:80]}")
+
+
+def _check_tensors_and_layers(report: VerifyReport, src_ckpt: Checkpoint, dst_ckpt: Checkpoint,
+                              plan, opts: ConvertOptions, min_sqnr_db: float,
+                              dev: torch.device, awq_scales, checker,
+                              on_start: Callable[[int], None] | None,
+                              on_unit: Callable[[Unit], None] | None,
+                              log: Callable[[str], None] | None) -> None:
+    """Every planned unit checked tensor by tensor, in plan order; each decoder layer run by
+    `checker` (or none) once its tensors are checked, from the same reads."""
+    if checker is not None:  # a layer's reads, kept until its forward ran: the per-tensor
+        # checks read DST's stored tensors, the layers its dequantized view of the same ones
+        src_ckpt.memo = {}
+        dst_ckpt.memo = checker.dst.memo = {}
+    if on_start:
+        on_start(sum(u.source_bytes for u in plan.units))
+    # the source read ahead into the page cache in the order of the checks (the output was
+    # just read by the hashing)
+    with Readahead(src_ckpt, [n for u in plan.units for n in (u.source, u.scale) if n]) as ahead:
+        checker = _check_units(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
+                               awq_scales, checker, on_unit, log, ahead)
+    if checker is not None:
+        checker = _run_layers(checker, checker.num_layers - 1, report, opts, log)
+    if dst_ckpt.memo is not None:
+        dst_ckpt.memo.clear()  # (the layer view's too)
+    src_ckpt.memo = dst_ckpt.memo = None
+    if checker is not None:
+        report.layer_check = checker.report()
+        report.problems += checker.problems()
+
+
+def _check_units(report: VerifyReport, src_ckpt: Checkpoint, dst_ckpt: Checkpoint, plan,
+                 opts: ConvertOptions, min_sqnr_db: float, dev: torch.device, awq_scales, checker,
+                 on_unit: Callable[[Unit], None] | None, log: Callable[[str], None] | None,
+                 ahead: Readahead):
+    """The units in plan order, each decoder layer run by `checker` once the next layer's
+    units begin; the checker (None once the layers turned out unbuildable)."""
+    current = None
+    for unit in plan.units:
+        L = layer_of(unit.source)
+        if checker is not None and L != current:
+            if current is not None:  # the previous layer's tensors were all checked: run it
+                checker = _run_layers(checker, current, report, opts, log)
+            if checker is None:  # (skipped: nothing more to keep)
+                src_ckpt.memo = dst_ckpt.memo = None
+            else:
+                src_ckpt.memo.clear()
+                dst_ckpt.memo.clear()  # (the view's too: one dict)
+            current = L
+        report.tensors.append(_check_unit(src_ckpt, dst_ckpt, unit, opts, min_sqnr_db, dev,
+                                          awq_scales))
+        ahead.consumed(unit.source_bytes)
+        if on_unit:
+            on_unit(unit)
+    return checker
+
+
+def _run_layers(checker, upto: int, report: VerifyReport, opts: ConvertOptions,
+                log: Callable[[str], None] | None):
+    """The layer check up to layer `upto`; the checker, or None once it turned out that the
+    layers cannot be built (an RTN output of a model transformers does not know: skipped)."""
+    try:
+        checker.run(upto, log)
+        return checker
+    except QuantizeError as e:
+        return _unbuildable(e, report, opts, log)
+
+
+def _unbuildable(e: QuantizeError, report: VerifyReport, opts: ConvertOptions,
+                 log: Callable[[str], None] | None) -> None:
+    """The layers cannot be built: an RTN output's layer check is skipped (said in the report);
+    a calibrated output's cannot be (its conversion built them): the error stands."""
+    if opts.method != "rtn":
+        raise e
+    report.layer_check = {"skipped": f"the layers cannot be built: {e.summary}"}
+    if log:
+        log(f"note: layer check skipped ({e.summary})")
+
+
+def _layer_check(src: Checkpoint, plan, dst: Path, opts: ConvertOptions, device: torch.device,
+                 report: VerifyReport, wanted: bool, log: Callable[[str], None] | None,
+                 prep=None):
+    """The function check (quantize/check/layercheck.py), or None with the reason in the report:
+    turned off, or a model whose layers the installed transformers cannot build (RTN outputs
+    of such models are checked tensor by tensor only; calibrated ones cannot exist)."""
+    if not wanted:
+        report.layer_check = {"skipped": "--no-layer-check"}
+        return None
+    from quantize.check.int4view import open_output
+    from quantize.check.layercheck import LayerCheck
+
+    try:
+        return LayerCheck(src, {u.source: u for u in plan.units}, open_output(dst), opts, device,
+                          prep)
+    except QuantizeError as e:
+        return _unbuildable(e, report, opts, log)
+
+
+def _unlisted(dst: Path, listed: dict) -> list[str]:
+    """Files under `dst` (links included; links to folders not followed; the calibration's
+    checkpoints aside) that are not among `listed`."""
+    found = []
+    for folder, dirs, files in os.walk(dst):
+        rel = Path(folder).relative_to(dst)
+        dirs[:] = sorted(d for d in dirs if (rel / d).as_posix() != CALIB_STATE)
+        found += [(rel / f).as_posix() for f in sorted(files)]
+    return [n for n in found if n not in listed]
+
+
+def _source_files_problems(src: Path, dst: Path, listed: dict) -> list[str]:
+    """The source's non-weight files convert copies (tokenizer, generation config, chat
+    template, ...): each in the output, in its manifest, byte for byte the source's."""
+    if not src.is_dir():
+        return []
+    problems = []
+    for p in aux_files(src):
+        o = dst / p.name
+        if not o.is_file() or p.name not in listed:
+            where = "missing from the output" if not o.is_file() else "not in the manifest"
+            problems.append(f"{p.name}: in the source, {where} (convert copies it; engines and "
+                            "tokenizers read it); reconvert with --overwrite")
+        elif o.stat().st_size != p.stat().st_size or sha256_file(o) != sha256_file(p):
+            problems.append(f"{p.name}: differs from the source's; reconvert with --overwrite")
+    return problems
+
+
+# what verify, eval and convert write beside the manifest's files
+_OURS = {MANIFEST, CARD, VERIFY_JSON, EVAL_JSON, RUN_RECORD, CALIB_TIMINGS, *PICTURES}
+
+
+def _finish(report: VerifyReport, dst: Path, write: bool) -> VerifyReport:
+    if write:
+        # Not through the manifest: verify.json is a report about the checkpoint, not part of it.
+        # It names the manifest it checked (its sha256: every file's sha256 is in it), so `push`
+        # can tell a report of this conversion from one copied from another folder.
+        data = report.to_json()
+        if (dst / MANIFEST).is_file():
+            data["manifest_sha256"] = sha256_file(dst / MANIFEST)
+        from quantize.publish import plots
+        from quantize.publish.readme import refresh_readme  # local: readme imports this module
+        from quantize.write.shards import json_text
+
+        drawn = plots.sqnr_by_layer(data, dst / SQNR_PICTURE)  # (None without matplotlib)
+        # the pictures push may publish beside this report, bound to it by their sha256: the
+        # SQNR picture just drawn, and the calibration's routed-token picture convert drew
+        data["pictures"] = {name: sha256_file(dst / name) for name in (
+            *([SQNR_PICTURE] if drawn is not None else []), ROUTED_PICTURE)
+            if (dst / name).is_file() and not (dst / name).is_symlink()}
+        (dst / VERIFY_JSON).write_text(json_text(data) + "\n")
+        refresh_readme(dst)  # the card shows these results
+    return report

@@ -1,0 +1,92 @@
+"""Work that overlaps the stream instead of waiting for it.
+
+    fut = background(quantization_config, plan)   a value built on a daemon thread (a slow
+                                                  import, e.g. compressed-tensors): .result()
+                                                  where it is needed re-raises its error
+    with Readahead(ckpt, names) as ra:            the tensors' bytes read into the page cache
+        ...; ra.consumed(nbytes)                  in the order given, at most `ahead` bytes
+                                                  beyond what the reader has taken
+
+A cold read of one tensor at a time waits for the disk per tensor (~0.8 GB/s measured on an
+H200 node whose disk reads 1.9 GB/s); a thread reading ahead in long sequential chunks keeps
+the disk busy while the stream computes and writes (BENCHMARKS.md, "RTN and verify against
+the disk"). No torch here: header-only commands import this module too.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+__all__ = ["Readahead", "background", "readahead_bytes"]
+
+
+def background(fn: Callable, *args) -> Future:
+    """fn(*args) on a daemon thread; its Future."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - raised by .result() on the caller's thread
+            fut.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="quantize-background").start()
+    return fut
+
+
+def readahead_bytes(limit: int = 2 * 2**30) -> int:
+    """How far ahead to read: `limit`, or an eighth of the memory available when that is less
+    (pages read too far ahead would be evicted before their use and read twice)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return max(64 * 2**20, min(limit, int(line.split()[1]) * 1024 // 8))
+    except (OSError, ValueError, IndexError):
+        pass
+    return limit
+
+
+class Readahead:
+    """Reads the named tensors of `ckpt` (a source_checkpoint.Checkpoint) into the OS page
+    cache on a daemon thread, in the order given, staying at most `ahead` bytes beyond the
+    bytes the consumer reported (`consumed`). Read errors are left to the real reads; `close`
+    (or leaving the `with`) stops it within one chunk."""
+
+    def __init__(self, ckpt, names: list[str], ahead: int | None = None) -> None:
+        self.ckpt, self.names = ckpt, [n for n in names if n in ckpt.tensors]
+        self.ahead = readahead_bytes() if ahead is None else ahead
+        self._cv = threading.Condition()
+        self._taken = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name="quantize-readahead")
+        self._thread.start()
+
+    def consumed(self, nbytes: int) -> None:
+        with self._cv:
+            self._taken += nbytes
+            self._cv.notify()
+
+    def _run(self) -> None:
+        done = 0
+        for name in self.names:
+            with self._cv:
+                self._cv.wait_for(lambda d=done: self._stop or d - self._taken < self.ahead)
+                if self._stop:
+                    return
+            self.ckpt.prefetch([name], stop=lambda: self._stop)
+            done += self.ckpt.tensors[name].nbytes
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join()
+
+    def __enter__(self) -> Readahead:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

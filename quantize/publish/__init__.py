@@ -1,0 +1,1 @@
+"""The model card, its pictures, and the push to the Hub."""

@@ -1,0 +1,458 @@
+"""GPTQ: INT4 rounding that compensates each column's error on the columns not yet quantized.
+
+Names: N = out_features, K = in_features, g = group_size, G = K // g, B = experts (any
+leading dims of W, flattened). Frantar et al. 2022, "GPTQ", Algorithm 1 with the lazy batch
+updates of section 3.4; the variable names follow IST-DASLab `gptq.py`.
+
+The layer's inputs X (T, K) enter only through H = 2 XᵀX / T (`accumulate_hessian`). The output
+error of a weight change E = W - Q is tr(E H Eᵀ), and quantizing column i while letting the later
+columns F absorb its error is optimal when they move by
+
+    delta_F = -(w_i - q_i) / [H_F⁻¹]_ii · [H_F⁻¹]_{i,F}
+
+which the algorithm reads off one upper Cholesky factor Hinv = chol(H⁻¹)ᵀ, processed in
+blocks of `blocksize` columns (the updates inside a block are rank-1, the block's accumulated
+Err (N, blocksize) reaches the rest of W in one matmul).
+
+Worked number: H = [[1, .5], [.5, 1]] (two inputs with correlation .5), one row w = [0.34, 0.24],
+scale 0.1. Hinv = [[1.155, -0.577], [0, 1]]. Column 0 rounds to 0.3, Err = 0.04 / 1.155, and
+column 1 moves by +0.04 / 1.155 · 0.577 = +0.02 to 0.26, which rounds to 0.3. Output error
+eHeᵀ: RTN's e = [.04, .04] gives 0.0048, GPTQ's e = [.04, -.06] gives 0.0028.
+
+Choices, each where llm-compressor 0.14 (`modifiers/gptq/gptq_quantize.py`) makes the same one
+unless it says otherwise:
+
+- Static groups. Every group's scale (and zero point) is computed from the ORIGINAL W up front by
+  the RTN rule of `quantize.rounding.int4.rtn_qparams` (bf16 scale = absmax / 7.5), optionally shrunk by
+  the MSE clip search. Taking them at group start instead (IST-DASLab's `static_groups=False`)
+  would tie a group to the columns processed before it, which under activation order are
+  scattered across groups, and would need a `g_idx` on disk. With static groups the order of
+  processing is free: `actorder` processes columns by descending diag(H) while the groups stay in
+  the original order, so nothing new is stored and the serving kernels are unchanged. Tied
+  diagonals keep column order (a stable sort, the same on CPU and GPU; llm-compressor's unstable
+  sort may order them otherwise, the one source of differing integers measured against it in
+  BENCHMARKS.md). Static groups also make H = I give RTN exactly: Hinv is then diagonal, no error propagates, and each column is
+  rounded with the very scales and arithmetic of `quantize_with_qparams`.
+- Q inside the loop is the engines' reconstruction bf16((q - zp) * scale), so the error that is
+  compensated is the error that is served.
+- Dampening: H + percdamp · mean(diag H) · I. Where a Cholesky fails (an indefinite H from a
+  rank-deficient calibration set, rounding), that expert alone is retried with percdamp × 10, up
+  to `MAX_DAMP_RETRIES` times; `GPTQResult.damp` holds the fraction each expert ended with.
+  (llm-compressor instead falls back to RTN for that module.)
+- Dead columns (diag H = 0: the input is always 0): H_ii = 1 and W[:, i] = 0, so q = 0 there, as
+  in the reference. An expert that saw no token at all has H = 0 and would come out all-zero:
+  the caller must give it a fallback (all-token statistics or RTN) before calling.
+- `mse_clip`: per group, the scale from the shrunk range p · [min, max], p in 1.00, 0.99, ...,
+  0.80, that minimises sum_k H_kk (w_k - q_k)² (the output error without cross terms; plain MSE
+  when H = I). Ties keep p = 1, the RTN scale. Each group's errors are added in one fixed
+  order (`_tree_sum`), so CPU, CUDA and the CUDA path's single Triton kernel
+  (`gptq_triton.mse_clip_qparams`, 30x the eager loop on an H200) pick the same scales bit
+  for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from quantize.rounding import gptq_triton
+from quantize.rounding.int4 import (
+    QMAX,
+    QMIN,
+    SCALE_DTYPE,
+    Int4Weight,
+    quantize_with_qparams,
+    rtn_qparams,
+)
+
+__all__ = [
+    "MAX_DAMP_RETRIES",
+    "GPTQConfig",
+    "GPTQResult",
+    "accumulate_hessian",
+    "gptq_quantize",
+    "xtx",
+]
+
+MAX_DAMP_RETRIES = 4  # 0.01 -> 100: past a dampening of 100x the mean diagonal H is not the problem
+# 1.00, 0.99, ..., 0.80: the range of llm-compressor's mse observer (maxshrink 0.2, step 0.01)
+MSE_SHRINK = tuple(1.0 - i / 100 for i in range(21))
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    # 32: the layout of the published GLM INT4 checkpoints; 64 / 128 also serve (options.py).
+    group_size: int = 32
+    # Symmetric is what SGLang's MoE WNA16 path asserts.
+    symmetric: bool = True
+    # 128: the paper's lazy-batch width; the result does not depend on it beyond float rounding.
+    blocksize: int = 128
+    # 1% of the mean diagonal: the default of IST-DASLab's code and of llm-compressor.
+    percdamp: float = 0.01
+    # Quantize the columns with the most input energy first (their errors get the most room to
+    # be absorbed); free with static groups: no g_idx, nothing new for the kernels.
+    actorder: bool = True
+    # Off by default so H = I reproduces RTN; on trades ~21 RTN passes for smaller group errors.
+    mse_clip: bool = False
+    # CUDA: run the MSE clip search as one Triton kernel (bit-identical scales), each block's
+    # column loop as one Triton kernel (same arithmetic; the update may be fused into an FMA),
+    # and factor H by a blocked inverse Cholesky in batched matmuls
+    # (`_factor_flipped_inplace`): the same factor up to float rounding, so a code can differ
+    # where a value sits at a rounding boundary. CPU: the reference path, always.
+    fused: bool = True
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be positive, got {self.group_size}")
+        if self.blocksize < 1:
+            raise ValueError(f"blocksize must be positive, got {self.blocksize}")
+        if not self.percdamp > 0:
+            raise ValueError(f"percdamp must be > 0 (a retry multiplies it), got {self.percdamp}")
+
+
+class GPTQResult(NamedTuple):
+    weight: Int4Weight  # q int8 (..., N, K), scale bf16 (..., N, G), zero_point int8 or None
+    damp: torch.Tensor  # float32 (...H,) the percdamp fraction used per Hessian (H's lead dims)
+    retries: int  # rounds of raised dampening that were needed, 0 when none
+
+
+def accumulate_hessian(H: torch.Tensor, X: torch.Tensor, n_seen: torch.Tensor | int,
+                       n_new: torch.Tensor | int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | int]:
+    """Running mean H = 2 XᵀX / n over all tokens seen, updated with a new batch X.
+
+    H (..., K, K) float32, X (..., T, K). `n_new` counts the real rows of X per batch element
+    (default T); zero rows that pad experts to a common T add nothing to XᵀX, so passing the
+    true counts keeps every expert's mean exact. Returns new (H, n_seen); inputs are untouched.
+    """
+    if X.shape[-1] != H.shape[-1] or H.shape[-1] != H.shape[-2]:
+        raise ValueError(f"accumulate_hessian: H {tuple(H.shape)} does not fit X {tuple(X.shape)}"
+                         " (need H (..., K, K) and X (..., T, K))")
+    T = X.shape[-2]
+    n_new = T if n_new is None else n_new
+    n_total = n_seen + n_new
+    XtX = xtx(X)  # (..., K, K)
+    if isinstance(n_total, torch.Tensor):
+        n_f = n_total.to(torch.float32).clamp(min=1)[..., None, None]
+        old = torch.as_tensor(n_seen, dtype=torch.float32, device=H.device)
+        old = old[..., None, None] if old.ndim else old
+        H_new = H * (old / n_f) + XtX * (2.0 / n_f)
+    else:
+        n_f = max(n_total, 1)
+        H_new = H * (n_seen / n_f) + XtX * (2.0 / n_f)
+    return H_new, n_total
+
+
+def xtx(X: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 XᵀX of X (..., T, K), added into `acc` (..., K, K) in place when given.
+
+    bf16 values (8-bit mantissa) are exact products in fp32, so for bf16 inputs on CUDA the
+    sums are computed by a bf16 GEMM with float32 output and float32 accumulation
+    (`out_dtype`, no float32 copy of X, 2x the TF32 rate), the same sums as a float32 matmul
+    up to summation order; where torch lacks that op, TF32 of a float32 copy (also exact
+    products: bf16 fits TF32's 10-bit mantissa)."""
+    if X.dtype == torch.bfloat16 and X.is_cuda and X.ndim in (2, 3) and _BF16_OUT[0]:
+        prev = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        try:
+            Xt = X.mT
+            if acc is None:
+                mm = torch.bmm if X.ndim == 3 else torch.mm
+                return mm(Xt, X, out_dtype=torch.float32)
+            if acc.ndim == 3:
+                return torch.baddbmm(acc, Xt, X, out_dtype=torch.float32, out=acc)
+            return torch.addmm(acc, Xt, X, out_dtype=torch.float32, out=acc)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError, NotImplementedError):
+            _BF16_OUT[0] = False  # this torch / GPU has no bf16 -> fp32 GEMM: TF32 below
+        finally:
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = prev
+    Xf = X.to(torch.float32)
+    tf32 = X.dtype == torch.bfloat16 and X.is_cuda
+    prev = torch.backends.cuda.matmul.allow_tf32
+    if tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        if acc is None:
+            return Xf.mT @ Xf
+        return acc.baddbmm_(Xf.mT, Xf) if acc.ndim == 3 else acc.addmm_(Xf.mT, Xf)
+    finally:
+        if tf32:
+            torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+_BF16_OUT = [True]  # bf16 GEMMs with float32 output available (cleared at the first refusal)
+
+
+def _group_qparams(W: torch.Tensor, Hdiag: torch.Tensor, cfg: GPTQConfig
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Static group params of W (B, N, K) from the original weight: RTN rule, optional MSE clip."""
+    B, N, K = W.shape
+    if cfg.mse_clip and cfg.fused and gptq_triton.available(W):  # CUDA: one kernel, same result
+        return gptq_triton.mse_clip_qparams(W, Hdiag, MSE_SHRINK, cfg.group_size, cfg.symmetric,
+                                            QMIN, QMAX)
+    W2 = W.reshape(B * N, K)  # rows are independent for the group rule
+    scale, zp = rtn_qparams(W2, cfg.group_size, cfg.symmetric)  # (B*N, G)
+    if cfg.mse_clip:
+        g = cfg.group_size
+        # (B, 1, G, g) per-column weights of the output error, broadcast over rows
+        weight = Hdiag.expand(B, K).reshape(B, 1, K // g, g)
+        best = None
+        for p in MSE_SHRINK:
+            # amax(p * W) == p * amax(W) in floats (rounding is monotone), so this is the RTN
+            # rule on the range p * [min, max]
+            s_p, z_p = rtn_qparams(W2 * p, g, cfg.symmetric) if p != 1.0 else (scale, zp)
+            q = quantize_with_qparams(W2, s_p, z_p, g)
+            Wq = _dequant(q.reshape(B * N, K // g, g), s_p.unsqueeze(-1),
+                          None if z_p is None else z_p.unsqueeze(-1))
+            err = (W2.reshape(B * N, K // g, g) - Wq).square()
+            err = _tree_sum(err.reshape(B, N, K // g, g) * weight).reshape(B * N, K // g)
+            if best is None:
+                best, scale_b, zp_b = err, s_p, z_p
+                continue
+            better = err < best  # strict: ties keep the larger (RTN) range
+            best = torch.where(better, err, best)
+            scale_b = torch.where(better, s_p, scale_b)
+            if zp_b is not None:
+                zp_b = torch.where(better, z_p, zp_b)
+        scale, zp = scale_b, zp_b
+    G = K // cfg.group_size
+    return scale.reshape(B, N, G), None if zp is None else zp.reshape(B, N, G)
+
+
+def _tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim in one fixed order: adjacent pairs, halving, zero-padded to a power
+    of two (adding 0 is exact). `x.sum(-1)`'s order differs between CPU and CUDA; this one is
+    the same on both and is the order the Triton kernel (`gptq_triton._mse_clip_kernel`) adds
+    in, so near-tie groups pick the same scale everywhere."""
+    n = x.shape[-1]
+    pad = (1 << (n - 1).bit_length()) - n
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+def _dequant(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None) -> torch.Tensor:
+    """float32 bf16((q - zp) * scale): the value the engines compute, as `int4.dequantize`."""
+    x = q.to(SCALE_DTYPE)
+    if zp is not None:
+        x = x - zp.to(SCALE_DTYPE)
+    return (x * scale.to(SCALE_DTYPE)).float()
+
+
+def _quantize_column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+    """Codes of one column, with the exact arithmetic of `int4.quantize_with_qparams`."""
+    x = w / s
+    if z is not None:
+        x = x + z
+    return torch.clamp(x, QMIN, QMAX).round()
+
+
+def _factor_inplace(A: torch.Tensor) -> torch.Tensor:
+    """A (b, K, K) damped Hessians -> upper Cholesky factors of their inverses, in place.
+
+    Returns ok (b,): False where a factorization failed (those slices hold garbage).
+    """
+    b, K, _ = A.shape
+    info = torch.empty(b, dtype=torch.int32, device=A.device)
+    torch.linalg.cholesky_ex(A, out=(A, info))  # A = L, lower
+    ok = info == 0
+    if not ok.all():
+        A[~ok] = torch.eye(K, dtype=A.dtype, device=A.device)  # keep the rest of the batch sane
+    torch.cholesky_inverse(A, out=A)  # A = H⁻¹
+    torch.linalg.cholesky_ex(A, upper=True, out=(A, info))  # A = Hinv, upper
+    return ok & (info == 0) & torch.isfinite(A.sum((-2, -1)))
+
+
+def _factor_flipped_inplace(A: torch.Tensor) -> torch.Tensor:
+    """A (b, K, K) damped Hessians in REVERSED processing order -> the same upper factors as
+    `_factor_inplace` of the unreversed ones, in place, from the inverse Cholesky factor alone
+    (`_inverse_cholesky_lower`: batched matmuls, ~4/3 K^3 flops per expert at the GPU's fp32
+    matmul rate, instead of a Cholesky, an inverse and a Cholesky again).
+
+    With J the reversal, J H J = L Lᵀ gives H⁻¹ = J L⁻ᵀ L⁻¹ J = Uᵀ U for U = J L⁻¹ J, which is
+    upper triangular: the unique upper Cholesky factor of H⁻¹, what GPTQ reads. Equal to
+    `_factor_inplace` up to float rounding. Returns ok (b,) as that function does.
+    """
+    oks = []
+    for j in range(0, A.shape[0], FACTOR_BATCH):  # scratch of a few experts, not of the batch
+        Linv, ok = _inverse_cholesky_lower(A[j: j + FACTOR_BATCH])
+        A[j: j + FACTOR_BATCH].copy_(Linv.flip(-2, -1))  # J L⁻¹ J, upper
+        oks.append(ok)
+        del Linv
+    return torch.cat(oks) & torch.isfinite(A.sum((-2, -1)))
+
+
+CHOL_LEAF = 256  # up to this size, the library's Cholesky and triangular solve
+FACTOR_BATCH = 8  # experts factored at once: ~3 (K, K) float32 of scratch each
+
+
+def _inverse_cholesky_lower(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """L⁻¹ of the lower Cholesky factor L of SPD A (b, n, n), and ok (b,): False where A (or a
+    Schur complement of it) is not positive definite (those slices hold garbage).
+
+    Recursive on halves, everything but the leaves batched matmuls:
+
+        A = [[A11, A21ᵀ], [A21, A22]]   L11⁻¹ = rec(A11)
+        L21 = A21 L11⁻ᵀ                  L22⁻¹ = rec(A22 - L21 L21ᵀ)
+        L⁻¹ = [[L11⁻¹, 0], [-L22⁻¹ L21 L11⁻¹, L22⁻¹]]
+
+    This is the blocked Cholesky with its triangular solves done by the inverse it builds
+    anyway; errors grow with cond(L) like a triangular inverse's (tests/test_gptq.py bounds
+    them against float64 on damped, correlated Hessians)."""
+    b, n, _ = A.shape
+    if n <= CHOL_LEAF:
+        L, info = torch.linalg.cholesky_ex(A)
+        ok = info == 0
+        if not ok.all():
+            L = torch.where(ok[:, None, None], L, torch.eye(n, dtype=A.dtype, device=A.device))
+        eye = torch.eye(n, dtype=A.dtype, device=A.device).expand(b, n, n)
+        return torch.linalg.solve_triangular(L, eye, upper=False), ok
+    m = (n // 2 + 127) // 128 * 128 if n > 256 else n // 2  # tile-aligned split
+    L11i, ok1 = _inverse_cholesky_lower(A[:, :m, :m])
+    L21 = A[:, m:, :m] @ L11i.mT  # (b, n-m, m)
+    L22i, ok2 = _inverse_cholesky_lower(torch.baddbmm(A[:, m:, m:], L21, L21.mT, alpha=-1))
+    out = torch.zeros_like(A)
+    out[:, :m, :m] = L11i
+    out[:, m:, m:] = L22i
+    out[:, m:, :m] = -(L22i @ (L21 @ L11i))
+    return out, ok1 & ok2
+
+
+def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, percdamp: float, flipped: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Hinv = chol((P H Pᵀ + damp I)⁻¹)ᵀ for H (Bh, K, K) in the processing order perm (Bh, K).
+
+    Dead columns get H_ii = 1 first. A failed expert is rebuilt from H (left untouched) and
+    retried with percdamp x 10. Memory: one (Bh, K, K) buffer beyond H, factored in place.
+    Returns (Hinv (Bh, K, K), dead (Bh, K) in processing order, fraction used (Bh,), retries).
+    """
+    Bh, K = H.shape[0], H.shape[-1]
+    diag = torch.diagonal(H, dim1=-2, dim2=-1).gather(-1, perm)  # (Bh, K) processing order
+    dead = diag == 0
+    diag = diag.masked_fill(dead, 1.0)
+    mean_diag = diag.mean(-1)  # (Bh,) after the dead fix, as the reference
+    frac = torch.full((Bh,), percdamp, dtype=torch.float32, device=H.device)
+    todo = torch.arange(Bh, device=H.device)
+    Hinv = None
+    retries = 0
+    while True:
+        p = perm[todo]  # (b, K)
+        if flipped:
+            p = p.flip(-1)
+        A = torch.empty(len(todo), K, K, dtype=H.dtype, device=H.device)  # permuted copies
+        for j, (h, pj) in enumerate(zip(todo.tolist(), p)):  # (advanced indexing of the whole
+            A[j] = H[h].index_select(0, pj).index_select(1, pj)  # batch builds batch-sized indices)
+        d = diag[todo] + (frac[todo] * mean_diag[todo])[:, None]
+        torch.diagonal(A, dim1=-2, dim2=-1).copy_(d.flip(-1) if flipped else d)
+        ok = _factor_flipped_inplace(A) if flipped else _factor_inplace(A)
+        if Hinv is None:
+            Hinv = A  # the first round covers every expert
+        else:
+            Hinv[todo[ok]] = A[ok]
+        todo = todo[~ok]
+        if todo.numel() == 0:
+            return Hinv, dead, frac, retries
+        if retries == MAX_DAMP_RETRIES:
+            raise ValueError(
+                f"GPTQ: Cholesky of the Hessian failed for expert(s) {todo.tolist()[:20]} even "
+                f"with percdamp {frac[todo[0]].item():g} x mean(diag H); the Hessian is not "
+                "positive semi-definite (NaN/inf inputs?). Fix: check the calibration inputs of "
+                "those experts, or quantize them with RTN.")
+        frac[todo] *= 10
+        retries += 1
+
+
+def _propagate(Ww: torch.Tensor, Err1: torch.Tensor, Hinv: torch.Tensor, i1: int, i2: int) -> None:
+    """W[..., i2:] -= Err1 @ Hinv[:, i1:i2, i2:]: the block's errors onto the later columns,
+    (B, N, count) @ (Bh, count, K - i2), as one GEMM accumulating into W (no product tensor
+    and no separate subtraction pass over the rest of W)."""
+    B, N, K = Ww.shape
+    if i2 >= K:
+        return
+    if Hinv.shape[0] == B:
+        Ww[..., i2:].baddbmm_(Err1, Hinv[:, i1:i2, i2:], alpha=-1)
+    else:  # one shared H: every expert's rows against the same block
+        Ww.view(B * N, K)[:, i2:].addmm_(Err1.reshape(B * N, -1), Hinv[0, i1:i2, i2:], alpha=-1)
+
+
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig()
+                  ) -> GPTQResult:
+    """GPTQ-round W (..., N, K) against H (..., K, K) (or one shared (K, K)); inputs untouched.
+
+    All leading dims are solved at once (a layer's experts in one batch). With H = I the result
+    equals `quantize_rtn(W)` exactly (without `mse_clip`). Memory beyond the inputs: one
+    (..., K, K) float32 buffer (Hinv, factored in place) and one (..., N, K) working W; for 256
+    GLM-5.2 gate projections (K 6144, N 2048) that is 39 + 13 GB, so pass experts in chunks
+    where H itself does not leave room.
+    """
+    if W.ndim < 2 or H.shape[-2:] != (W.shape[-1], W.shape[-1]):
+        raise ValueError(f"gptq_quantize: W {tuple(W.shape)} and H {tuple(H.shape)} do not fit "
+                         "(need W (..., N, K) and H (..., K, K))")
+    lead, (N, K) = W.shape[:-2], W.shape[-2:]
+    lead_h = H.shape[:-2]
+    if lead_h not in (lead, ()):
+        raise ValueError(f"gptq_quantize: H's leading dims {tuple(lead_h)} must equal W's "
+                         f"{tuple(lead)} (one Hessian per expert) or be absent (one shared)")
+    if K % cfg.group_size:
+        raise ValueError(f"gptq_quantize: in_features {K} is not a multiple of group_size "
+                         f"{cfg.group_size}; pick a group size that divides it")
+    g = cfg.group_size
+    B = lead.numel()
+    Wb = W.reshape(B, N, K).to(torch.float32)  # (B, N, K)
+    Hb = H.reshape(-1, K, K).to(torch.float32)  # (Bh, K, K), Bh = B or 1 (shared)
+    Bh = Hb.shape[0]
+
+    Hdiag = torch.diagonal(Hb, dim1=-2, dim2=-1)  # (Bh, K)
+    scale, zp = _group_qparams(Wb, Hdiag, cfg)  # (B, N, G) from the original W: static groups
+
+    if cfg.actorder:
+        perm = torch.argsort(Hdiag, dim=-1, descending=True, stable=True)  # (Bh, K) order
+    else:
+        perm = torch.arange(K, device=W.device).expand(Bh, K)
+    fused = cfg.fused and cfg.blocksize <= 128 and gptq_triton.available(Wb)
+    # (Bh, K, K) upper; the fused (CUDA) path also takes the cheaper factorization
+    Hinv, dead, damp, retries = _inverse_cholesky(Hb, perm, cfg.percdamp, flipped=fused)
+    Ww = Wb.gather(-1, perm[:, None, :].expand(B, N, K))  # (B, N, K) working copy, permuted
+    Ww.masked_fill_(dead[:, None, :], 0.0)  # dead inputs: the weight does not matter, q = 0
+    group_of = perm // g  # (Bh, K) group of each processed column, in the original order
+
+    q_perm = torch.empty(B, N, K, dtype=torch.int8, device=W.device)
+    Hinv = Hinv.contiguous()
+    for i1 in range(0, K, cfg.blocksize):
+        i2 = min(i1 + cfg.blocksize, K)
+        count = i2 - i1
+        idx = group_of[:, None, i1:i2].expand(B, N, count)  # (B, N, count)
+        s1 = scale.gather(-1, idx)  # (B, N, count) bf16 scale of each column's group
+        s1f = s1.float()
+        z1 = None if zp is None else zp.gather(-1, idx)
+        z1f = None if z1 is None else z1.float()
+
+        W1 = Ww[..., i1:i2].contiguous()  # (B, N, count), a copy
+        if fused:  # CUDA: the column loop in one kernel (quantize/rounding/gptq_triton.py)
+            Err1 = gptq_triton.gptq_block(W1, s1.contiguous(), z1, Hinv, i1, q_perm, QMIN, QMAX)
+            _propagate(Ww, Err1, Hinv, i1, i2)
+            continue
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[:, i1:i2, i1:i2]  # (Bh, count, count)
+        for i in range(count):
+            w = W1[..., i]  # (B, N)
+            d = Hinv1[:, i, i][:, None]  # (Bh, 1)
+            q = _quantize_column(w, s1f[..., i], None if z1f is None else z1f[..., i])
+            q_perm[..., i1 + i] = q.to(torch.int8)
+            Q = _dequant(q, s1[..., i], None if z1 is None else z1[..., i])  # (B, N)
+            err = (w - Q) / d  # (B, N)
+            W1[..., i:] -= err[..., None] * Hinv1[:, None, i, i:]
+            Err1[..., i] = err
+        _propagate(Ww, Err1, Hinv, i1, i2)
+
+    q = torch.empty_like(q_perm).scatter_(-1, perm[:, None, :].expand(B, N, K), q_perm)
+    G = K // g
+    weight = Int4Weight(q.reshape(*lead, N, K), scale.reshape(*lead, N, G),
+                        None if zp is None else zp.reshape(*lead, N, G))
+    return GPTQResult(weight, damp.reshape(lead_h), retries)

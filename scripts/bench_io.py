@@ -1,0 +1,115 @@
+"""Round-to-nearest convert and verify against the disk: whole CLI processes, cold page cache,
+on the GLM-5.2-shaped slice of scripts/bench_pipeline.py (~21 GB block FP8).
+
+    PYTHONPATH=. python3 scripts/bench_io.py --out benchmarks/h200_io.json
+    PYTHONPATH=. python3 scripts/bench_io.py --out x.json --profile DIR   # also under py-spy
+    PYTHONPATH=. python3 scripts/bench_io.py --smoke --out /tmp/io.json    # tiny, CPU: checks the script
+
+Runs, each after `sync; echo 3 > /proc/sys/vm/drop_caches`:
+  copy     cp -r SRC DST && sync                       the yardstick a user knows
+  rtn      python3 -m quantize convert SRC DST --method rtn --overwrite
+  verify   python3 -m quantize verify SRC DST --no-layer-check   (and with the layer check)
+Recorded: wall time, peak host RSS, the disk's cold read / fsynced write rates, and every
+time-stamped stderr line of the CLI as seconds since the process started (where the time goes:
+start-up, streaming, the tail after the last tensor). With --profile, each quantize run once
+more under `py-spy record --format raw` (its collapsed stacks written to DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pipeline import STAMP, disk_rates, drop_caches, seconds_of_day
+
+
+def timed(cmd: list[str], log: Path) -> dict:
+    """One cold run of `cmd`: wall, peak RSS, its stamped stderr lines (s since start)."""
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    cold = drop_caches()
+    now = time.localtime()
+    start = now.tm_hour * 3600 + now.tm_min * 60 + now.tm_sec + time.time() % 1
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=env)
+        _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    lines = []
+    for line in log.read_text(errors="replace").splitlines():
+        if (m := STAMP.match(line)) is not None:
+            lines.append([round(seconds_of_day(m) - start, 2), line[m.end():][:160]])
+    res = {"command": " ".join(cmd), "exit": os.waitstatus_to_exitcode(status), "wall_s": round(wall, 2),
+           "peak_rss_gib": round(usage.ru_maxrss * 1024 / 2**30, 2), "cold_cache": cold, "lines": lines}
+    if res["exit"] != 0:
+        res["stderr_tail"] = log.read_text(errors="replace")[-3000:]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench-pipeline"))
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (0 dense, the rest MoE), + MTP")
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--extra", default="", help="more convert flags")
+    ap.add_argument("--profile", type=Path, default=None, help="also run each under py-spy, stacks here")
+    ap.add_argument("--only", default="copy,rtn,verify,verify-layers", help="which runs, comma list")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (figures meaningless)")
+    args = ap.parse_args()
+
+    from quantize.source.synth import GLM52_CONFIG, tiny_config, write_checkpoint, write_tokenizer
+
+    if args.smoke:
+        cfg, device, src = tiny_config("glm_moe_dsa"), "cpu", args.workdir / "smoke-fp8"
+    else:
+        cfg = {**tiny_config("glm_moe_dsa"), **GLM52_CONFIG}
+        cfg.update(num_hidden_layers=args.layers, first_k_dense_replace=1, num_nextn_predict_layers=1,
+                   vocab_size=args.vocab, max_position_embeddings=4096)
+        device, src = "cuda", args.workdir / f"glm52-{args.layers}layer-mtp-fp8"
+    res: dict = {"source": str(src), "command": " ".join(sys.argv), "runs": {}}
+    if not (src / "config.json").exists():
+        t0 = time.perf_counter()
+        write_checkpoint(src, cfg, "fp8-block", shard_bytes=4 * 10**9, device=device)
+        write_tokenizer(src, cfg["vocab_size"])
+        res["build_s"] = round(time.perf_counter() - t0, 1)
+        print(f"wrote {src} in {res['build_s']} s", flush=True)
+    res["source_bytes"] = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    res["disk"] = disk_rates(src, args.workdir, min(res["source_bytes"] // 4, 4 * 10**9))
+    print(json.dumps(res["disk"]), flush=True)
+    dst, copy = args.workdir / "out-rtn", args.workdir / "copy"
+    q = [sys.executable, "-m", "quantize"]
+    cmds = {
+        "copy": ["bash", "-c", f"rm -rf {copy} && cp -r {src} {copy} && sync"],
+        "rtn": [*q, "convert", str(src), str(dst), "--method", "rtn", "--device", device, "--overwrite",
+                *args.extra.split()],
+        "verify": [*q, "verify", str(src), str(dst), "--device", device, "--no-layer-check"],
+        "verify-layers": [*q, "verify", str(src), str(dst), "--device", device],
+    }
+    for name in args.only.split(","):
+        r = timed(cmds[name], args.workdir / f"{name}.log")
+        if name == "copy":
+            subprocess.run(["rm", "-rf", str(copy)], check=False)
+        if name == "rtn" and dst.exists():
+            r["output_bytes"] = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
+        res["runs"][name] = r
+        args.out.write_text(json.dumps(res, indent=2))
+        print(f"{name}: exit {r['exit']}, {r['wall_s']} s, RSS {r['peak_rss_gib']} GiB", flush=True)
+        if args.profile is not None and name != "copy":
+            args.profile.mkdir(parents=True, exist_ok=True)
+            spy = ["py-spy", "record", "--format", "raw", "--threads", "--rate", "50", "-o",
+                   str(args.profile / f"{name}.txt"), "--"]
+            rp = timed(spy + cmds[name], args.workdir / f"{name}-pyspy.log")
+            res["runs"][name + "-pyspy"] = {k: rp[k] for k in ("exit", "wall_s")}
+            args.out.write_text(json.dumps(res, indent=2))
+    args.out.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
