@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 QUANTIZE := $(VENV)/bin/quantize
 export OMP_NUM_THREADS ?= 1
+# pytest-xdist workers (one per core: the tests are single-threaded Python processes)
+JOBS ?= auto
 export HF_HUB_DISABLE_TELEMETRY := 1
 
 .PHONY: help install demo test test-all test-newest test-newest-all test-lowest test-llmc engine-check lint bench clean
@@ -84,18 +86,18 @@ demo: install ## tiny GLM-5 FP8 checkpoint: inspect -> plan -> convert (RTN, the
 	@echo "minutes. (This demo model has random weights: its figures show the mechanics, not a ranking.)"
 
 test: install ## the whole behaviour on the newest set, without the expensive proofs (marker slow): minutes
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" --durations=15
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(JOBS) -m "not slow" --durations=15
 
 test-all: lint test-newest-all test-lowest test-llmc engine-check ## everything CI runs: every test on the newest and lowest sets, llm-compressor's cross-check, vLLM's loader (CPU, no network)
 
 test-newest: test
 
 test-newest-all: install ## every test in .venv (constraints.txt), the slow proofs included
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=25
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(JOBS) --durations=25
 
 test-lowest: .venv-lowest/.installed ## the lowest supported versions (vLLM's compressed-tensors, transformers 5.17): the fast set, and the slow proofs that exercise huggingface_hub (the rest of the slow proofs, kill-and-resume and torchrun, run once, on the newest set: the same torch)
-	HF_HUB_OFFLINE=1 .venv-lowest/bin/python -m pytest -q -m "not slow" --durations=10
-	HF_HUB_OFFLINE=1 .venv-lowest/bin/python -m pytest -q -m slow tests/test_hub.py tests/test_calib_hub.py tests/test_push.py
+	HF_HUB_OFFLINE=1 .venv-lowest/bin/python -m pytest -q -n $(JOBS) -m "not slow" --durations=10
+	HF_HUB_OFFLINE=1 .venv-lowest/bin/python -m pytest -q -n $(JOBS) -m slow tests/test_hub.py tests/test_calib_hub.py tests/test_push.py
 
 test-llmc: .venv-llmc/.installed ## GPTQ against llm-compressor's quantize_weight, installed beside us (never skipped here)
 	HF_HUB_OFFLINE=1 QUANTIZE_REQUIRE_LLMC=1 .venv-llmc/bin/python -m pytest -q -rs tests/test_gptq.py

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,11 +39,13 @@ def topk_itemsize(seq_len: int) -> int:
 
 
 def disk_needed(plan: Plan, device: torch.device | str, previous: dict | None = None,
-                checkpoint_interval: float = 300.0) -> dict:
+                checkpoint_interval: float = 300.0, free: int | None = None) -> dict:
     """Bytes a conversion still has to write into its output folder: the shards the
-    manifest does not hold yet, and for calibrated methods the resume checkpoints (at most
-    MAX_CHECKPOINTS at once, each the hidden states of every calibration token:
-    bf16 on a GPU, float32 on the CPU; none with an infinite `checkpoint_interval`)."""
+    manifest does not hold yet, and for calibrated methods the resume checkpoints (each the
+    hidden states of every calibration token: bf16 on a GPU, float32 on the CPU; none with an
+    infinite `checkpoint_interval`). `at_once`: how many checkpoints are kept on disk at once,
+    MAX_CHECKPOINTS, or with `free` bytes known as many as fit beside the shards (at least 1:
+    `total` is then the least the run needs)."""
     held = set((previous or {}).get("files", {}))
     shards = sum(s.file_bytes for s in plan.shards if s.file not in held)
     o = plan.options
@@ -51,21 +54,39 @@ def disk_needed(plan: Plan, device: torch.device | str, previous: dict | None = 
         itemsize = 2 if str(device).startswith("cuda") else 4
         one = checkpoint_bytes(o.num_samples, o.seq_len, plan.hidden_size, itemsize,
                                plan.index_topk)
-    return {"shards": shards, "checkpoint": one, "at_once": MAX_CHECKPOINTS,
-            "checkpoints": MAX_CHECKPOINTS * one, "total": shards + MAX_CHECKPOINTS * one}
+    at_once = MAX_CHECKPOINTS if one else 0
+    if one and free is not None:
+        at_once = max(1, min(MAX_CHECKPOINTS, (free - shards) // one))
+    return {"shards": shards, "checkpoint": one, "at_once": at_once,
+            "checkpoints": at_once * one, "total": shards + at_once * one}
 
 
 def check_disk(out: Path, plan: Plan, previous: dict | None, device: torch.device,
-               checkpoint_interval: float) -> None:
-    """Refuse to start when the output's file system lacks the room `disk_needed` says."""
-    need = disk_needed(plan, device, previous, checkpoint_interval)
+               checkpoint_interval: float, log: Callable[[str], None] | None = None,
+               least: int = 1) -> int:
+    """Refuse to start when the output's file system lacks the room for the shards and `least`
+    calibration checkpoints (several processes: 2, each rank's share of them in its folder);
+    the checkpoints to keep at once (0: none), as many as fit up to MAX_CHECKPOINTS (said
+    through `log` when fewer)."""
     free = shutil.disk_usage(out).free
+    need = disk_needed(plan, device, previous, checkpoint_interval, free)
+    if need["checkpoint"] and need["at_once"] < least:
+        need["at_once"], need["checkpoints"] = least, least * need["checkpoint"]
+        need["total"] = need["shards"] + need["checkpoints"]
     if need["total"] <= free:
-        return
+        if 0 < need["at_once"] < MAX_CHECKPOINTS and log is not None:
+            one = need["checkpoint"]
+            log(f"note: {fmt_bytes(free)} free beside {fmt_bytes(need['shards'])} of shards: room "
+                f"for {need['at_once']} calibration checkpoint(s) of {fmt_bytes(one)} at once "
+                f"({MAX_CHECKPOINTS} with {fmt_bytes(need['shards'] + MAX_CHECKPOINTS * one - free)} "
+                "more); " + ("each replaces the last, so a crash while one is written (seconds) "
+                             "restarts the calibration at layer 0" if need["at_once"] == 1 else
+                             "a checkpoint is skipped while they are all still needed"))
+        return need["at_once"]
     parts = f"{fmt_bytes(need['shards'])} of shards"
     if need["checkpoints"]:
-        parts += (f" + {fmt_bytes(need['checkpoints'])} of calibration checkpoints (up to "
-                  f"{need['at_once']} at once, {fmt_bytes(need['checkpoint'])} each)")
+        parts += (f" + {fmt_bytes(need['checkpoints'])}: {need['at_once']} calibration "
+                  f"checkpoint(s) of {fmt_bytes(need['checkpoint'])} (resume)")
     raise QuantizeError("not enough free disk space for the output", [Problem(
         str(out), None, f"{fmt_bytes(free)} free", f"{fmt_bytes(need['total'])}: {parts}",
         "free space or choose an output folder on a larger disk"

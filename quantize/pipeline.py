@@ -28,7 +28,7 @@ import torch
 
 from quantize import __version__
 from quantize.calib.distributed import Dist
-from quantize.disk import check_disk
+from quantize.disk import MAX_CHECKPOINTS, check_disk
 from quantize.errors import Problem, QuantizeError
 from quantize.names import (
     AWQ_SCALES,
@@ -292,10 +292,12 @@ def convert(
     try:
         with folder_lock(out):  # one conversion per output folder at a time
             previous = _prepare_out(out, overwrite, _our_partials(plan, aux))
-            check_disk(out, plan, previous, dev, checkpoint_interval)
+            at_once = check_disk(out, plan, previous, dev, checkpoint_interval, log,
+                                 least=1 if dist is None else 2)
             return _write(ckpt, plan, out, previous, aux, opts, dev, on_unit,
                           {"command": command, "source_format": ckpt.source_format,
-                           "model_type": ckpt.model_type, "tp": tp}, qconfig, calib, base_model)
+                           "model_type": ckpt.model_type, "tp": tp}, qconfig, calib, base_model,
+                          at_once)
     finally:
         if calib is not None:
             calib.close()  # stops its layer thread (also when an error or Ctrl-C propagates)
@@ -365,8 +367,9 @@ def _write_rest(ckpt: Checkpoint, plan: Plan, out: Path, aux: list[Path], manife
 def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: list[Path],
            opts: ConvertOptions, dev: torch.device, on_unit: Callable[[Unit], None] | None,
            extra: dict, qconfig: Future, calib: Calibrator | None = None,
-           base_model: str | None = None) -> ConvertResult:
-    """Steps 5 and 6 of the recipe, in the prepared and locked output folder."""
+           base_model: str | None = None, at_once: int = 0) -> ConvertResult:
+    """Steps 5 and 6 of the recipe, in the prepared and locked output folder (`at_once`: the
+    calibration checkpoints the disk has room for)."""
     # what a resume must match besides the options: kept shards from other calibration tokens
     # or another device's arithmetic would mix two calibrations in one checkpoint
     calibration = None if calib is None else calib.identity()
@@ -377,7 +380,7 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
                                   extra if calibration is None else {**extra, "calibration": calibration},
                                   base_model)
     if calib is not None:
-        calib.use_state(out / CALIB_STATE, manifest.identity())
+        calib.use_state(out / CALIB_STATE, manifest.identity(), at_once or MAX_CHECKPOINTS)
 
     # With a calibration, its layer thread has the GPU; the tensors it does not produce (copied,
     # BF16-widened, RTN-rounded: exact, the same bytes on either device) are computed on the

@@ -92,13 +92,14 @@ def main() -> None:
         "verify": [*q, "verify", str(src), str(dst), "--device", device, "--no-layer-check"],
         "verify-layers": [*q, "verify", str(src), str(dst), "--device", device],
     }
-    for name in args.only.split(","):
+    for k, name in enumerate(args.only.split(",")):
+        key = name if name not in res["runs"] else f"{name}-{k}"  # (a name asked for twice)
         r = timed(cmds[name], args.workdir / f"{name}.log")
         if name == "copy":
             subprocess.run(["rm", "-rf", str(copy)], check=False)
         if name == "rtn" and dst.exists():
             r["output_bytes"] = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
-        res["runs"][name] = r
+        res["runs"][key] = r
         args.out.write_text(json.dumps(res, indent=2))
         print(f"{name}: exit {r['exit']}, {r['wall_s']} s, RSS {r['peak_rss_gib']} GiB", flush=True)
         if args.profile is not None and name != "copy":
@@ -106,7 +107,7 @@ def main() -> None:
             spy = ["py-spy", "record", "--format", "raw", "--threads", "--rate", "50", "-o",
                    str(args.profile / f"{name}.txt"), "--"]
             rp = timed(spy + cmds[name], args.workdir / f"{name}-pyspy.log")
-            res["runs"][name + "-pyspy"] = {k: rp[k] for k in ("exit", "wall_s")}
+            res["runs"][key + "-pyspy"] = {f: rp[f] for f in ("exit", "wall_s")}
             args.out.write_text(json.dumps(res, indent=2))
     args.out.write_text(json.dumps(res, indent=2))
 

@@ -358,9 +358,11 @@ def test_checkpointer_policy_and_background_bytes(tmp_path):
     bad.wait()  # raised once
 
 
-def test_checkpoint_disk_is_predicted_and_checked_before_writing(src, tmp_path, monkeypatch):
-    """`disk_needed` gives a checkpoint's bytes exactly (hidden states + DSA top-k, as written),
-    and convert refuses to start when the folder's disk lacks the shards + 3 checkpoints."""
+def test_checkpoints_fit_the_disk(src, reference, tmp_path, monkeypatch):
+    """`disk_needed` gives a checkpoint's bytes exactly (hidden states + DSA top-k, as written).
+    convert refuses to start only when the disk lacks the shards + one checkpoint; with room for
+    fewer than 3 it keeps that many at once (room for one: each replaces the last once the writer
+    is past its layer), and an interrupted run still resumes from one, byte for byte."""
     import collections
 
     from safetensors.torch import load_file
@@ -373,19 +375,47 @@ def test_checkpoint_disk_is_predicted_and_checked_before_writing(src, tmp_path, 
     plan = make_plan(open_checkpoint(src), OPTS)
     need = disk_needed(plan, "cpu")
     d = out / CALIB_STATE / "layer-2"
-    data = sum(t.nbytes for f in d.glob("hidden-*.safetensors") for t in load_file(f).values())
-    assert data == need["checkpoint"] > 0
-    assert need["total"] == sum(s.file_bytes for s in plan.shards) + 3 * need["checkpoint"]
-    assert disk_needed(plan, "cuda")["checkpoint"] < need["checkpoint"]  # bf16 hidden states
+    one = sum(t.nbytes for f in d.glob("hidden-*.safetensors") for t in load_file(f).values())
+    shards = sum(s.file_bytes for s in plan.shards)
+    assert one == need["checkpoint"] > 0
+    assert need["total"] == shards + 3 * one
+    assert disk_needed(plan, "cuda")["checkpoint"] < one  # bf16 hidden states
 
     Usage = collections.namedtuple("Usage", "total used free")
-    monkeypatch.setattr("quantize.disk.shutil.disk_usage",
-                        lambda p: Usage(10**12, 10**12 - need["total"] + 1, need["total"] - 1))
+
+    def disk(free: int) -> None:
+        monkeypatch.setattr("quantize.disk.shutil.disk_usage", lambda p: Usage(10**12, 10**12 - free, free))
+
+    disk(shards + one - 1)
     fresh = tmp_path / "fresh"
     with pytest.raises(QuantizeError, match="not enough free disk space") as e:
         convert(src, fresh, OPTS, device="cpu")
-    assert "calibration checkpoints (up to 3 at once" in str(e.value)
+    assert "1 calibration checkpoint(s)" in str(e.value) and "--checkpoint-interval inf" in str(e.value)
     assert not list(fresh.iterdir())  # refused before anything was written
+
+    on_disk: list[int] = []  # checkpoints holding hidden states on disk as each save lands
+    save = StateDir.save  # (the last one holds none: a few KB, it may sit beside them)
+
+    def counted(self, layer, *a, **kw):
+        save(self, layer, *a, **kw)
+        on_disk.append(sum(any(self.path(c).glob("hidden-*")) for c in self.layers()))
+
+    monkeypatch.setattr(StateDir, "save", counted)
+    for room in (1, 2):
+        disk(shards + room * one + one // 2)
+        on_disk.clear()
+        out, log = tmp_path / f"room-{room}", []
+        with pytest.raises(Stop):
+            convert(src, out, OPTS, device="cpu", log=log.append,
+                    on_unit=stop_at(lambda u: layer_of(u.source) == 3))
+        assert any(f"room for {room} calibration checkpoint(s)" in line for line in log), log
+        assert on_disk and max(on_disk) <= room, on_disk
+        state = StateDir(out / CALIB_STATE, "")
+        assert 1 <= sum(any(state.path(c).glob("hidden-*")) for c in state.layers()) <= room
+        log.clear()
+        convert(src, out, OPTS, device="cpu", log=log.append)
+        assert any(line.startswith("resuming calibration at layer") for line in log), log
+        assert_identical(out, reference)
 
 
 @pytest.mark.slow

@@ -72,6 +72,7 @@ from quantize.calib.layer import Carry, LayerRunner, check_mlps
 from quantize.calib.mtp import mtp_config, mtp_inputs, mtp_runnable, rtn_entries
 from quantize.calib.report import write_reports
 from quantize.calib.resume import Resume
+from quantize.disk import MAX_CHECKPOINTS
 from quantize.errors import Problem, QuantizeError
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, Shard, Unit
@@ -252,6 +253,7 @@ class Calibrator:
         written (errors are dropped: this runs while another error propagates, or after
         `write_outputs`, which raised them)."""
         self._stop = True
+        self.resume.abandon()  # (a checkpoint waiting for the writer gives up)
         while self._runner is not None and self._runner.is_alive():
             self._handoff.release()  # a result the writer will not take
             self._runner.join(timeout=0.05)
@@ -293,10 +295,11 @@ class Calibrator:
             ident["processes"] = self.dist.world
         return ident
 
-    def use_state(self, root: Path, run: dict) -> None:
+    def use_state(self, root: Path, run: dict, at_once: int = MAX_CHECKPOINTS) -> None:
         """Checkpoint into `root` (DST/CALIB_STATE) and resume from there (resume.py); `run`:
-        what the manifest requires to resume, `identity()` as its "calibration"."""
-        self.resume.use(root, run)
+        what the manifest requires to resume, `identity()` as its "calibration"; `at_once`:
+        the checkpoints the disk has room for."""
+        self.resume.use(root, run, at_once)
 
     def start_shard(self, shard: Shard) -> None:
         """Called before `shard` is written, every shard before it recorded in the manifest:

@@ -27,6 +27,7 @@ from quantize.calib.decoder import HiddenStates
 from quantize.calib.distributed import Dist
 from quantize.calib.layer import Carry
 from quantize.calib.state import Checkpointer, StateDir
+from quantize.disk import MAX_CHECKPOINTS
 from quantize.plan import Plan, Shard
 from quantize.source.layout import layer_of
 
@@ -55,21 +56,23 @@ class Resume:
         return next((min(L, self.num_layers) for u in shard.units
                      if (L := layer_of(u.source)) is not None), None)
 
-    def use(self, root: Path, run: dict) -> None:
+    def use(self, root: Path, run: dict, at_once: int = MAX_CHECKPOINTS) -> None:
         """Checkpoint into `root` (DST/CALIB_STATE), and resume from there. `run`: what the
         manifest requires to resume (options, source, tool version, and the calibration's
-        identity); the library versions are added to the fingerprint."""
+        identity); the library versions are added to the fingerprint. `at_once`: the
+        checkpoints the disk has room for (disk.check_disk)."""
         import transformers
 
         d = self.dist
         if d is not None:  # every rank checkpoints its own samples, in its own folder
-            run = d.broadcast_object(run if d.leader else None)  # (rank 0 holds the manifest)
+            # (rank 0 holds the manifest and checked the disk)
+            run, at_once = d.broadcast_object((run, at_once) if d.leader else None)
             root = root / f"rank-{d.rank}-of-{d.world}"
         fp = {"run": run, "torch": torch.__version__, "transformers": transformers.__version__}
         if d is not None:
             fp["rank"] = [d.rank, d.world]
         self.state = StateDir(root, hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest())
-        self.saver = Checkpointer(self.state, self.interval, lambda: self.keep_after)
+        self.saver = Checkpointer(self.state, self.interval, lambda: self.keep_after, at_once=at_once)
 
     def reach(self, upto: int, next_layer: int, running: bool) -> int:
         """The writer needs no layer up to `upto` any more: checkpoints before it may go, and
@@ -172,6 +175,11 @@ class Resume:
         """Until a checkpoint being written is on disk (its errors raised)."""
         if self.saver is not None:
             self.saver.wait()
+
+    def abandon(self) -> None:
+        """The run stops: a checkpoint waiting for room is dropped."""
+        if self.saver is not None:
+            self.saver.abandon()
 
     def wait_copied(self) -> None:
         """Before the hidden states are replaced: a checkpoint in flight has its host copy."""

@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save
 
-from quantize.disk import MAX_CHECKPOINTS, checkpoint_bytes  # noqa: F401  (re-exported)
+from quantize.disk import MAX_CHECKPOINTS, checkpoint_bytes
 from quantize.names import CALIB_STATE
 from quantize.write.shards import PARTIAL, fsync_dir, sha256_file, stall_point, write_failed
 
@@ -184,6 +184,12 @@ class StateDir:
                 if keep is not None and c < keep:
                     shutil.rmtree(self.path(c))
 
+    def drop_all(self) -> None:
+        """Delete every checkpoint (room for the next where the disk holds only one)."""
+        with self._lock:
+            for c in self.layers():
+                shutil.rmtree(self.path(c))
+
     def remove(self, siblings: bool = False) -> None:
         """Delete every checkpoint (the conversion is complete); `siblings`: the folder above
         too, with the other ranks' (torchrun: `.../state/rank-R-of-W/`)."""
@@ -206,12 +212,18 @@ class Checkpointer:
     """
 
     def __init__(self, state: StateDir, interval: float, keep_after: Callable[[], int],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, at_once: int = MAX_CHECKPOINTS) -> None:
+        """`at_once`: the checkpoints the disk has room for (disk.check_disk). Below
+        MAX_CHECKPOINTS a save is skipped while that many are still needed; with room for one
+        (one process only), each save waits on its thread, its copy in host memory, until the
+        writer is past its layer, then replaces the last."""
         self.state, self.interval, self.keep_after, self.clock = state, interval, keep_after, clock
+        self.at_once = at_once
         self._last = clock()  # the first checkpoint comes `interval` seconds into the run
         self._thread: threading.Thread | None = None
         self._copied = threading.Event()
         self._copied.set()
+        self._abandon = threading.Event()  # the run stops: a save waiting for room gives up
         self._error: BaseException | None = None
 
     @property
@@ -221,9 +233,21 @@ class Checkpointer:
     def due(self) -> bool:
         """Whether a layer that can be checkpointed now should be: `interval` seconds have
         passed since the last one began and none is still being written (interval 0: always)."""
+        if not self._room():
+            return False
         if self.interval <= 0:
             return True
         return not self.busy and self.clock() - self._last >= self.interval
+
+    def _room(self) -> bool:
+        """Whether the disk has room for one more checkpoint beside those a resume still needs
+        (the newest at or before `keep_after()` and any after it); with room for one at all,
+        always (it replaces the last)."""
+        if self.at_once >= MAX_CHECKPOINTS or self.at_once <= 1:
+            return True
+        have = self.state.layers()
+        keep = max((c for c in have if c <= self.keep_after()), default=None)
+        return sum(keep is None or c >= keep for c in have) < self.at_once
 
     def save(self, layer: int, chunks: list[torch.Tensor], topk: list[torch.Tensor | None],
              entries: list[dict], mtp_skip: dict[int, str], awq_scales: dict[str, torch.Tensor],
@@ -237,12 +261,16 @@ class Checkpointer:
         args = (layer, list(chunks), list(topk), json.loads(json.dumps(entries)), dict(mtp_skip),
                 dict(awq_scales))
         if not background:
-            self._write(*args)
+            self._write(*args, wait_for_writer=False)
             return
         self._copied.clear()
         self._thread = threading.Thread(target=self._run, args=args, name="quantize-checkpoint",
                                         daemon=True)
         self._thread.start()
+
+    def abandon(self) -> None:
+        """The run stops: a save still waiting for the writer (room for one) is dropped."""
+        self._abandon.set()
 
     def wait_copied(self) -> None:
         """Until the checkpoint in flight holds its own host copy of the hidden states."""
@@ -266,8 +294,10 @@ class Checkpointer:
             self._copied.set()
 
     def _write(self, layer: int, chunks: list[torch.Tensor], topk: list[torch.Tensor | None],
-               entries: list[dict], mtp_skip: dict[int, str], awq_scales: dict[str, torch.Tensor]
-               ) -> None:
+               entries: list[dict], mtp_skip: dict[int, str], awq_scales: dict[str, torch.Tensor],
+               wait_for_writer: bool = True) -> None:
+        """`wait_for_writer`: on the checkpoint's own thread (room for one: it may wait for the
+        writer there); False on the layer thread, which the writer waits for."""
         from quantize.source.staging import to_host
 
         host = [to_host(h) for h in chunks]  # (b, S, H) each, through pinned chunks
@@ -275,6 +305,14 @@ class Checkpointer:
         del chunks, topk  # the device copies may go now
         self._copied.set()
         self.state.prune(self.keep_after())  # room first: an older checkpoint no resume needs
+        if self.at_once == 1 and host:  # room for one: it replaces the last once a resume
+            # would start from it (the writer is past its layer), not before (a crash in
+            # between would find none usable); a crash while it is written restarts at layer 0.
+            # (The last checkpoint holds no hidden states: a few KB beside the one kept.)
+            while wait_for_writer and self.keep_after() < layer:
+                if self._abandon.wait(0.05):
+                    return
+            self.state.drop_all()
         self.state.save(layer, zip(host, top), entries, mtp_skip, awq_scales)
         del host
         self.state.prune(self.keep_after())

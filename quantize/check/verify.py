@@ -32,6 +32,7 @@ import importlib
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -286,7 +287,11 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, early: Checkpo
     # the files are hashed. (transformers, which it imports, is whole already when the layer
     # check is preparing: `prepare_in_background` imports it on this thread first.)
     background(importlib.import_module, "compressed_tensors.quantization")
+    t0 = time.perf_counter()
     _files_problems(report, Path(src), dst, manifest["files"])
+    if log:
+        log(f"{len(manifest['files'])} files checked against the manifest's sha256 in "
+            f"{time.perf_counter() - t0:.1f} s")
     if report.problems:
         return _finish(report, dst, write)
 

@@ -130,3 +130,44 @@ def progress(disable: bool = False) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
                     TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                     console=err, transient=False, disable=disable or VERBOSITY["quiet"])
+
+
+def reporters(bar: Progress, verb: str, total: int | None = None, quiet: bool = False):
+    """(step(unit): the bar advanced by the unit's source bytes, and every 5 % a timestamped
+    line when stderr is not a terminal (nohup, Slurm, CI logs); line(text): a timestamped line,
+    so the time of each step can be read off a log; step.start(total): the bytes to go, when
+    known only later). `verb`: the bar's name ("N% converted: ..." in the lines)."""
+    import time
+
+    from quantize.sizes import fmt_bytes
+
+    task = bar.add_task(verb, total=total, rate="")
+    done_verb = {"convert": "converted", "verify": "verified"}.get(verb, verb + "ed")
+    t0 = time.perf_counter()
+    logged = [0]  # the last 5 % step printed as a line
+
+    def line(text: str) -> None:
+        if quiet or VERBOSITY["quiet"]:
+            return
+        now = time.time()
+        stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+        bar.console.print(f"{stamp} {text}", highlight=False, markup=False)
+
+    def start(nbytes: int) -> None:
+        bar.update(task, total=nbytes)
+
+    def step(unit) -> None:
+        bar.advance(task, unit.source_bytes)
+        done, to_go = bar.tasks[task].completed, bar.tasks[task].total or 1
+        spent = max(time.perf_counter() - t0, 1e-9)
+        bar.update(task, rate=f"{done / spent / 2**20:,.0f} MiB/s")
+        pct = int(100 * done / max(to_go, 1))
+        if not err.is_terminal and pct // 5 > logged[0] // 5:
+            logged[0] = pct
+            left = spent * (to_go - done) / max(done, 1)
+            line(f"{pct}% {done_verb}: {fmt_bytes(done)} of {fmt_bytes(to_go)} read, "
+                 f"{done / spent / 2**20:,.0f} MiB/s, {spent / 60:.1f} min so far, "
+                 f"~{left / 60:.1f} min left")
+
+    step.start = start
+    return step, line

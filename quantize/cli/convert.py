@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from quantize.cli.app import VERBOSITY, Failed, app, err, out, print_json, progress
+from quantize.cli.app import Failed, app, err, out, print_json, progress, reporters
 from quantize.cli.params import (
     Asym,
     Debug,
@@ -201,6 +201,16 @@ def _checked_numbers(checkpoint_interval: float, max_gpu_memory: float | None) -
 def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
     """Options, source, plan and the conversion with its progress bar and timestamped lines;
     (the pipeline's result or None on a rank other than 0, the source bytes)."""
+    if a["method"] == "rtn":  # config.json's quantization_config needs compressed-tensors
+        # (with transformers and accelerate: seconds): loaded beside torch's import now, before
+        # the stream keeps the disk busy (a calibration imports transformers on this thread
+        # first: the pipeline loads it after that, two threads initializing it at once can
+        # see it half-made)
+        import importlib
+
+        from quantize.overlap import background
+
+        background(importlib.import_module, "compressed_tensors.quantization")
     from quantize.pipeline import convert as run_convert
     from quantize.plan import make_plan
     from quantize.sizes import fmt_bytes
@@ -233,7 +243,7 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
                   "(--overwrite starts over)", highlight=False)
     total = sum(u.source_bytes for u in plan.units)
     with progress(disable=quiet) as bar:
-        step, line = _reporters(bar, total, quiet)
+        step, line = reporters(bar, "convert", total, quiet)
         line(f"convert {src} -> {dst}: {fmt_bytes(total)} to read, {len(plan.shards)} shard(s) "
              f"of {fmt_bytes(plan.output_bytes)}, method {opts.method}"
              + (f" (MSE clip {'on' if opts.mse_clip else 'off'}, dampening {opts.percdamp:g})"
@@ -243,38 +253,6 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
                           tp=a["tp"], checkpoint_interval=a["checkpoint_interval"], dist=d,
                           base_model=a["base_model"], max_gpu_memory=gpu_bytes)
     return res, total
-
-
-def _reporters(bar, total: int, quiet: bool):
-    """(step(unit): the bar advanced, and every 5 % a line when stderr is not a terminal;
-    line(text): a timestamped line, so per-layer wall times can be read off a log)."""
-    from quantize.sizes import fmt_bytes
-
-    task = bar.add_task("convert", total=total, rate="")
-    t0 = time.perf_counter()
-    logged = [0]  # the last 5 % step printed as a line
-
-    def line(text: str) -> None:
-        if quiet or VERBOSITY["quiet"]:
-            return
-        now = time.time()
-        stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
-        bar.console.print(f"{stamp} {text}", highlight=False, markup=False)
-
-    def step(unit) -> None:
-        bar.advance(task, unit.source_bytes)
-        done = bar.tasks[0].completed
-        spent = max(time.perf_counter() - t0, 1e-9)
-        bar.update(task, rate=f"{done / spent / 2**20:,.0f} MiB/s")
-        pct = int(100 * done / max(total, 1))
-        if not err.is_terminal and pct // 5 > logged[0] // 5:  # nohup, Slurm, CI logs
-            logged[0] = pct
-            left = spent * (total - done) / max(done, 1)
-            line(f"{pct}% converted: {fmt_bytes(done)} of {fmt_bytes(total)} read, "
-                 f"{done / spent / 2**20:,.0f} MiB/s, {spent / 60:.1f} min so far, "
-                 f"~{left / 60:.1f} min left")
-
-    return step, line
 
 
 def _summary(res, src: str, dst: Path, total: int, dt: float, method: str, json_: bool) -> None:

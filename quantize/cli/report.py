@@ -223,7 +223,8 @@ def plan_tables(d: dict) -> list[Table]:
     if disk.get("checkpoint"):
         t.add_row(f"+ calibration checkpoints ({o['num_samples']} x {o['seq_len']} tokens, GPU)", "",
                   f"up to {disk['at_once']} x {fmt_bytes(disk['checkpoint'])}")
-        t.add_row("disk needed at most", "", fmt_bytes(disk["total"]))
+        t.add_row("disk needed", "", f"{fmt_bytes(disk['shards'] + disk['checkpoint'])} at least "
+                  f"(1 checkpoint), {fmt_bytes(disk['total'])} for {disk['at_once']}")
     r = Table(title="bytes by role")
     for c in ("role", "source", "output"):
         r.add_column(c, justify="left" if c == "role" else "right")

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from quantize.cli.app import app, err, out, print_json, progress
+from quantize.cli.app import app, err, out, print_json, progress, reporters
 from quantize.cli.params import Debug, Device, Dst, Json, Revision, Src
 
 
@@ -46,11 +46,10 @@ def verify(
     finished_manifest(dst)  # an unfinished DST is said before SRC is resolved (or downloaded)
     local = resolve_source(src, revision, headers_only=False)
     with progress() as bar:
-        task = bar.add_task("verify", total=None, rate="")
-        rep = run_verify(local, dst, min_sqnr, device,
-                         on_start=lambda total: bar.update(task, total=total),
-                         on_unit=lambda u: bar.advance(task, u.source_bytes),
-                         layer_check=layer_check)
+        step, line = reporters(bar, "verify")
+        line(f"verify {src} against {dst}")
+        rep = run_verify(local, dst, min_sqnr, device, on_start=step.start, on_unit=step,
+                         layer_check=layer_check, log=line)
     if json_:
         print_json(rep.to_json()["summary"])
     else:
