@@ -89,6 +89,41 @@ def _indexer_layers(cfg: dict) -> set[int]:
     return {i for i in range(L) if max(i - offset + 1, 0) % freq == 0} | {L}
 
 
+def _attention(cfg: dict, a: str, indexer: bool, dsa: bool, linear, bf16) -> None:
+    """One layer's attention tensors under prefix `a` (MLA + the DSA indexer on its layers, or
+    GQA), through release_tensors' `linear` / `bf16` recorders."""
+    H = cfg["hidden_size"]
+    if dsa:
+        nh, nope, rope, vh = (cfg["num_attention_heads"], cfg["qk_nope_head_dim"],
+                              cfg["qk_rope_head_dim"], cfg["v_head_dim"])
+        ql, kvl = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+        linear(a + "q_a_proj", ql, H)
+        bf16(a + "q_a_layernorm.weight", ql)
+        linear(a + "q_b_proj", nh * (nope + rope), ql)
+        linear(a + "kv_a_proj_with_mqa", kvl + rope, H)
+        bf16(a + "kv_a_layernorm.weight", kvl)
+        linear(a + "kv_b_proj", nh * (nope + vh), kvl)
+        linear(a + "o_proj", H, nh * vh)
+        if indexer:
+            ih, ihd = cfg["index_n_heads"], cfg["index_head_dim"]
+            linear(a + "indexer.wq_b", ih * ihd, ql)
+            linear(a + "indexer.wk", ihd, H)
+            bf16(a + "indexer.k_norm.weight", ihd)
+            bf16(a + "indexer.k_norm.bias", ihd)
+            bf16(a + "indexer.weights_proj.weight", ih, H)
+    else:
+        nh, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        hd = cfg.get("head_dim") or H // nh
+        for proj, n in (("q_proj", nh * hd), ("k_proj", kvh * hd), ("v_proj", kvh * hd)):
+            linear(a + proj, n, H)
+            if cfg.get("attention_bias"):
+                bf16(a + proj + ".bias", n)
+        linear(a + "o_proj", H, nh * hd)
+        if cfg.get("use_qk_norm"):
+            bf16(a + "q_norm.weight", hd)
+            bf16(a + "k_norm.weight", hd)
+
+
 def release_tensors(cfg: dict, fmt: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{name: (safetensors dtype, shape)} of a release of `cfg` in source format `fmt`."""
     H, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
@@ -118,36 +153,7 @@ def release_tensors(cfg: dict, fmt: str) -> dict[str, tuple[str, tuple[int, ...]
         p = f"model.layers.{layer}."
         bf16(p + "input_layernorm.weight", H)
         bf16(p + "post_attention_layernorm.weight", H)
-        a = p + "self_attn."
-        if dsa:
-            nh, nope, rope, vh = (cfg["num_attention_heads"], cfg["qk_nope_head_dim"],
-                                  cfg["qk_rope_head_dim"], cfg["v_head_dim"])
-            ql, kvl = cfg["q_lora_rank"], cfg["kv_lora_rank"]
-            linear(a + "q_a_proj", ql, H)
-            bf16(a + "q_a_layernorm.weight", ql)
-            linear(a + "q_b_proj", nh * (nope + rope), ql)
-            linear(a + "kv_a_proj_with_mqa", kvl + rope, H)
-            bf16(a + "kv_a_layernorm.weight", kvl)
-            linear(a + "kv_b_proj", nh * (nope + vh), kvl)
-            linear(a + "o_proj", H, nh * vh)
-            if layer in idx_layers:
-                ih, ihd = cfg["index_n_heads"], cfg["index_head_dim"]
-                linear(a + "indexer.wq_b", ih * ihd, ql)
-                linear(a + "indexer.wk", ihd, H)
-                bf16(a + "indexer.k_norm.weight", ihd)
-                bf16(a + "indexer.k_norm.bias", ihd)
-                bf16(a + "indexer.weights_proj.weight", ih, H)
-        else:
-            nh, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-            hd = cfg.get("head_dim") or H // nh
-            for proj, n in (("q_proj", nh * hd), ("k_proj", kvh * hd), ("v_proj", kvh * hd)):
-                linear(a + proj, n, H)
-                if cfg.get("attention_bias"):
-                    bf16(a + proj + ".bias", n)
-            linear(a + "o_proj", H, nh * hd)
-            if cfg.get("use_qk_norm"):
-                bf16(a + "q_norm.weight", hd)
-                bf16(a + "k_norm.weight", hd)
+        _attention(cfg, p + "self_attn.", layer in idx_layers, dsa, linear, bf16)
         m = p + "mlp."
         if layer < cfg["first_k_dense_replace"]:
             linear(m + "gate_proj", DI, H)
