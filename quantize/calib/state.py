@@ -34,7 +34,11 @@ is renamed into place resumes from the previous one: the same bytes, some layers
 `prune(L)` deletes every checkpoint older than the newest one at or before layer L: the
 caller passes the last layer a resume can still start after (the first layer of the first
 shard the manifest has not recorded, minus one), so a deleted checkpoint can never be needed.
-With one shard per layer or two (GLM-5.2 at 5 GB shards) that keeps at most two or three.
+With one shard per layer or two (GLM-5.2 at 5 GB shards) that keeps at most two or three
+(disk.MAX_CHECKPOINTS: the newest one a resume may need, a newer finished one, and one being
+written). Where the disk has room for fewer (disk.check_disk), `Checkpointer(at_once=...)`
+skips a save while two are still needed, or, with room for one, lets each replace the last
+once the writer is past its layer.
 The fingerprint (options, source, tool and library versions, device type, calibration tokens)
 must match exactly; a checkpoint of another run is ignored, never used.
 """
@@ -65,8 +69,8 @@ __all__ = ["CALIB_STATE", "Checkpointer", "Saved", "StateDir", "checkpoint_bytes
 _NAME = re.compile(r"layer-(\d+)")
 _META = "state.json"
 _SCALES = "awq-scales.safetensors"
-# At most this many checkpoints exist at once: the newest one a resume may need, a newer
-# finished one, and one being written (`prune` runs before and after each save).
+
+
 @dataclass
 class Saved:
     """One checkpoint as read back (its files already checked against state.json)."""
