@@ -1,0 +1,96 @@
+"""quantize/overlap.py: a value built on a thread, and the page cache filled ahead of the reads
+within a byte budget (on a real checkpoint; the reads themselves are Checkpoint.prefetch's)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from quantize.overlap import Readahead, background, readahead_bytes
+from quantize.source.checkpoint import open_checkpoint
+from quantize.source.synth import tiny_config, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = write_checkpoint(tmp_path_factory.mktemp("src"), tiny_config("glm_moe_dsa"), "fp8-block", seed=2)
+    return open_checkpoint(d)
+
+
+def test_background_returns_the_value_and_reraises_the_error_where_it_is_needed():
+    names = []
+    fut = background(lambda a, b: names.append(threading.current_thread().name) or a + b, 2, 3)
+    assert fut.result(timeout=10) == 5
+    assert names == ["quantize-background"]  # it ran on its own thread
+
+    def boom() -> None:
+        raise OSError("no such file")
+
+    with pytest.raises(OSError, match="no such file"):
+        background(boom).result(timeout=10)
+
+
+def _recording(ckpt, monkeypatch) -> list[str]:
+    """The names Readahead asks Checkpoint.prefetch for, in order (the reads still happen)."""
+    asked: list[str] = []
+    real = type(ckpt).prefetch
+
+    def prefetch(self, names, *a, **kw):
+        asked.extend(names)
+        return real(self, names, *a, **kw)
+
+    monkeypatch.setattr(type(ckpt), "prefetch", prefetch)
+    return asked
+
+
+def _settle(asked: list[str], n: int, timeout: float = 10.0) -> None:
+    t0 = time.monotonic()
+    while len(asked) < n and time.monotonic() - t0 < timeout:
+        time.sleep(0.01)
+    time.sleep(0.1)  # (and no further: checked by the caller)
+
+
+def test_readahead_stays_within_its_budget_beyond_what_was_consumed(ckpt, monkeypatch):
+    asked = _recording(ckpt, monkeypatch)
+    names = sorted(ckpt.tensors, key=lambda n: -ckpt.tensors[n].nbytes)[:12]
+    size = [ckpt.tensors[n].nbytes for n in names]
+    budget = size[0] + size[1] + size[2]  # three tensors ahead (the largest first)
+
+    def within(taken: int) -> list[str]:  # a tensor is read while less than `budget` is ahead
+        done, out = 0, []
+        for n, b in zip(names, size):
+            if done - taken >= budget:
+                break
+            out.append(n)
+            done += b
+        return out
+
+    assert within(0) == names[:3] and len(within(size[0] + size[1])) > 3
+    with Readahead(ckpt, names + ["no.such.tensor"], ahead=budget) as ra:
+        _settle(asked, 3)
+        assert asked == within(0)  # begins at once, stops at the budget
+        ra.consumed(size[0] + size[1])
+        _settle(asked, len(within(size[0] + size[1])))
+        assert asked == within(size[0] + size[1])
+        ra.consumed(sum(size))
+        _settle(asked, len(names))
+        assert asked == names  # (a name the checkpoint lacks is skipped)
+
+
+def test_readahead_close_stops_a_waiting_thread_at_once(ckpt, monkeypatch):
+    asked = _recording(ckpt, monkeypatch)
+    names = list(ckpt.tensors)
+    ra = Readahead(ckpt, names, ahead=1)  # one tensor, then it waits for the consumer
+    _settle(asked, 1)
+    t0 = time.monotonic()
+    ra.close()
+    assert time.monotonic() - t0 < 2 and len(asked) == 1
+    assert not ra._thread.is_alive()
+
+
+def test_readahead_bytes_is_bounded_by_the_limit_and_the_memory():
+    got = readahead_bytes()
+    assert 64 * 2**20 <= got <= 2 * 2**30
+    assert readahead_bytes(limit=100 * 2**20) <= 100 * 2**20
