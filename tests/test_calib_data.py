@@ -11,10 +11,14 @@ import torch
 
 from quantize.calib.data import (
     DEFAULT_CALIB,
+    EVAL_EVERY,
     HELDOUT_ENGLISH,
     data_sha256,
+    eval_reserved,
+    join_documents,
     load_calibration,
     read_documents,
+    tokenize_documents,
 )
 from quantize.errors import QuantizeError
 from quantize.source.synth import write_tokenizer
@@ -55,6 +59,28 @@ def test_default_sampling_is_deterministic(tok):
     assert a.tokens.shape == (4, 32) and a.tokens.dtype == torch.int64
     assert torch.equal(a.tokens, b.tokens) and not torch.equal(a.tokens, c.tokens)
     assert not a.overlapping and a.chat_template == "checkpoint"
+
+
+def test_the_shipped_sets_eval_documents_are_never_calibrated_on(tok, tmp_path):
+    """Every EVAL_EVERY-th document of the shipped set is kept for eval: a calibration on the
+    shipped set (by default or named by its path) reads exactly the others, a copy of the file
+    under another name is an ordinary file (every document read)."""
+    docs = read_documents(DEFAULT_CALIB)
+    kept = [d for i, d in enumerate(docs) if not eval_reserved(i)]
+    reserved = len(docs) - len(kept)
+    assert reserved == len(docs) // EVAL_EVERY > 40
+    for path in (None, str(DEFAULT_CALIB)):
+        cs = load_calibration(path, tok, 4, 32, seed=0)
+        assert cs.eval_reserve == reserved and cs.documents == len(kept)
+        assert cs.summary()["eval_reserve"] == reserved
+        ids, _ = join_documents(tokenize_documents(kept, tok)[0], 0, tok.eos_token_id)
+        assert cs.stream_tokens == len(ids)  # the stream the windows are cut from
+        assert any(torch.equal(row, ids[s: s + 32]) for row in cs.tokens[:1]
+                   for s in range(len(ids) - 31))  # and its windows come from it
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(DEFAULT_CALIB.read_bytes())
+    cs = load_calibration(copy, tok, 4, 32, seed=0)
+    assert cs.eval_reserve == 0 and cs.documents == len(docs)
 
 
 def test_jsonl_messages_use_the_chat_template(tok, tmp_path):

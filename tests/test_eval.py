@@ -262,6 +262,31 @@ def test_calibrated_conversion_is_held_out(tmp_path):
     assert "another file" in other["data"]["calibration"] and other["data"]["disjoint"]
 
 
+def test_default_eval_is_held_out_from_a_calibration_on_the_shipped_set(tmp_path):
+    """eval's default text is the shipped set's eval reserve, which a calibration on the shipped
+    set never reads: held out at any recipe. A report from before the reserve (no
+    `eval_reserve`) gets the replay of its calibration windows instead."""
+    from quantize.calib.data import DEFAULT_CALIB, EVAL_EVERY
+
+    cfg = tiny_config("glm4_moe", num_hidden_layers=2)
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    out = tmp_path / "out"
+    convert(src, out, ConvertOptions(method="gptq", num_samples=2, seq_len=64), device="cpu")
+    report = json.loads((out / "calibration-report.json").read_text())
+    reserved = len(read_documents(DEFAULT_CALIB)) // EVAL_EVERY
+    assert report["calibration"]["eval_reserve"] == reserved
+    rep = evaluate(src, out, EvalOptions(num_samples=2, seq_len=32, ood="none"), device="cpu", write=False)
+    d = rep["data"]
+    assert d["disjoint"] and d["held_out_documents"] == reserved, d
+    assert "never reads" in d["calibration"] and "disjoint from the calibration" in rep["summary"]["data"]
+    del report["calibration"]["eval_reserve"]  # as a conversion before the reserve wrote it
+    (out / "calibration-report.json").write_text(json.dumps(report))
+    old = evaluate(src, out, EvalOptions(num_samples=2, seq_len=32, ood="none"), device="cpu", write=False)
+    assert old["data"]["disjoint"] and "were under calibration windows" in old["data"]["calibration"]
+    assert old["data"]["held_out_documents"] <= reserved
+
+
 def test_refusals(converted, tmp_path):
     """(4) An unfinished DST, a folder that is no conversion, a missing tokenizer."""
     src, dst = converted

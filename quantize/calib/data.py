@@ -34,7 +34,8 @@ import torch
 from quantize.errors import Problem, QuantizeError
 from quantize.write.shards import sha256_file
 
-__all__ = ["DEFAULT_CALIB", "HELDOUT_ENGLISH", "CalibrationSet", "checkpoint_calibration", "data_sha256",
+__all__ = ["DEFAULT_CALIB", "EVAL_EVERY", "HELDOUT_ENGLISH", "CalibrationSet", "checkpoint_calibration",
+           "data_sha256", "eval_reserved", "is_shipped",
            "join_documents", "load_calibration",
            "read_documents", "resolve_calib", "tokenize_documents", "window_starts"]
 
@@ -47,6 +48,23 @@ def _shipped(name: str) -> Path:
 
 
 DEFAULT_CALIB = _shipped("default.jsonl")
+# Every EVAL_EVERY-th document of the shipped set (index % EVAL_EVERY == EVAL_EVERY - 1) is kept
+# for `eval`: a calibration on the shipped set never reads it, so eval's default figures stay
+# held out at any --num-samples x --seq-len (512 x 2048 reads the rest ~4.7 times over).
+EVAL_EVERY = 6
+
+
+def eval_reserved(i: int) -> bool:
+    """Whether document i of the shipped set is kept for `eval` (never calibrated on)."""
+    return i % EVAL_EVERY == EVAL_EVERY - 1
+
+
+def is_shipped(path: Path) -> bool:
+    """Whether `path` is the shipped default set (from the checkout or the wheel)."""
+    try:
+        return path.resolve() == DEFAULT_CALIB.resolve()
+    except OSError:
+        return False
 # General English written for the project, in no calibration set: eval's out-of-domain text.
 HELDOUT_ENGLISH = _shipped("heldout_english.md")
 
@@ -60,12 +78,13 @@ class CalibrationSet:
     overlapping: bool  # fewer tokens than num_samples * seq_len: windows overlap
     chat_template: str  # "checkpoint" | "plain (the tokenizer has none)" | "unused"
     sha256: str | None = None  # of the data's bytes (`data_sha256`); None: tokens given directly
+    eval_reserve: int = 0  # documents of the shipped set kept for eval, not read (EVAL_EVERY)
 
     def summary(self) -> dict:
         return {"source": self.source, "sha256": self.sha256, "documents": self.documents,
                 "stream_tokens": self.stream_tokens, "num_samples": self.tokens.shape[0],
                 "seq_len": self.tokens.shape[1], "overlapping": self.overlapping,
-                "chat_template": self.chat_template}
+                "chat_template": self.chat_template, "eval_reserve": self.eval_reserve}
 
 
 def data_sha256(path: Path) -> str:
@@ -278,6 +297,10 @@ def load_calibration(path: str | Path | None, tokenizer, num_samples: int, seq_l
     dataset ORG/NAME[@REV][:SPLIT] too, see `resolve_calib`)."""
     name, files, sha = resolve_calib(path)
     docs = [d for f in files for d in read_documents(f)]
+    reserve = 0
+    if len(files) == 1 and is_shipped(files[0]):  # its eval documents are not read
+        kept = [d for i, d in enumerate(docs) if not eval_reserved(i)]
+        reserve, docs = len(docs) - len(kept), kept
     doc_ids, chats, templated = tokenize_documents(docs, tokenizer)
     ids, _ = join_documents(doc_ids, seed, tokenizer.eos_token_id)
     if len(ids) < seq_len:
@@ -287,7 +310,7 @@ def load_calibration(path: str | Path | None, tokenizer, num_samples: int, seq_l
     tokens = torch.stack([ids[s: s + seq_len] for s in starts])  # (num_samples, seq_len)
     template = "unused" if not chats else (
         "checkpoint" if templated == chats else "plain role: content (the tokenizer has none)")
-    return CalibrationSet(tokens, name, len(docs), len(ids), overlapping, template, sha)
+    return CalibrationSet(tokens, name, len(docs), len(ids), overlapping, template, sha, reserve)
 
 
 def checkpoint_calibration(root: Path, opts) -> CalibrationSet:

@@ -46,8 +46,11 @@ import torch.nn.functional as F
 from quantize import SCHEMA_VERSION, __version__
 from quantize.calib.data import (
     DEFAULT_CALIB,
+    EVAL_EVERY,
     HELDOUT_ENGLISH,
     data_sha256,
+    eval_reserved,
+    is_shipped,
     join_documents,
     read_documents,
     tokenize_documents,
@@ -165,11 +168,13 @@ def calibration_documents(doc_ids: list[list[int]], eos: int | None, calib: Cali
 
 def select_windows(doc_ids: list[list[int]], eos: int | None, num_samples: int, seq_len: int,
                    seed: int, calib: CalibWindows | None, source: str = "",
-                   relation: str = "") -> EvalSet:
+                   relation: str = "", allowed: set[int] | None = None) -> EvalSet:
     """Up to `num_samples` consecutive windows of `seq_len` ids from the documents no calibration
-    window touched (all documents when `calib` is None), shuffled by `seed`."""
+    window touched (all documents when `calib` is None), shuffled by `seed`. `allowed`: only
+    these documents (the shipped set's eval reserve)."""
     seen = calibration_documents(doc_ids, eos, calib) if calib is not None else set()
-    held = [i for i in range(len(doc_ids)) if i not in seen]
+    pool = sorted(allowed) if allowed is not None else range(len(doc_ids))
+    held = [i for i in pool if i not in seen]
     held_tokens = sum(len(doc_ids[i]) + (eos is not None) for i in held)
     disjoint, avoidable = True, None
     if calib is None:
@@ -178,7 +183,7 @@ def select_windows(doc_ids: list[list[int]], eos: int | None, num_samples: int, 
         note = (f"{len(seen)} of {len(doc_ids)} documents were under calibration windows "
                 f"({calib.num_samples} x {calib.seq_len}, seed {calib.seed}) and are held out")
     else:
-        held, disjoint, avoidable = list(range(len(doc_ids))), False, False
+        held, disjoint, avoidable = list(pool), False, False
         note = (f"calibration ({calib.num_samples} x {calib.seq_len}, seed {calib.seed}) touched "
                 f"{len(seen)} of {len(doc_ids)} documents, leaving fewer than --seq-len {seq_len} "
                 "tokens: the windows overlap the calibration text (pass --data with other text)")
@@ -456,10 +461,16 @@ def _windows(src_ckpt, dst: Path, opts: EvalOptions, conv: ConvertOptions, calib
     tok = _tokenizer(src_ckpt, dst)
     data = Path(opts.data) if opts.data else DEFAULT_CALIB
     doc_ids, _, _ = tokenize_documents(read_documents(data), tok)
-    recorded = ((calib_rep or {}).get("calibration") or {}).get("sha256")
-    calib, relation = _calib_windows(conv, data, recorded)
+    calib_summary = (calib_rep or {}).get("calibration") or {}
+    calib, relation = _calib_windows(conv, data, calib_summary.get("sha256"))
+    allowed = None
+    if is_shipped(data):  # the shipped set: its documents kept for eval (data.EVAL_EVERY)
+        allowed = {i for i in range(len(doc_ids)) if eval_reserved(i)}
+        if calib is not None and calib_summary.get("eval_reserve"):  # never read by the
+            calib, relation = None, (f"held out: a calibration on the shipped set never reads "
+                                     f"these documents (every {EVAL_EVERY}th)")  # calibration
     es = select_windows(doc_ids, tok.eos_token_id, opts.num_samples, seq_len, opts.seed, calib,
-                        str(data), relation)
+                        str(data), relation, allowed)
     log(f"eval data: {es.tokens.shape[0]} x {es.tokens.shape[1]} tokens from {data}; calibration: "
         f"{es.calibration}")
     if not es.disjoint:
