@@ -107,7 +107,7 @@ class Calibrator:
         `checkpoint_interval`: seconds between resume checkpoints at least (0: every layer a
         resume can start after); `dist`: this rank of several (quantize/calib/distributed.py): its
         share of the samples, the experts it owns; `max_gpu_memory`: bytes this process may
-        hold on its GPU (`layers.limit_gpu_memory`; None: all of it)."""
+        hold on its GPU (`decoder.limit_gpu_memory`; None: all of it)."""
         self.ckpt, self.plan, self.opts, self.device = ckpt, plan, opts, device
         if max_gpu_memory is not None and device.type == "cuda":
             limit_gpu_memory(device, max_gpu_memory)
