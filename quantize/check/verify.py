@@ -295,6 +295,7 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, early: Checkpo
     if report.problems:
         return _finish(report, dst, write)
 
+    t0 = time.perf_counter()
     o = manifest["options"]
     opts = ConvertOptions(**{**o, "targets": frozenset(o["targets"])})
     src_ckpt = early if early is not None else open_checkpoint(src)
@@ -304,6 +305,9 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, early: Checkpo
     dst_ckpt = Checkpoint(dst, str(dst), config, tensors, files, sizes, "compressed-tensors")
 
     _layout_problems(report, src_ckpt, plan, dst, tensors, config)
+    if log:
+        log(f"{len(tensors)} tensors, the index and config.json checked against the plan in "
+            f"{time.perf_counter() - t0:.1f} s")
     if report.problems:
         return _finish(report, dst, write)
 
