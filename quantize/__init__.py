@@ -4,6 +4,8 @@ Folders by job; the stages in the order `pipeline.convert` runs them:
 
     names.py  errors.py  options.py    every file name of a folder; the user's errors; the options
     plan.py  lint.py  disk.py          the exact output from headers alone; known-bad layouts; disk
+    overlap.py                         work beside the stream: a value built on a thread, the
+                                       page cache read ahead of the reads (Readahead)
     source/      read the source       checkpoint.py (index, headers, validation, lazy reads),
                                        hub.py, layout.py (roles, ignore list), fp8.py, staging.py
                                        (pinned copies), weights.py (a unit's tensors as float, the
