@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline import STAMP, disk_rates, drop_caches, seconds_of_day
+from bench_pipeline import STAMP, drop_caches, prepare_slice, seconds_of_day, slice_config
 
 
 def timed(cmd: list[str], log: Path) -> dict:
@@ -63,26 +63,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (figures meaningless)")
     args = ap.parse_args()
 
-    from quantize.source.synth import GLM52_CONFIG, tiny_config, write_checkpoint, write_tokenizer
-
-    if args.smoke:
-        cfg, device, src = tiny_config("glm_moe_dsa"), "cpu", args.workdir / "smoke-fp8"
-    else:
-        cfg = {**tiny_config("glm_moe_dsa"), **GLM52_CONFIG}
-        cfg.update(num_hidden_layers=args.layers, first_k_dense_replace=1, num_nextn_predict_layers=1,
-                   vocab_size=args.vocab, max_position_embeddings=4096)
-        device, src = "cuda", args.workdir / f"glm52-{args.layers}layer-mtp-fp8"
+    cfg, device, src = slice_config(args)
     res: dict = {"source": str(src), "command": " ".join(sys.argv), "runs": {}}
-    if not (src / "config.json").exists():
-        t0 = time.perf_counter()
-        write_checkpoint(src, cfg, "fp8-block", shard_bytes=4 * 10**9, device=device)
-        write_tokenizer(src, cfg["vocab_size"])
-        res["build_s"] = round(time.perf_counter() - t0, 1)
-        print(f"wrote {src} in {res['build_s']} s", flush=True)
-    res["source_bytes"] = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    res["disk"] = disk_rates(src, args.workdir, min(res["source_bytes"] // 4, 4 * 10**9))
-    print(json.dumps(res["disk"]), flush=True)
+    prepare_slice(args, cfg, device, src, res)
     dst, copy = args.workdir / "out-rtn", args.workdir / "copy"
     q = [sys.executable, "-m", "quantize"]
     cmds = {

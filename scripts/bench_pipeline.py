@@ -127,6 +127,36 @@ def run_convert(src: Path, dst: Path, n: int, seq_len: int, device: str, extra: 
     return res
 
 
+def slice_config(args) -> tuple[dict, str, Path]:
+    """(config, device, folder) of the slice `args` asks for: `--smoke` a tiny model on the CPU,
+    else GLM-5.2's shapes with `--layers` decoder layers and `--vocab` on CUDA."""
+    from quantize.source.synth import GLM52_CONFIG, tiny_config
+
+    if args.smoke:
+        return tiny_config("glm_moe_dsa"), "cpu", args.workdir / "smoke-fp8"
+    cfg = {**tiny_config("glm_moe_dsa"), **GLM52_CONFIG}
+    cfg.update(num_hidden_layers=args.layers, first_k_dense_replace=1, num_nextn_predict_layers=1,
+               vocab_size=args.vocab, max_position_embeddings=4096)
+    return cfg, "cuda", args.workdir / f"glm52-{args.layers}layer-mtp-fp8"
+
+
+def prepare_slice(args, cfg: dict, device: str, src: Path, res: dict) -> None:
+    """Write the slice unless it exists, then measure the disk (into `res`: build_s,
+    source_bytes, disk)."""
+    from quantize.source.synth import write_checkpoint, write_tokenizer
+
+    if not (src / "config.json").exists():
+        t0 = time.perf_counter()
+        write_checkpoint(src, cfg, "fp8-block", shard_bytes=4 * 10**9, device=device)
+        write_tokenizer(src, cfg["vocab_size"])
+        res["build_s"] = round(time.perf_counter() - t0, 1)
+        print(f"wrote {src} in {res['build_s']} s", flush=True)
+    res["source_bytes"] = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    res["disk"] = disk_rates(src, args.workdir, min(res["source_bytes"] // 4, 4 * 10**9))
+    print(json.dumps(res["disk"]), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench-pipeline"))
@@ -145,30 +175,14 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (figures meaningless)")
     args = ap.parse_args()
 
-    from quantize.source.synth import GLM52_CONFIG, tiny_config, write_checkpoint, write_tokenizer
-
     if args.smoke:
-        cfg, device = tiny_config("glm_moe_dsa"), "cpu"
-        args.seq_len, src = 64, args.workdir / "smoke-fp8"
-    else:
-        cfg = {**tiny_config("glm_moe_dsa"), **GLM52_CONFIG}
-        cfg.update(num_hidden_layers=args.layers, first_k_dense_replace=1, num_nextn_predict_layers=1,
-                   vocab_size=args.vocab, max_position_embeddings=4096)
-        device, src = "cuda", args.workdir / f"glm52-{args.layers}layer-mtp-fp8"
+        args.seq_len = 64
+    cfg, device, src = slice_config(args)
     res = {"source": str(src), "config": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers",
                                                               "n_routed_experts", "moe_intermediate_size",
                                                               "num_experts_per_tok", "vocab_size")},
            "command": " ".join(sys.argv), "runs": []}
-    if not (src / "config.json").exists():
-        t0 = time.perf_counter()
-        write_checkpoint(src, cfg, "fp8-block", shard_bytes=4 * 10**9, device=device)
-        write_tokenizer(src, cfg["vocab_size"])
-        res["build_s"] = round(time.perf_counter() - t0, 1)
-        print(f"wrote {src} in {res['build_s']} s", flush=True)
-    res["source_bytes"] = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    res["disk"] = disk_rates(src, args.workdir, min(res["source_bytes"] // 4, 4 * 10**9))
-    print(json.dumps(res["disk"]), flush=True)
+    prepare_slice(args, cfg, device, src, res)
     runs = [(int(x), "") for x in args.tokens.split(",") if x] + \
         [(int(r.split(":", 1)[0]), r.split(":", 1)[1] if ":" in r else "") for r in args.run]
     for k, (n, flags) in enumerate(runs):
