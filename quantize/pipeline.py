@@ -388,9 +388,10 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
     plain = torch.device("cpu") if calib is not None else dev
     # Without a calibration the stream reads every source byte once, in plan order: a thread
     # reads ahead into the page cache (a calibration reads each layer ahead itself)
-    todo = [s for s in plan.shards if not manifest.holds(s.file)]
-    ahead = Readahead(ckpt, [n for s in todo for u in s.units for n in (u.source, u.scale) if n]) \
-        if calib is None else None
+    # (a resume re-hashes each kept shard: once, here)
+    kept = {s.file for s in plan.shards if manifest.holds(s.file)}
+    ahead = Readahead(ckpt, [n for s in plan.shards if s.file not in kept for u in s.units
+                             for n in (u.source, u.scale) if n]) if calib is None else None
 
     def seen(u: Unit) -> None:
         if ahead is not None:
@@ -401,7 +402,7 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
     written, skipped = [], []
     try:
         for shard in plan.shards:
-            if manifest.holds(shard.file):
+            if shard.file in kept:
                 skipped.append(shard.file)
                 if on_unit:
                     for u in shard.units:
