@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +53,7 @@ from quantize.calib.decoder import (
     run_layer,
 )
 from quantize.options import ConvertOptions
+from quantize.overlap import background
 from quantize.plan import Unit
 from quantize.source.checkpoint import Checkpoint
 from quantize.source.layout import layer_of
@@ -123,11 +124,7 @@ def prepare_in_background(src: Checkpoint) -> Future:
     'AutoConfig'"); its model classes and the tokenizer then load on the thread."""
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
 
-    pool = ThreadPoolExecutor(1, thread_name_prefix="quantize-layercheck")
-    try:
-        return pool.submit(prepare, src)
-    finally:
-        pool.shutdown(wait=False)
+    return background(prepare, src)
 
 
 class LayerCheck:
