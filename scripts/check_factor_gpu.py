@@ -1,0 +1,127 @@
+"""GPTQ's factorization and column updates on the GPU in float32, three-pass TF32 and plain TF32:
+time per GLM-5.2 gate/up batch and error against float64.
+
+    PYTHONPATH=. python3 scripts/check_factor_gpu.py --out bench_out/factor.json   # on the H200
+    SMALL=1 PYTHONPATH=. python3 scripts/check_factor_gpu.py                        # CPU: checks the script
+
+Hessians: H = 2 XᵀX / T of bf16 inputs X (T, K) with log-normal channel scales, a few outlier
+channels (x20) and correlated columns (a random mixing), damped by percdamp x mean(diag H) as
+GPTQ does (percdamp 0.1, the CLI's default, and 0.01). For each variant of
+`quantize.rounding.gptq`'s settings (fp32: the recursive halves in float32; tf32: their matmuls
+in TF32 (FACTOR_TF32); "+prop": the block update in TF32 (PROPAGATE_TF32)):
+- the factorization of a batch of E experts (`_factor_flipped_inplace`), CUDA-event time, and
+  the worst relative Frobenius error of the upper factor against float64 (`_factor_inplace` in
+  float64) over the first 4 experts;
+- `gptq_quantize` of a gate/up batch (W (E, 2I, K)): time, the share of integer codes that
+  differ from the float32 run, and the output error tr(E H Eᵀ) / tr(W H Wᵀ) against float32's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from quantize.rounding import gptq
+from quantize.rounding.gptq import (
+    GPTQConfig,
+    _factor_flipped_inplace,
+    _factor_inplace,
+    gptq_quantize,
+)
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--experts", type=int, default=32)
+ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")) / "factor.json")
+args = ap.parse_args()
+SMALL = bool(os.environ.get("SMALL"))
+dev = torch.device("cuda" if torch.cuda.is_available() and not SMALL else "cpu")
+K, I = (384, 128) if SMALL else (6144, 2048)
+E = 3 if SMALL else args.experts
+T = 4 * K  # tokens per expert (a 512 x 2048 run routes ~32k to each; 4K keeps H well conditioned
+# enough to be realistic and the build quick)
+torch.manual_seed(0)
+
+
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps=3):
+    fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        out = fn()
+    sync()
+    return out, (time.perf_counter() - t) / reps
+
+
+def hessians(percdamp: float) -> torch.Tensor:
+    Hs = torch.empty(E, K, K, device=dev)
+    mix = torch.eye(K, device=dev) + 0.3 * torch.randn(K, K, device=dev) / K ** 0.5
+    for e in range(E):
+        scale = torch.exp(torch.randn(K, device=dev) * 0.7)
+        scale[torch.randperm(K, device=dev)[:8]] *= 20
+        X = ((torch.randn(T, K, device=dev) * scale) @ mix).to(torch.bfloat16).float()
+        H = 2 * X.mT @ X / T
+        Hs[e] = H + percdamp * H.diagonal().mean() * torch.eye(K, device=dev)
+    return Hs
+
+
+def mode(name: str):
+    """fp32: recursive halves in float32; tf32: their matmuls in TF32; "+prop": the block
+    update in TF32 too (the defaults: tf32+prop)."""
+    gptq.FACTOR_TF32 = name.startswith("tf32")
+    gptq.PROPAGATE_TF32 = name.endswith("+prop")
+
+
+res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "K": K, "experts": E,
+             "tokens_per_expert": T, "torch": torch.__version__, "factor": {}, "gptq": {}}
+for percdamp in (0.1, 0.01):
+    H = hessians(percdamp)  # processing order = identity here
+    ref = H[:4].double().clone()
+    _factor_inplace(ref)  # float64 upper factor of H⁻¹
+    for name in ("fp32", "tf32"):
+        mode(name)
+        A = H.flip(-2, -1).contiguous()
+        def factor(A=A):
+            B = A.clone()
+            _factor_flipped_inplace(B)
+            return B
+
+        U, sec = timed(factor)
+        err = ((U[:4].double() - ref).norm(dim=(-2, -1)) / ref.norm(dim=(-2, -1))).max().item()
+        res["factor"][f"{name} damp {percdamp}"] = {"seconds": round(sec, 4), "rel_err_vs_f64": err}
+        print(f"factor {name} damp {percdamp}: {sec:.4f} s, rel err {err:.2e}", flush=True)
+        del U, A
+    del ref
+    W = torch.randn(E, 2 * I, K, device=dev) * 0.02
+    base = None
+    for name in ("fp32", "fp32+prop", "tf32+prop"):
+        mode(name)
+        cfg = GPTQConfig(group_size=32, percdamp=percdamp, mse_clip=True)
+        r, sec = timed(lambda W=W, H=H, cfg=cfg: gptq_quantize(W, H, cfg), reps=1)
+        w = r.weight
+        Q = ((w.q.float() - (0 if w.zero_point is None else w.zero_point.float().repeat_interleave(32, -1)))
+             * w.scale.float().repeat_interleave(32, -1))
+        D = (W - Q).double()
+        torch.backends.cuda.matmul.allow_tf32 = False
+        obj = sum(float((D[e] @ H[e].double() * D[e]).sum() / (W[e].double() @ H[e].double() * W[e].double()).sum())
+                  for e in range(E)) / E
+        row = {"seconds": round(sec, 4), "out_err": obj}
+        if base is None:
+            base = w.q
+        else:
+            row["codes_differ"] = float((w.q != base).float().mean())
+        res["gptq"][f"{name} damp {percdamp}"] = row
+        print(f"gptq {name} damp {percdamp}: {row}", flush=True)
+    del H, W
+mode("tf32+prop")  # (the defaults back)
+args.out.parent.mkdir(parents=True, exist_ok=True)
+args.out.write_text(json.dumps(res, indent=1) + "\n")
+print(json.dumps(res, indent=1))
