@@ -70,10 +70,15 @@ class ConvertOptions:
     # beats 0.01 out of domain at both group sizes and both calibration sets.
     percdamp: float = 0.1
     # GPTQ group scales from the clipped range (1.00 ... 0.80) x [min, max] that minimizes the
-    # group's Hessian-weighted squared error, instead of the full range (gptq.py `mse_clip`).
+    # group's Hessian-weighted error (power mse_norm), instead of the full range (gptq.py `mse_clip`).
     # None: on for gptq and awq+gptq (the largest single gain measured: held-out perplexity
     # added 11-14 % -> 3-5 % in domain on SmolLM2), off (not applicable) for rtn and awq.
     mse_clip: bool | None = None
+    # The power of the error the MSE clip minimises, sum H_kk |w - q|^mse_norm: 3, not 2. On
+    # Gemma-3-270M (weights off the 4-bit grid; scripts/bench_quality.py, BENCHMARKS.md) 3 had
+    # the lowest validation KL of our GPTQ variants at groups 32 and 128 (3 seeds); 2 clips
+    # more, which suits weights that already sit on a 4-bit grid (SmolLM2's Q4_1 GGUF).
+    mse_norm: int = 3
     # the serving scheme the config declares (SCHEMES); the INT4 integers are the same
     scheme: str = "w4a16"
     mtp: str = "int4"
@@ -108,6 +113,8 @@ class ConvertOptions:
             raise ValueError("--min-expert-tokens must be >= 0")
         if not 0 < self.percdamp < 1:
             raise ValueError("--percdamp must be in (0, 1)")
+        if self.mse_norm not in (2, 3):
+            raise ValueError(f"--mse-norm must be 2 or 3, got {self.mse_norm}")
         if self.mse_clip and "gptq" not in self.method:
             raise ValueError("--mse-clip chooses GPTQ's group scales: use it with --method gptq "
                              "or awq+gptq")

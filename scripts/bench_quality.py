@@ -203,6 +203,9 @@ def summarize(files: list[Path], out: Path) -> None:
         d = json.loads(f.read_text())
         heads.append({k: d[k] for k in ("command", "device", "torch", "calibration", "eval")})
         runs += [dict(r, file=f.name) for r in d["runs"] if "scores" in r]
+    # one row per (run, group, calibration, seed): a run repeated in a later file replaces it
+    # (the runs are deterministic; a seed is never counted twice)
+    runs = list({(r["run"], r["group_size"], r["calib"], r["seed"]): r for r in runs}.values())
     table: dict = {}
     for r in runs:
         key = (r["group_size"], r["calib"] or "-", r["run"])
@@ -294,7 +297,11 @@ def main() -> None:
         texts[f"ood:{p.name}"] = windows_of(ids[half:], args.eval_windows, args.ood_len)
     src_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
                                                      trust_remote_code=False).to(dev).eval()
-    res = {"model": args.label, "source_fingerprint": fingerprint(src),
+    import subprocess
+
+    commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                            capture_output=True, text=True, check=False).stdout.strip() or None
+    res = {"model": args.label, "source_fingerprint": fingerprint(src), "commit": commit,
            "targets": "dense (gate/up/down_proj of every layer)", "device": args.device,
            "host": platform.node(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "calibration": {"num_samples": args.num_samples, "seq_len": args.seq_len,

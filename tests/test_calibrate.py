@@ -383,6 +383,9 @@ def test_mse_clip_reaches_gptq_and_verifies(tmp_path):
     assert ConvertOptions(method="gptq").mse_clip is True and ConvertOptions(method="awq+gptq").mse_clip
     assert ConvertOptions().mse_clip is False and ConvertOptions(method="awq").mse_clip is False
     assert ConvertOptions(method="gptq").percdamp == 0.1
+    assert ConvertOptions(method="gptq").mse_norm == 3  # chosen on validation text (BENCHMARKS.md)
+    with pytest.raises(ValueError, match="--mse-norm"):
+        ConvertOptions(method="gptq", mse_norm=4)
     cfg = tiny_config("glm4_moe")
     src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
     write_tokenizer(src, cfg["vocab_size"])
@@ -392,6 +395,7 @@ def test_mse_clip_reaches_gptq_and_verifies(tmp_path):
         convert(src, out, ConvertOptions(method="gptq", mse_clip=clip, **CALIB), device="cpu")
     rep = {c: json.loads((o / CALIB_REPORT).read_text()) for c, o in outs.items()}
     assert rep[True]["mse_clip"] is True and rep[False]["mse_clip"] is False
+    assert rep[True]["mse_norm"] == 3
     err_rtn = [lay.get("output_rel_error") for lay in _calibrate(src, method="rtn")["layers"]]
     for lay, e_rtn in zip(rep[True]["layers"], err_rtn, strict=True):
         if e_rtn is not None:

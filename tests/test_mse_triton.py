@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton not installed (CPU torch): the eager loop is used")
 
 SCRIPT = textwrap.dedent("""
+    import itertools
     import os
     import torch
     from dataclasses import replace
@@ -40,35 +41,34 @@ SCRIPT = textwrap.dedent("""
               (2, 6, 96, 48, True)]
     groups = moved = 0
     for B, N, K, g, shared in shapes:
-        for symmetric in (True, False):
-            for bf16 in (True, False):
-                W = torch.randn(B, N, K, generator=gen) * torch.rand(B, N, 1, generator=gen)
-                W[0, 0, :g] = 0.0  # an all-zero group: eps scale
-                W[-1, -1, -g:] = W[-1, -1, -g:].abs()  # min > 0: clamped through 0
-                if bf16:
-                    W = W.bfloat16().float()  # (B, N, K) bf16 values, as checkpoints give
-                Hd = torch.rand(1 if shared else B, K, generator=gen)  # (Bh, K) > 0
-                Hd[torch.rand(Hd.shape, generator=gen) < 0.1] = 0.0  # dead inputs
-                Hd[0, :g] = 0.0  # a group of dead inputs: every p ties, RTN is kept
-                W, Hd = W.to(dev), Hd.to(dev)
-                cfg = G.GPTQConfig(group_size=g, symmetric=symmetric, mse_clip=True)
-                ref_s, ref_z = G._group_qparams(W, Hd, replace(cfg, fused=False))
-                got_s, got_z = G.gptq_triton.mse_clip_qparams(W, Hd, G.MSE_SHRINK, g, symmetric,
-                                                              QMIN, QMAX)
-                case = (seed, B, N, K, g, shared, symmetric, bf16)
-                assert got_s.dtype == ref_s.dtype and got_s.shape == ref_s.shape, case
-                same = (got_s == ref_s).double().mean().item()
-                assert torch.equal(got_s, ref_s), (case, same)
-                if symmetric:
-                    assert got_z is None and ref_z is None, case
-                else:
-                    assert got_z.dtype == torch.int8 and torch.equal(got_z, ref_z), case
-                if dev == "cuda":  # the dispatch in _group_qparams takes the kernel there
-                    via = G._group_qparams(W, Hd, cfg)
-                    assert torch.equal(via[0], ref_s), case
-                rtn, _ = rtn_qparams(W.reshape(B * N, K), g, symmetric)
-                groups += ref_s.numel()
-                moved += (ref_s.reshape(B * N, -1) != rtn).sum().item()
+        for symmetric, bf16, norm in itertools.product((True, False), (True, False), (2, 3)):
+            W = torch.randn(B, N, K, generator=gen) * torch.rand(B, N, 1, generator=gen)
+            W[0, 0, :g] = 0.0  # an all-zero group: eps scale
+            W[-1, -1, -g:] = W[-1, -1, -g:].abs()  # min > 0: clamped through 0
+            if bf16:
+                W = W.bfloat16().float()  # (B, N, K) bf16 values, as checkpoints give
+            Hd = torch.rand(1 if shared else B, K, generator=gen)  # (Bh, K) > 0
+            Hd[torch.rand(Hd.shape, generator=gen) < 0.1] = 0.0  # dead inputs
+            Hd[0, :g] = 0.0  # a group of dead inputs: every p ties, RTN is kept
+            W, Hd = W.to(dev), Hd.to(dev)
+            cfg = G.GPTQConfig(group_size=g, symmetric=symmetric, mse_clip=True, mse_norm=norm)
+            ref_s, ref_z = G._group_qparams(W, Hd, replace(cfg, fused=False))
+            got_s, got_z = G.gptq_triton.mse_clip_qparams(W, Hd, G.MSE_SHRINK, g, symmetric,
+                                                          QMIN, QMAX, cube=norm == 3)
+            case = (seed, B, N, K, g, shared, symmetric, bf16, norm)
+            assert got_s.dtype == ref_s.dtype and got_s.shape == ref_s.shape, case
+            same = (got_s == ref_s).double().mean().item()
+            assert torch.equal(got_s, ref_s), (case, same)
+            if symmetric:
+                assert got_z is None and ref_z is None, case
+            else:
+                assert got_z.dtype == torch.int8 and torch.equal(got_z, ref_z), case
+            if dev == "cuda":  # the dispatch in _group_qparams takes the kernel there
+                via = G._group_qparams(W, Hd, cfg)
+                assert torch.equal(via[0], ref_s), case
+            rtn, _ = rtn_qparams(W.reshape(B * N, K), g, symmetric)
+            groups += ref_s.numel()
+            moved += (ref_s.reshape(B * N, -1) != rtn).sum().item()
     assert moved > groups // 4, (moved, groups)  # the search is not trivially p = 1
     print(dev, groups, moved)
 """)

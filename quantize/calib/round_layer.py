@@ -140,7 +140,8 @@ class LayerRounding:
         self.ckpt, self.opts, self.device, self.dtype, self.dist = ckpt, opts, device, dtype, dist
         self.check_stop = check_stop
         self.gptq_cfg = GPTQConfig(group_size=opts.group_size, symmetric=opts.symmetric,
-                                   percdamp=opts.percdamp, mse_clip=opts.mse_clip)
+                                   percdamp=opts.percdamp, mse_clip=opts.mse_clip,
+                                   mse_norm=opts.mse_norm)
         self.awq_cfg = AWQConfig(group_size=opts.group_size, symmetric=opts.symmetric)
         self.p = f"model.layers.{L}.mlp."
         self.W = LayerWeights(ckpt, units, device)

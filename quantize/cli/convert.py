@@ -82,10 +82,14 @@ def convert(
              "overfits narrow calibration text: BENCHMARKS.md).", rich_help_panel=CALIB)] = 0.1,
     mse_clip: Annotated[bool | None, typer.Option(
         "--mse-clip/--no-mse-clip", help="GPTQ: search each group's clipping range (1.00-0.80 of "
-        "min/max) for the least Hessian-weighted squared error instead of the full range. "
+        "min/max) for the least Hessian-weighted error (power --mse-norm) instead of the full range. "
         "Default: on for gptq and awq+gptq (largest where weights sit near a 4-bit grid, "
         "smaller off it: README; on CUDA one Triton kernel, under 1 s per GLM-5.2 MoE layer).",
         show_default=False, rich_help_panel=CALIB)] = None,
+    mse_norm: Annotated[int, typer.Option(
+        help="The MSE clip's error power, sum H_kk |w - q|^N: 3 clips less than 2 (3 measured "
+             "best on weights off a 4-bit grid, 2 on weights already on one: BENCHMARKS.md).",
+        min=2, max=3, rich_help_panel=CALIB)] = 3,
     rtn_fallback: Annotated[bool, typer.Option(
         help="A calibrated layer whose output error on the calibration tokens exceeds "
              "round-to-nearest's by 1.5x stops the run by default; with this flag that layer is "
@@ -223,7 +227,8 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
                            seq_len=a["seq_len"], seed=a["seed"],
                            expert_calibration=a["expert_calibration"],
                            min_expert_tokens=a["min_expert_tokens"], percdamp=a["percdamp"],
-                           mse_clip=a["mse_clip"], scheme=a["scheme"], mtp=a["mtp"],
+                           mse_clip=a["mse_clip"], mse_norm=a["mse_norm"], scheme=a["scheme"],
+                           mtp=a["mtp"],
                            keep_fp8=a["keep_fp8"], rtn_fallback=a["rtn_fallback"])
     gpu_bytes = _checked_numbers(a["checkpoint_interval"], a["max_gpu_memory"])
     if a["base_model"] is not None and not is_repo_id(a["base_model"]):
@@ -246,7 +251,8 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
         step, line = reporters(bar, "convert", total, quiet)
         line(f"convert {src} -> {dst}: {fmt_bytes(total)} to read, {len(plan.shards)} shard(s) "
              f"of {fmt_bytes(plan.output_bytes)}, method {opts.method}"
-             + (f" (MSE clip {'on' if opts.mse_clip else 'off'}, dampening {opts.percdamp:g})"
+             + (f" (MSE clip {f'on, norm {opts.mse_norm}' if opts.mse_clip else 'off'}, "
+                f"dampening {opts.percdamp:g})"
                 if "gptq" in opts.method else "") + f", device {a['device']}")
         res = run_convert(local, dst, opts, device=a["device"], resume=a["resume"],
                           overwrite=a["overwrite"], on_unit=step, command=command, log=line,

@@ -43,8 +43,9 @@ unless it says otherwise:
   in the reference. An expert that saw no token at all has H = 0 and would come out all-zero:
   the caller must give it a fallback (all-token statistics or RTN) before calling.
 - `mse_clip`: per group, the scale from the shrunk range p · [min, max], p in 1.00, 0.99, ...,
-  0.80, that minimises sum_k H_kk (w_k - q_k)² (the output error without cross terms; plain MSE
-  when H = I). Ties keep p = 1, the RTN scale. Each group's errors are added in one fixed
+  0.80, that minimises sum_k H_kk |w_k - q_k|^n, n = `mse_norm` 2 (the output error without
+  cross terms; plain MSE when H = I) or 3 (llm-compressor's imatrix_mse exponent: large errors
+  weigh more, so less is clipped). Ties keep p = 1, the RTN scale. Each group's errors are added in one fixed
   order (`_tree_sum`), so CPU, CUDA and the CUDA path's single Triton kernel
   (`gptq_triton.mse_clip_qparams`, 30x the eager loop on an H200) pick the same scales bit
   for bit.
@@ -97,6 +98,10 @@ class GPTQConfig:
     actorder: bool = True
     # Off by default so H = I reproduces RTN; on trades ~21 RTN passes for smaller group errors.
     mse_clip: bool = False
+    # the error the clip search minimises: sum_k H_kk |w_k - q_k|^mse_norm, 2 or 3 (a higher
+    # power weighs a group's largest errors more, so it clips less; llm-compressor's
+    # imatrix_mse observer uses 3; the CLI's default is 3: options.py)
+    mse_norm: int = 2
     # CUDA: run the MSE clip search as one Triton kernel (bit-identical scales), each block's
     # column loop as one Triton kernel (same arithmetic; the update may be fused into an FMA),
     # and factor H by a blocked inverse Cholesky in batched matmuls
@@ -109,6 +114,8 @@ class GPTQConfig:
             raise ValueError(f"group_size must be positive, got {self.group_size}")
         if self.blocksize < 1:
             raise ValueError(f"blocksize must be positive, got {self.blocksize}")
+        if self.mse_norm not in (2, 3):
+            raise ValueError(f"mse_norm must be 2 or 3, got {self.mse_norm}")
         if not self.percdamp > 0:
             raise ValueError(f"percdamp must be > 0 (a retry multiplies it), got {self.percdamp}")
 
@@ -187,7 +194,7 @@ def _group_qparams(W: torch.Tensor, Hdiag: torch.Tensor, cfg: GPTQConfig
     B, N, K = W.shape
     if cfg.mse_clip and cfg.fused and gptq_triton.available(W):  # CUDA: one kernel, same result
         return gptq_triton.mse_clip_qparams(W, Hdiag, MSE_SHRINK, cfg.group_size, cfg.symmetric,
-                                            QMIN, QMAX)
+                                            QMIN, QMAX, cube=cfg.mse_norm == 3)
     W2 = W.reshape(B * N, K)  # rows are independent for the group rule
     scale, zp = rtn_qparams(W2, cfg.group_size, cfg.symmetric)  # (B*N, G)
     if cfg.mse_clip:
@@ -202,7 +209,8 @@ def _group_qparams(W: torch.Tensor, Hdiag: torch.Tensor, cfg: GPTQConfig
             q = quantize_with_qparams(W2, s_p, z_p, g)
             Wq = _dequant(q.reshape(B * N, K // g, g), s_p.unsqueeze(-1),
                           None if z_p is None else z_p.unsqueeze(-1))
-            err = (W2.reshape(B * N, K // g, g) - Wq).square()
+            d = W2.reshape(B * N, K // g, g) - Wq
+            err = d.square() if cfg.mse_norm == 2 else d.square() * d.abs()  # the kernel's order
             err = _tree_sum(err.reshape(B, N, K // g, g) * weight).reshape(B * N, K // g)
             if best is None:
                 best, scale_b, zp_b = err, s_p, z_p

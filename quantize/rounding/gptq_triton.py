@@ -107,7 +107,7 @@ if triton is not None:
     @triton.jit
     def _mse_clip_kernel(W_ptr, H_ptr, P_ptr, S_ptr, Z_ptr, M, G, NG, g, h_stride_b,
                          NSHRINK: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
-                         EPS: tl.constexpr, SYMMETRIC: tl.constexpr,
+                         EPS: tl.constexpr, SYMMETRIC: tl.constexpr, CUBE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, LEVELS: tl.constexpr):
         RNE: tl.constexpr = 12582912.0  # 1.5 * 2**23: fp32 addition rounds to an integer
         m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # (row, group) index
@@ -145,7 +145,10 @@ if triton is not None:
             if not SYMMETRIC:
                 q = q - z[:, None]  # exact: an integer in [-15, 15], as in bf16
             d = w - _bf16_rne(q * s[:, None])  # the product is exact in fp32: one bf16 rounding
-            e = (d * d) * h
+            e = d * d
+            if CUBE:  # GPTQConfig.mse_norm 3: |d|^3, in the eager path's order
+                e = e * tl.abs(d)
+            e = e * h
             for lvl in tl.static_range(LEVELS):  # gptq._tree_sum: adjacent pairs, halving
                 e = tl.reshape(e, (BLOCK_M, BLOCK_G >> (lvl + 1), 2))
                 e0, e1 = tl.split(e)
@@ -187,7 +190,7 @@ def gptq_block(W1: torch.Tensor, s1: torch.Tensor, z1: torch.Tensor | None, Hinv
 
 
 def mse_clip_qparams(W: torch.Tensor, Hdiag: torch.Tensor, shrink: tuple[float, ...],
-                     group_size: int, symmetric: bool, qmin: int, qmax: int
+                     group_size: int, symmetric: bool, qmin: int, qmax: int, cube: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The MSE clip search of `gptq._group_qparams` in one kernel, bit-identical to it.
 
@@ -210,7 +213,7 @@ def mse_clip_qparams(W: torch.Tensor, Hdiag: torch.Tensor, shrink: tuple[float, 
     grid = (triton.cdiv(M, BLOCK_M),)
     _mse_clip_kernel[grid](W, Hd, P, S, Z, M, G, N * G, g, 0 if Hd.shape[0] == 1 else K,
                            NSHRINK=len(shrink), QMIN=float(qmin), QMAX=float(qmax), EPS=torch.finfo(SCALE_DTYPE).eps,
-                           SYMMETRIC=symmetric, BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G,
+                           SYMMETRIC=symmetric, CUBE=cube, BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G,
                            LEVELS=BLOCK_G.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
     scale = S.to(SCALE_DTYPE).reshape(B, N, G)  # exact: the kernel's values are bf16
     return scale, None if symmetric else Z.reshape(B, N, G)

@@ -20,7 +20,7 @@ def quantization_config(plan: Plan) -> dict:
 
     o = plan.options
     # the observer that chose the group scales: GPTQ's MSE clip searches each group's range for
-    # the least (Hessian-weighted) squared error, llm-compressor's "mse" observer's job; else
+    # the least (Hessian-weighted) error, the job of llm-compressor's "mse" observers; else
     # the min-max range (engines read neither: the scales are in the file)
     observer = "mse" if o.mse_clip and "gptq" in o.method else "minmax"
     args = QuantizationArgs(num_bits=o.num_bits, type="int", symmetric=o.symmetric, strategy="group",
