@@ -11,7 +11,7 @@ from quantize.source.layout import ROLES
 __all__ = ["ConvertOptions", "parse_size"]
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
-EXPERT_CALIBRATION = ("routed", "all")
+EXPERT_CALIBRATION = ("routed", "routed-weighted", "all")
 GROUP_SIZES = (32, 64, 128)  # what vLLM's Marlin / SGLang WNA16 MoE kernels accept
 # w4a16: INT4 weights, BF16 activations (Marlin / Machete / WNA16 kernels). w4afp8: the same
 # packed INT4 weights (group 128, symmetric) with dynamic per-token FP8 input activations
@@ -59,6 +59,9 @@ class ConvertOptions:
     seq_len: int = 2048
     seed: int = 0
     # routed: each expert's statistics from the tokens routed to it (the true distribution);
+    # routed-weighted: the same tokens, each weighted by its squared routing weight (the
+    # expert's output is scaled by that weight, so its rounding error reaches the layer output
+    # scaled by it: sum_t w_t^2 x_t x_tᵀ is that error's Hessian);
     # all: every expert sees every token (llm-compressor's approach), gate/up Hessian shared.
     expert_calibration: str = "routed"
     # Below this many routed tokens an expert's statistics come from all tokens instead

@@ -135,6 +135,74 @@ def test_routed_hessians_are_the_routed_tokens(ckpt_dir):
     assert hit >= E // 2  # most experts were routed tokens: the comparison is not vacuous
 
 
+def test_router_weighted_hessians_weigh_each_token_by_its_squared_routing_weight(ckpt_dir):
+    """--expert-calibration routed-weighted: each expert's gate/up and down Hessians are
+    2 sum_t w_t^2 x_t x_tᵀ / n over its routed tokens, w_t the router's weight for that
+    (token, expert) pair (float64 reference from the router's own output), kept inputs and
+    running sums alike."""
+    ck, layer = _moe_layer(ckpt_dir)
+    H, E = ck.config["hidden_size"], ck.config["n_routed_experts"]
+    chunks = _chunks(H, seed=2)
+    kept, sums = (MLPStats("moe", hessians=True, samples=False, all_experts=False, num_experts=E,
+                           store_tokens=st, router_weighted=True) for st in (True, False))
+    xs, inters, ws = ([[] for _ in range(E)] for _ in range(3))
+    experts = layer.mlp.experts
+    with torch.no_grad():
+        for x in chunks:
+            moe_forward(layer.mlp, x, kept)
+            moe_forward(layer.mlp, x, sums)
+            xf = x.reshape(-1, H)
+            _, topw, topk = layer.mlp.gate(x)  # (T, k) weights and experts of each token
+            for e in range(E):
+                hit = topk == e
+                rows = xf[hit.any(-1)]
+                gate, up = (rows.double() @ experts.gate_up_proj[e].double().T).chunk(2, dim=-1)
+                xs[e].append(rows.double())
+                inters[e].append(experts.act_fn(gate) * up)
+                ws[e].append((topw * hit).sum(-1)[hit.any(-1)].double())
+    varied = False
+    for e in range(E):
+        X, Xd, w = torch.cat(xs[e]), torch.cat(inters[e]), torch.cat(ws[e])
+        if X.shape[0] == 0:
+            continue
+        varied |= bool(w.max() - w.min() > 1e-3)
+        ref = 2 * (X * w[:, None]).T @ (X * w[:, None]) / X.shape[0]
+        ref_d = 2 * (Xd * w[:, None]).T @ (Xd * w[:, None]) / X.shape[0]
+        tol = 1e-5 * ref.abs().max().item()
+        assert torch.allclose(kept.expert_H_in(e).double(), ref, rtol=1e-5, atol=tol), e
+        assert torch.allclose(sums.expert_H_in(e).double(), ref, rtol=1e-5, atol=tol), e
+        Hd = kept.expert_H_down(e).double()
+        assert torch.allclose(Hd, ref_d, rtol=1e-4, atol=1e-4 * ref_d.abs().max().item()), e
+    assert varied  # the routing weights differ between tokens: the weighting is not vacuous
+
+
+def test_router_weighting_is_plain_gptq_when_every_weight_is_equal():
+    """Where the routing weights are all equal (the extra term vanishes) the weighted Hessian
+    is a multiple of the plain one, and GPTQ (dampening relative to the mean diagonal, the MSE
+    clip's argmin) gives the very same integers and scales: with w = 0.5 (exact in binary),
+    bit for bit."""
+    from quantize.rounding.gptq import GPTQConfig, gptq_quantize
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    K, N, T = 64, 24, 200
+    x = torch.randn(T, K, generator=gen) * torch.rand(K, generator=gen)
+    plain = MLPStats("moe", hessians=True, samples=False, all_experts=False, num_experts=1,
+                     store_tokens=False)
+    weighted = MLPStats("moe", hessians=True, samples=False, all_experts=False, num_experts=1,
+                        store_tokens=False, router_weighted=True)
+    inter = torch.randn(T, 16, generator=gen)
+    rows = torch.arange(T)
+    for st in (plain, weighted):  # as moe_forward calls them: routed pairs, then the chunk
+        st.routed(0, x, inter, rows, torch.full((T,), 0.5))
+        st.mlp_input(x)
+    Hp, Hw = plain.expert_H_in(0), weighted.expert_H_in(0)
+    assert torch.equal(Hw, Hp * 0.25)
+    W = torch.randn(N, K, generator=gen)
+    for cfg in (GPTQConfig(), GPTQConfig(mse_clip=True, percdamp=0.1, mse_norm=3)):
+        a, b = gptq_quantize(W, Hp, cfg).weight, gptq_quantize(W, Hw, cfg).weight
+        assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale)
+
+
 def test_all_expert_down_hessians(ckpt_dir):
     """--expert-calibration all: every expert's down_proj Hessian is 2 XᵀX / n of its
     intermediate activations on every token (summed batch by batch), float64 reference."""
@@ -216,6 +284,34 @@ def test_expert_counts_and_zero_token_fallback(tmp_path):
     all_rep = _calibrate(tmp_path, method="gptq", expert_calibration="all")
     layer1 = next(lay for lay in all_rep["layers"] if lay["layer"] == 1)
     assert layer1["expert_tokens"][7] == 0 and layer1["fallback"] == []
+
+
+def test_router_weighted_calibration_end_to_end(ckpt_dir, tmp_path):
+    """--expert-calibration routed-weighted reaches the routed experts' solves (their integers
+    differ from plain routed statistics'), is recorded in the report and the card, and its
+    output verifies."""
+    outs = {}
+    for how in ("routed", "routed-weighted"):
+        outs[how] = out = tmp_path / how
+        convert(ckpt_dir, out, ConvertOptions(method="gptq", expert_calibration=how, **CALIB),
+                device="cpu")
+    rep = json.loads((outs["routed-weighted"] / CALIB_REPORT).read_text())
+    assert rep["expert_calibration"] == "routed-weighted"
+    assert "routed-weighted" in (outs["routed-weighted"] / "README.md").read_text()
+    checked = verify(ckpt_dir, outs["routed-weighted"], write=False)
+    assert checked.ok, checked.problems
+
+    def packed(out):
+        t = {}
+        for f in sorted(out.glob("*.safetensors")):
+            t.update(load_file(f))
+        return t
+
+    a, b = packed(outs["routed"]), packed(outs["routed-weighted"])
+    assert a.keys() == b.keys()
+    moved = [k for k in a if ".experts." in k and k.endswith("weight_packed") and not torch.equal(a[k], b[k])]
+    assert moved, "the routing weights changed no routed expert"
+    assert all(torch.equal(a[k], b[k]) for k in a if ".experts." not in k and "weight_packed" in k)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq+gptq"])

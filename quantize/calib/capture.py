@@ -9,6 +9,11 @@ MoE statistics (`expert_calibration`):
     routed  expert e's gate/up Hessian from the tokens routed to e, its down Hessian from its
             intermediate activations on those tokens (an expert below `min_expert_tokens`
             falls back to all-token statistics: the caller decides, the report says so)
+    routed-weighted
+            the same, each token's row scaled by its routing weight w_t (the expert's output
+            enters the layer's as w_t y_t, so sum_t w_t^2 x_t x_tᵀ weighs its rounding error as
+            the layer output sees it); still divided by the token count (GPTQ and the MSE clip
+            do not depend on a Hessian's scale)
     all     every expert's statistics from every token: the gate/up Hessian is the layer's
             single all-token Hessian, the down Hessians from every token through every expert;
             only routed outputs flow on
@@ -52,6 +57,7 @@ class MLPStats:
     hessians: bool  # GPTQ needs them
     samples: bool  # AWQ needs activation samples
     all_experts: bool  # expert_calibration == "all"
+    router_weighted: bool = False  # expert_calibration == "routed-weighted"
     num_experts: int = 0
     store_tokens: bool = True  # routed gate/up Hessians from the inputs (else running sums)
     x_of: Callable[[int], torch.Tensor] | None = None  # call c's MLP inputs, recomputed (not kept)
@@ -61,7 +67,8 @@ class MLPStats:
     n_down: int = 0
     expert_tokens: list[int] = field(default_factory=list)  # routed tokens per expert
     x_store: list[torch.Tensor] = field(default_factory=list)  # MLP inputs (T_c, H) per chunk
-    rows_e: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)  # (chunk, rows)
+    # (chunk, rows, routing weights or None) per expert
+    rows_e: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | None]]] = field(default_factory=dict)
     S_in_e: dict[int, torch.Tensor] = field(default_factory=dict)  # XᵀX sums (no store_tokens)
     S_down_e: dict[int, torch.Tensor] = field(default_factory=dict)  # down inputs' XᵀX sums
     S_down_all: torch.Tensor | None = None  # (E, I, I) the same, all-expert mode
@@ -126,16 +133,19 @@ class MLPStats:
         if self.samples:
             self._keep(self.inter_sample, inter, SAMPLE_TOKENS)
 
-    def routed(self, e: int, x: torch.Tensor, inter: torch.Tensor, rows: torch.Tensor) -> None:
+    def routed(self, e: int, x: torch.Tensor, inter: torch.Tensor, rows: torch.Tensor,
+               weights: torch.Tensor | None = None) -> None:
         """Expert e's routed tokens of the current chunk: inputs x (n, H) = the chunk's rows
-        `rows`, and its down_proj inputs inter (n, I)."""
+        `rows`, its down_proj inputs inter (n, I), and their routing weights (n,) (used with
+        `router_weighted`)."""
         self.expert_tokens[e] += x.shape[0]
         if self.routed_hessians:
+            w = weights if self.router_weighted else None
             if self.store_tokens:
-                self.rows_e.setdefault(e, []).append((len(self.x_store), rows))
+                self.rows_e.setdefault(e, []).append((len(self.x_store), rows, w))
             else:
-                self.S_in_e[e] = xtx(x, self.S_in_e.get(e))
-            self.expert_down(e, inter)
+                self.S_in_e[e] = xtx(_weighted(x, w), self.S_in_e.get(e))
+            self.expert_down(e, _weighted(inter, w))
         if self.samples:
             self._keep(self.inter_e.setdefault(e, []), inter, SAMPLE_EXPERT_TOKENS)
 
@@ -176,17 +186,17 @@ class MLPStats:
                     torch.mul(S, 2.0 / self.expert_tokens[e], out=out[j])
                     have[j] = True
             return have
-        by_call: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        by_call: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | None]]] = {}
         for e in es:
-            for c, r in self.rows_e.pop(e, None) or []:
+            for c, r, w in self.rows_e.pop(e, None) or []:
                 if e in want:
-                    by_call.setdefault(c, []).append((want[e], r))
+                    by_call.setdefault(c, []).append((want[e], r, w))
         for j in range(len(es)):
             out[j].zero_()
         for c in sorted(by_call):
             x = self.x_store[c] if self.x_store[c] is not None else self.x_of(c)
-            for j, r in by_call[c]:
-                xtx(x.index_select(0, r), acc=out[j])
+            for j, r, w in by_call[c]:
+                xtx(_weighted(x.index_select(0, r), w), acc=out[j])
                 have[j] = True
             del x
         for e, j in want.items():
@@ -204,6 +214,12 @@ class MLPStats:
     @staticmethod
     def _zeros(H: torch.Tensor | None, K: int, like: torch.Tensor) -> torch.Tensor:
         return H if H is not None else torch.zeros(K, K, device=like.device)
+
+
+def _weighted(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """Rows of x (n, K) scaled by w (n,) in x's dtype (None: x itself), so that XᵀX sums
+    w_t^2 x_t x_tᵀ."""
+    return x if w is None else x * w.to(x.dtype)[:, None]
 
 
 def expert_inter(experts: torch.nn.Module, es: range, x: torch.Tensor) -> torch.Tensor:
@@ -246,7 +262,7 @@ def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = 
             y = F.linear(inter, experts.down_proj[e]) * topk_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         if stats is not None:
-            stats.routed(e, current, inter, token_idx)
+            stats.routed(e, current, inter, token_idx, topk_weights[token_idx, top_k_pos])
     sh = moe.shared_experts
     inter_s = sh.act_fn(sh.gate_proj(x)) * sh.up_proj(x)
     if stats is not None:

@@ -213,6 +213,7 @@ class LayerRunner:
             sum(self.carry.hidden.get(i).numel() for i in range(len(self.carry.hidden))) * self.dtype.itemsize
         stats = MLPStats(kind, hessians="gptq" in method, samples="awq" in method,
                          all_experts=o.expert_calibration == "all", num_experts=E,
+                         router_weighted=o.expert_calibration == "routed-weighted",
                          store_tokens=not self.carry.spilled and not HiddenStates.should_spill(2 * kept, self.device))
         clock = _Clock(self.device)
         ref0, h0, halves = self._pass1(L, layer, kind, stats)

@@ -72,8 +72,10 @@ def convert(
     seed: Annotated[int, typer.Option(
         help="Seed for sampling the calibration windows.", rich_help_panel=CALIB)] = 0,
     expert_calibration: Annotated[ExpertCalibration, typer.Option(
-        help="routed: each expert's statistics from its routed tokens; all: every expert sees "
-             "every token (llm-compressor's way).", rich_help_panel=CALIB)] = ExpertCalibration.routed,
+        help="routed: each expert's statistics from its routed tokens; routed-weighted: those "
+             "tokens weighted by their squared routing weight (as the layer output weighs the "
+             "expert's error; not measured on real weights: BENCHMARKS.md); all: every expert "
+             "sees every token (llm-compressor's way).", rich_help_panel=CALIB)] = ExpertCalibration.routed,
     min_expert_tokens: Annotated[int, typer.Option(
         help="Experts routed fewer tokens use all-token statistics (reported).",
         rich_help_panel=CALIB)] = 16,

@@ -14,7 +14,7 @@ from quantize.options import EXPERT_CALIBRATION, METHODS, MTP_POLICIES, SCHEMES
 
 def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
     """A str Enum of the values options.py validates (one list: --help shows exactly those)."""
-    return Enum(name, {v.replace("+", "_"): v for v in values}, type=str)
+    return Enum(name, {v.replace("+", "_").replace("-", "_"): v for v in values}, type=str)
 
 
 Method = _choices("Method", METHODS)

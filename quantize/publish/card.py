@@ -51,7 +51,7 @@ class CalibrationFacts:
     num_samples: int
     seq_len: int
     overlapping: bool  # the text held fewer than num_samples x seq_len tokens
-    expert_calibration: str  # "routed" | "all"
+    expert_calibration: str  # "routed" | "routed-weighted" | "all"
     min_expert_tokens: int
     moe_layers: int  # calibrated MoE layers (the MTP layer included)
     expert_tokens: tuple[int, ...]  # routed tokens of every expert in every MoE layer
@@ -198,8 +198,10 @@ def _calibration(f: CardFacts) -> list[str]:
          f"{' (overlapping windows: the text holds fewer)' if c.overlapping else ''} |"),
     ]
     if c.moe_layers:
-        how = ("routed: each expert's statistics from the tokens the router sends it"
-               if c.expert_calibration == "routed" else "all: every expert's statistics from every token")
+        how = {"routed": "routed: each expert's statistics from the tokens the router sends it",
+               "routed-weighted": "routed-weighted: each expert's statistics from the tokens the "
+                                  "router sends it, each weighted by its squared routing weight",
+               }.get(c.expert_calibration, "all: every expert's statistics from every token")
         et = sorted(c.expert_tokens)
         lines += [
             f"| expert calibration | {how} |",
