@@ -350,7 +350,8 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # H200; scripts/check_factor_gpu.py): the factorization 0.32 -> 0.16 s, the whole solve
 # 0.59 -> 0.36 s; the factor's error against float64 1e-5 -> 2-3e-3 (relative Frobenius),
 # the output error tr(E H Eᵀ) the same to 3e-6 of itself, 0.5-4 % of the codes moved by one
-# step (ties at a rounding boundary). tests/test_gptq.py bounds both with TF32 emulated.
+# step (ties at a rounding boundary). tests/test_gptq.py bounds the factor with TF32 emulated
+# on the CPU; tests/test_gptq_triton.py the output error where a GPU runs it.
 FACTOR_TF32 = True
 PROPAGATE_TF32 = True
 
