@@ -121,6 +121,8 @@ def run_convert(src: Path, dst: Path, n: int, seq_len: int, device: str, extra: 
                 lay["phases_s"] = entry["timing_s"]
             if entry.get("peak_gpu_gib_by_phase"):
                 lay["peak_gpu_gib_by_phase"] = entry["peak_gpu_gib_by_phase"]
+            if entry.get("rounding_sections_s"):
+                lay["rounding_sections_s"] = entry["rounding_sections_s"]
         res["peak_gpu_gib"] = max([v for v in peaks.values() if v is not None], default=None)
     if res["exit"] != 0:
         res["stderr_tail"] = text[-3000:]

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from quantize.calib.capture import MLPStats, moe_forward
 from quantize.calib.decoder import HiddenStates, build_skeleton, load_layer
 from quantize.calib.loop import Calibrator
+from quantize.calib.report import TIMING_KEYS
 from quantize.calib.round_layer import awq_expected
 from quantize.check.verify import verify
 from quantize.errors import QuantizeError
@@ -401,7 +402,7 @@ def test_spilled_hidden_states_give_the_same_result(ckpt_dir, monkeypatch):
     kept = _calibrate(ckpt_dir, method="gptq")
     monkeypatch.setattr(HiddenStates, "should_spill", staticmethod(lambda nbytes, device: True))
     spilled = _calibrate(ckpt_dir, method="gptq")
-    strip = ("seconds", "timing_s")
+    strip = TIMING_KEYS  # wall times differ between runs
     assert [{k: v for k, v in lay.items() if k not in strip} for lay in kept["layers"]] == \
         [{k: v for k, v in lay.items() if k not in strip} for lay in spilled["layers"]]
 
@@ -618,7 +619,16 @@ def test_two_identical_calibrated_runs_write_identical_checksummed_files(ckpt_di
     timings = json.loads((a / "calibration" / "timings.json").read_text())["layers"]
     assert timings and all(lay["seconds"] > 0 for lay in timings)
     rep = json.loads((a / "calibration-report.json").read_text())
-    assert not any("seconds" in lay or "timing_s" in lay for lay in rep["layers"])
+    assert not any("seconds" in lay or "timing_s" in lay or "rounding_sections_s" in lay
+                   for lay in rep["layers"])
+    # the rounding phase split by section (host wall time here; on CUDA GPU time too), within it
+    moe = [lay for lay in timings if "rounding_sections_s" in lay]
+    assert moe, timings
+    for lay in moe:
+        sec = lay["rounding_sections_s"]
+        assert {"routed_hessians", "read_weights", "gptq_gate_up", "gptq_down", "publish"} <= set(sec["host"])
+        assert sec["gpu"] == {}  # (a CPU run)
+        assert sum(sec["host"].values()) <= lay["timing_s"]["rounding"] + 0.01
 
 
 def _random_layer(cfg: dict, L: int):
@@ -687,7 +697,7 @@ def test_whole_layer_fallback_gives_the_split_result(ckpt_dir, monkeypatch):
 
     monkeypatch.setattr(SplitLayer, "check", refuse)
     whole = _calibrate(ckpt_dir, method="gptq")
-    strip = ("seconds", "timing_s", "attention_once")
+    strip = (*TIMING_KEYS, "attention_once")
     assert all(lay.get("attention_once") is True for lay in split["layers"] if lay.get("quantized"))
     assert all(lay.get("attention_once") is False for lay in whole["layers"] if lay.get("quantized"))
     assert [{k: v for k, v in lay.items() if k not in strip} for lay in split["layers"]] == \

@@ -39,7 +39,7 @@ from quantize.calib.decoder import (
 from quantize.calib.distributed import Dist
 from quantize.calib.folds import NormFold, find_norm_fold
 from quantize.calib.handoff import LayerResult
-from quantize.calib.round_layer import LayerRounding, LayerWeights, Target
+from quantize.calib.round_layer import LayerRounding, LayerWeights, Sections, Target
 from quantize.errors import Problem, QuantizeError
 from quantize.options import ConvertOptions
 from quantize.plan import Unit
@@ -227,7 +227,9 @@ class LayerRunner:
         clock.lap("rtn_reference")
 
         rounding = LayerRounding(L, mlp, kind, targets, stats, self.ckpt, self.units, o,
-                                 self.device, self.dtype, self.dist, self.check_stop, fold)
+                                 self.device, self.dtype, self.dist, self.check_stop, fold,
+                                 # (this module's clock, read when called: as _Clock's)
+                                 Sections(self.device, lambda: time.perf_counter()))
         nq = 0
 
         def done(n: str, w: Int4Weight) -> None:

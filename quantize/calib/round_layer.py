@@ -34,6 +34,8 @@ expert goes to every rank in expert order; one process is the same loop with one
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,6 +61,42 @@ __all__ = ["AWQ_SEARCH_EXPERTS", "GPTQ_BATCH", "LayerRounding", "LayerWeights", 
 # and a larger batch only adds memory (~0.5 GB per expert).
 GPTQ_BATCH = 32
 AWQ_SEARCH_EXPERTS = 32  # routed experts the shared gate/up input scale is searched on
+
+
+
+class Sections:
+    """Where the rounding phase goes, by section, without a synchronization inside it: on CUDA
+    a pair of events around each section (the GPU time between them, read at the end), and
+    everywhere the host's wall time in it (which on CUDA is the time to queue the work, unless
+    the host waits: for weights, or a result). Each section is also a profiler range
+    (`calib.<name>`). `seconds()`: {"gpu": {name: s}, "host": {name: s}} ("gpu" empty on CPU)."""
+
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.cuda, self.clock = device.type == "cuda", clock
+        self.spans: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.host: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t = self.clock()
+        with record_function(f"calib.{name}"):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+            yield
+            if self.cuda:
+                b.record()
+                self.spans.append((name, a, b))
+        self.host[name] = self.host.get(name, 0.0) + self.clock() - t
+
+    def seconds(self) -> dict:
+        gpu: dict[str, float] = {}
+        if self.spans:
+            self.spans[-1][2].synchronize()
+            for name, a, b in self.spans:
+                gpu[name] = gpu.get(name, 0.0) + a.elapsed_time(b) / 1000
+        return {"gpu": {k: round(v, 3) for k, v in gpu.items()},
+                "host": {k: round(v, 3) for k, v in self.host.items()}}
 
 
 @dataclass
@@ -132,7 +170,7 @@ class LayerRounding:
                  stats: MLPStats, ckpt: Checkpoint, units: dict[str, Unit], opts: ConvertOptions,
                  device: torch.device, dtype: torch.dtype, dist: Dist | None = None,
                  check_stop: Callable[[], None] = lambda: None,
-                 norm_fold: NormFold | None = None) -> None:
+                 norm_fold: NormFold | None = None, sections: Sections | None = None) -> None:
         """`norm_fold`: where the MLP input's AWQ scale goes (folds.find_norm_fold on this
         layer); needed when AWQ rounds gate/up targets."""
         self.norm_fold = norm_fold
@@ -160,6 +198,8 @@ class LayerRounding:
         self.awq_scales: dict[str, torch.Tensor] = {}
         self._damps: list[torch.Tensor] = []
         self._retries = 0
+        # the rounding phase's split (the timings report; layer.LayerRunner's clock)
+        self.sections = sections or Sections(device)
 
     # -- the layer ------------------------------------------------------------------------------
 
@@ -182,6 +222,7 @@ class LayerRounding:
                     done(n, quantize_rtn(R[n], self.opts.group_size, self.opts.symmetric))
         else:
             report.update(self._gptq(quant, done))
+            report["rounding_sections_s"] = self.sections.seconds()
         for n, t in self.targets.items():  # BF16 Linears AWQ rescaled, as they will be written
             if not t.quantize and self.W.scaled(n):
                 self.mods[n] = self.W[n]
@@ -286,14 +327,15 @@ class LayerRounding:
             self._gptq_routed(routed, nb, H_in, done)
         rest = [n for n in quant if ".experts." not in n]  # shared experts / dense MLP
         gu = [n for n in rest if n.endswith(("gate_proj.weight", "up_proj.weight"))]
-        if gu:
-            w = self._solve(torch.cat([W[n] for n in gu]), H_in)  # (len(gu) * I, H)
-            rows = w.q.shape[0] // len(gu)
-            for i, n in enumerate(gu):
-                done(n, _split(w, slice(i * rows, (i + 1) * rows)))
-        for n in rest:
-            if n.endswith("down_proj.weight"):
-                done(n, self._solve(W[n], _H_scaled(stats.H_down, W.col.get(n))))
+        with self.sections("gptq_shared_or_dense"):
+            if gu:
+                w = self._solve(torch.cat([W[n] for n in gu]), H_in)  # (len(gu) * I, H)
+                rows = w.q.shape[0] // len(gu)
+                for i, n in enumerate(gu):
+                    done(n, _split(w, slice(i * rows, (i + 1) * rows)))
+            for n in rest:
+                if n.endswith("down_proj.weight"):
+                    done(n, self._solve(W[n], _H_scaled(stats.H_down, W.col.get(n))))
         report["gptq"] = {"damp_max": float(torch.stack(self._damps).max()) if self._damps else None,
                           "retries": self._retries}
         return report
@@ -304,7 +346,7 @@ class LayerRounding:
         process: one owner). Per step: each owner's gate/up and down Hessians (summed onto it
         from every rank's tokens), its solves, its results to `done` (every rank: in expert
         order, broadcast from the owner); the next batches' weights read meanwhile."""
-        stats, W, d, fb, dev = self.stats, self.W, self.dist, self.fb, self.device
+        stats, W, d, fb, dev, sec = self.stats, self.W, self.dist, self.fb, self.device, self.sections
         world, rank = (1, 0) if d is None else (d.world, d.rank)
         own = [[e for e in routed if owned(e, self.E, world) == o] for o in range(world)]
         mine = own[rank]
@@ -322,7 +364,7 @@ class LayerRounding:
                 emit = done if d is None else got.__setitem__
                 es = mine[j * nb:(j + 1) * nb]
                 if es:
-                    with record_function("calib.read_weights"):
+                    with sec("read_weights"):
                         Ws = torch.stack([torch.cat([R[name(e, "gate_proj")], R[name(e, "up_proj")]])
                                           for e in es])  # (e, 2I, H)
                     if stats.all_experts:  # one Hessian for every expert: one solve of e*2I rows
@@ -335,10 +377,10 @@ class LayerRounding:
                                 H_gu[i] = H_in
                             elif self.s_in is not None:
                                 H_gu[i] = _H_scaled(H_gu[i], self.s_in)
-                        with record_function("calib.gptq_gate_up"):
+                        with sec("gptq_gate_up"):
                             w = self._solve(Ws, H_gu)
                     del Ws, H_gu
-                    with record_function("calib.publish"):
+                    with sec("publish"):
                         for i, e in enumerate(es):
                             emit(name(e, "gate_proj"), _split(w, i, slice(0, I)))
                             emit(name(e, "up_proj"), _split(w, i, slice(I, None)))
@@ -348,10 +390,10 @@ class LayerRounding:
                             H_dn[i], _ = accumulate_hessian(torch.zeros(I, I, device=dev),
                                                             self.expert_inter_sample(e), 0)
                         H_dn[i] = _H_scaled(H_dn[i], W.col.get(n))
-                    with record_function("calib.gptq_down"):
+                    with sec("gptq_down"):
                         w = self._solve(torch.stack([R[name(e, "down_proj")] for e in es]), H_dn)
                     del H_dn
-                    with record_function("calib.publish"):
+                    with sec("publish"):
                         for i, e in enumerate(es):
                             emit(name(e, "down_proj"), _split(w, i))
                 if d is not None:  # every solved expert to every rank, in expert order
@@ -371,7 +413,7 @@ class LayerRounding:
                 continue
             if not stats.all_experts:  # (all-expert gate/up share H_in)
                 Hb = torch.empty(len(es), K, K, device=dev)  # (e, H, H)
-                with record_function("calib.routed_hessians"):
+                with self.sections("routed_hessians"):
                     stats.experts_H_in(es, Hb, skip=fb)  # this rank's share, or 0
                 if d is not None:
                     d.reduce_to(Hb, o)
