@@ -41,6 +41,17 @@ def _run(cmd: list[str], log: Path) -> dict:
             "stderr_tail": p.stderr[-2000:] if p.returncode else None}
 
 
+def _sections(dst: Path, device: str) -> dict:
+    """The rounding phase's split in calibration/timings.json: every MoE layer has one, with
+    GPU seconds where the run used CUDA (events), host seconds everywhere."""
+    layers = json.loads((dst / "calibration" / "timings.json").read_text())["layers"]
+    split = {lay["layer"]: lay["rounding_sections_s"] for lay in layers if "rounding_sections_s" in lay}
+    ok = bool(split) and all(v["host"] and (bool(v["gpu"]) == device.startswith("cuda"))
+                             for v in split.values())
+    return {"command": "calibration/timings.json rounding_sections_s", "rc": 0 if ok else 1,
+            "seconds": 0.0, "json": split, "stderr_tail": None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
@@ -75,6 +86,8 @@ def main() -> None:
             runs[method][name] = _run(cmd, work / f"{tag}-{name}.log")
             if runs[method][name]["rc"] and name == "convert":
                 break
+            if name == "convert":
+                runs[method]["timings"] = _sections(dst, a.device)
     ok = all(s["rc"] == 0 for r in runs.values() for s in r.values())
     gpu = None
     if a.device.startswith("cuda"):
