@@ -46,8 +46,8 @@ def _sections(dst: Path, device: str) -> dict:
     GPU seconds where the run used CUDA (events), host seconds everywhere."""
     layers = json.loads((dst / "calibration" / "timings.json").read_text())["layers"]
     split = {lay["layer"]: lay["rounding_sections_s"] for lay in layers if "rounding_sections_s" in lay}
-    ok = bool(split) and all(v["host"] and (bool(v["gpu"]) == device.startswith("cuda"))
-                             for v in split.values())
+    ok = bool(split) and all(v["host"] and "gpu_error" not in v
+                             and (bool(v["gpu"]) == device.startswith("cuda")) for v in split.values())
     return {"command": "calibration/timings.json rounding_sections_s", "rc": 0 if ok else 1,
             "seconds": 0.0, "json": split, "stderr_tail": None}
 

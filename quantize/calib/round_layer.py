@@ -91,12 +91,16 @@ class Sections:
 
     def seconds(self) -> dict:
         gpu: dict[str, float] = {}
-        if self.spans:
-            self.spans[-1][2].synchronize()
-            for name, a, b in self.spans:
-                gpu[name] = gpu.get(name, 0.0) + a.elapsed_time(b) / 1000
+        out: dict = {}
+        try:
+            if self.spans:
+                self.spans[-1][2].synchronize()
+                for name, a, b in self.spans:
+                    gpu[name] = gpu.get(name, 0.0) + a.elapsed_time(b) / 1000
+        except RuntimeError as e:  # a timing report is not worth a conversion: said, not raised
+            gpu, out["gpu_error"] = {}, f"{type(e).__name__}: {e}"[:300]
         return {"gpu": {k: round(v, 3) for k, v in gpu.items()},
-                "host": {k: round(v, 3) for k, v in self.host.items()}}
+                "host": {k: round(v, 3) for k, v in self.host.items()}, **out}
 
 
 @dataclass
