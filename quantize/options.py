@@ -70,12 +70,14 @@ class ConvertOptions:
     # GPTQ dampening, relative to the mean Hessian diagonal (IST-DASLab `percdamp`). 0.1, not
     # the papers' 0.01: on SmolLM2 (scripts/bench_quality.py, BENCHMARKS.md) 0.01 overfits the
     # calibration text (held-out perplexity worse than RTN's out of domain); 0.1 with mse_clip
-    # beats 0.01 out of domain at both group sizes and both calibration sets.
+    # beats 0.01 out of domain at both group sizes and both calibration sets; on Gemma-3-270M
+    # (off the 4-bit grid) 0.1 had the lower validation KL at group 128 (BENCHMARKS.md).
     percdamp: float = 0.1
     # GPTQ group scales from the clipped range (1.00 ... 0.80) x [min, max] that minimizes the
     # group's Hessian-weighted error (power mse_norm), instead of the full range (gptq.py `mse_clip`).
-    # None: on for gptq and awq+gptq (the largest single gain measured: held-out perplexity
-    # added 11-14 % -> 3-5 % in domain on SmolLM2), off (not applicable) for rtn and awq.
+    # None: on for gptq and awq+gptq (held-out perplexity added 11-14 % -> 3-5 % in domain on
+    # SmolLM2, whose weights sit on a 4-bit grid; on Gemma-3-270M, off it, with mse_norm 3 a
+    # lower validation KL than no clip at groups 32 and 128), off (not applicable) for rtn, awq.
     mse_clip: bool | None = None
     # The power of the error the MSE clip minimises, sum H_kk |w - q|^mse_norm: 3, not 2. On
     # Gemma-3-270M (weights off the 4-bit grid; scripts/bench_quality.py, BENCHMARKS.md) 3 had
