@@ -82,7 +82,7 @@ class ConvertOptions:
     # The power of the error the MSE clip minimises, sum H_kk |w - q|^mse_norm: 3, not 2. On
     # Gemma-3-270M (weights off the 4-bit grid; scripts/bench_quality.py, BENCHMARKS.md) 3 had
     # the lowest validation KL of our GPTQ variants at groups 32 and 128 (3 seeds); 2 clips
-    # more, which suits weights that already sit on a 4-bit grid (SmolLM2's Q4_1 GGUF).
+    # more (SmolLM2, whose Q4_1 weights sit on a 4-bit grid, was measured with 2 only).
     mse_norm: int = 3
     # the serving scheme the config declares (SCHEMES); the INT4 integers are the same
     scheme: str = "w4a16"

@@ -90,7 +90,7 @@ def convert(
         show_default=False, rich_help_panel=CALIB)] = None,
     mse_norm: Annotated[int, typer.Option(
         help="The MSE clip's error power, sum H_kk |w - q|^N: 3 clips less than 2 (3 measured "
-             "best on weights off a 4-bit grid, 2 on weights already on one: BENCHMARKS.md).",
+             "best on weights off a 4-bit grid: BENCHMARKS.md).",
         min=2, max=3, rich_help_panel=CALIB)] = 3,
     rtn_fallback: Annotated[bool, typer.Option(
         help="A calibrated layer whose output error on the calibration tokens exceeds "
