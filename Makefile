@@ -81,9 +81,10 @@ demo: install ## tiny GLM-5 FP8 checkpoint: inspect -> plan -> convert (RTN, the
 	@echo "Which method? verify's SQNR compares weights: GPTQ and AWQ move each weight off its nearest"
 	@echo "INT4 level on purpose (to cancel the errors of the others on real activations), so their SQNR"
 	@echo "is lower while eval's output error (perplexity ratio, KL) is what they lower. Pick gptq (its"
-	@echo "defaults: MSE clip, 10 % dampening) with calibration text like your traffic, awq+gptq when that"
-	@echo "text is narrow (on SmolLM2 it held out-of-domain text best), rtn when you have none or want"
-	@echo "minutes. (This demo model has random weights: its figures show the mechanics, not a ranking.)"
+	@echo "defaults: MSE clip of error power 3, 10 % dampening) with calibration text like your traffic;"
+	@echo "awq+gptq can hold out-of-domain text better (SmolLM2) but stopped on 1 of 3 seeds of Gemma-3"
+	@echo "at the worse-than-RTN guard (--rtn-fallback); rtn when you have no data or want minutes."
+	@echo "(This demo model has random weights: its figures show the mechanics, not a ranking.)"
 
 test: install ## the whole behaviour on the newest set, without the expensive proofs (marker slow): minutes
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(JOBS) -m "not slow" --durations=15
