@@ -258,11 +258,12 @@ def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = 
         current = xf[token_idx]
         gate, up = F.linear(current, experts.gate_up_proj[e]).chunk(2, dim=-1)
         inter = experts.act_fn(gate) * up
+        w = topk_weights[token_idx, top_k_pos]  # (n,) the routing weight of each pair
         if outputs:
-            y = F.linear(inter, experts.down_proj[e]) * topk_weights[token_idx, top_k_pos, None]
+            y = F.linear(inter, experts.down_proj[e]) * w[:, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         if stats is not None:
-            stats.routed(e, current, inter, token_idx, topk_weights[token_idx, top_k_pos])
+            stats.routed(e, current, inter, token_idx, w)
     sh = moe.shared_experts
     inter_s = sh.act_fn(sh.gate_proj(x)) * sh.up_proj(x)
     if stats is not None:
