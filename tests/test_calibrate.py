@@ -95,57 +95,19 @@ def test_moe_forward_equals_module(ckpt_dir):
     assert set(stats.rows_e) == {e for e, n in enumerate(stats.expert_tokens) if n}
 
 
-def test_routed_hessians_are_the_routed_tokens(ckpt_dir):
+@pytest.mark.parametrize("weighted", [False, True], ids=["routed", "routed-weighted"])
+def test_routed_hessians_are_the_routed_tokens(ckpt_dir, weighted):
     """Each expert's gate/up Hessian (built at solve time from the kept MLP inputs) and
     down_proj Hessian are 2 XᵀX / n of exactly the tokens the router sent it, over several
     chunks (float64 reference from the router's own top-k); the running-sum variant (used
-    when the hidden states spill) gives the same matrices."""
+    when the hidden states spill) gives the same matrices. --expert-calibration
+    routed-weighted: 2 sum_t w_t^2 x_t x_tᵀ / n instead, w_t the router's weight for that
+    (token, expert) pair."""
     ck, layer = _moe_layer(ckpt_dir)
     H, E = ck.config["hidden_size"], ck.config["n_routed_experts"]
-    chunks = _chunks(H, seed=1)
+    chunks = _chunks(H, seed=2 if weighted else 1)
     kept, sums = (MLPStats("moe", hessians=True, samples=False, all_experts=False, num_experts=E,
-                           store_tokens=st) for st in (True, False))
-    xs, inters = [[] for _ in range(E)], [[] for _ in range(E)]
-    experts = layer.mlp.experts
-    with torch.no_grad():
-        for x in chunks:
-            moe_forward(layer.mlp, x, kept)
-            moe_forward(layer.mlp, x, sums)
-            xf = x.reshape(-1, H)
-            _, _, topk = layer.mlp.gate(x)  # (T, k) the experts of each token
-            for e in range(E):
-                rows = xf[(topk == e).any(-1)]
-                gate, up = (rows.double() @ experts.gate_up_proj[e].double().T).chunk(2, dim=-1)
-                xs[e].append(rows.double())
-                inters[e].append(experts.act_fn(gate) * up)
-    hit = 0
-    for e in range(E):
-        X, Xd = torch.cat(xs[e]), torch.cat(inters[e])
-        assert kept.expert_tokens[e] == sums.expert_tokens[e] == X.shape[0]
-        Hk, Hs, Hd = kept.expert_H_in(e), sums.expert_H_in(e), kept.expert_H_down(e)
-        if X.shape[0] == 0:
-            assert Hk is None and Hs is None and Hd is None
-            continue
-        hit += 1
-        ref = 2 * X.T @ X / X.shape[0]
-        ref_d = 2 * Xd.T @ Xd / Xd.shape[0]
-        tol = 1e-5 * ref.abs().max().item()
-        assert torch.allclose(Hk.double(), ref, rtol=1e-5, atol=tol), e
-        assert torch.allclose(Hs.double(), ref, rtol=1e-5, atol=tol), e
-        assert torch.allclose(Hd.double(), ref_d, rtol=1e-4, atol=1e-4 * ref_d.abs().max().item()), e
-    assert hit >= E // 2  # most experts were routed tokens: the comparison is not vacuous
-
-
-def test_router_weighted_hessians_weigh_each_token_by_its_squared_routing_weight(ckpt_dir):
-    """--expert-calibration routed-weighted: each expert's gate/up and down Hessians are
-    2 sum_t w_t^2 x_t x_tᵀ / n over its routed tokens, w_t the router's weight for that
-    (token, expert) pair (float64 reference from the router's own output), kept inputs and
-    running sums alike."""
-    ck, layer = _moe_layer(ckpt_dir)
-    H, E = ck.config["hidden_size"], ck.config["n_routed_experts"]
-    chunks = _chunks(H, seed=2)
-    kept, sums = (MLPStats("moe", hessians=True, samples=False, all_experts=False, num_experts=E,
-                           store_tokens=st, router_weighted=True) for st in (True, False))
+                           store_tokens=st, router_weighted=weighted) for st in (True, False))
     xs, inters, ws = ([[] for _ in range(E)] for _ in range(3))
     experts = layer.mlp.experts
     with torch.no_grad():
@@ -155,26 +117,34 @@ def test_router_weighted_hessians_weigh_each_token_by_its_squared_routing_weight
             xf = x.reshape(-1, H)
             _, topw, topk = layer.mlp.gate(x)  # (T, k) weights and experts of each token
             for e in range(E):
-                hit = topk == e
-                rows = xf[hit.any(-1)]
+                pick = topk == e
+                rows = xf[pick.any(-1)]
                 gate, up = (rows.double() @ experts.gate_up_proj[e].double().T).chunk(2, dim=-1)
                 xs[e].append(rows.double())
                 inters[e].append(experts.act_fn(gate) * up)
-                ws[e].append((topw * hit).sum(-1)[hit.any(-1)].double())
-    varied = False
+                ws[e].append((topw * pick).sum(-1)[pick.any(-1)].double())
+    hit, varied = 0, False
     for e in range(E):
-        X, Xd, w = torch.cat(xs[e]), torch.cat(inters[e]), torch.cat(ws[e])
+        X, Xd = torch.cat(xs[e]), torch.cat(inters[e])
+        assert kept.expert_tokens[e] == sums.expert_tokens[e] == X.shape[0]
+        Hk, Hs, Hd = kept.expert_H_in(e), sums.expert_H_in(e), kept.expert_H_down(e)
         if X.shape[0] == 0:
+            assert Hk is None and Hs is None and Hd is None
             continue
-        varied |= bool(w.max() - w.min() > 1e-3)
-        ref = 2 * (X * w[:, None]).T @ (X * w[:, None]) / X.shape[0]
-        ref_d = 2 * (Xd * w[:, None]).T @ (Xd * w[:, None]) / X.shape[0]
+        hit += 1
+        if weighted:
+            w = torch.cat(ws[e])
+            varied |= bool(w.max() - w.min() > 1e-3)
+            X, Xd = X * w[:, None], Xd * w[:, None]
+        ref = 2 * X.T @ X / X.shape[0]
+        ref_d = 2 * Xd.T @ Xd / Xd.shape[0]
         tol = 1e-5 * ref.abs().max().item()
-        assert torch.allclose(kept.expert_H_in(e).double(), ref, rtol=1e-5, atol=tol), e
-        assert torch.allclose(sums.expert_H_in(e).double(), ref, rtol=1e-5, atol=tol), e
-        Hd = kept.expert_H_down(e).double()
-        assert torch.allclose(Hd, ref_d, rtol=1e-4, atol=1e-4 * ref_d.abs().max().item()), e
-    assert varied  # the routing weights differ between tokens: the weighting is not vacuous
+        assert torch.allclose(Hk.double(), ref, rtol=1e-5, atol=tol), e
+        assert torch.allclose(Hs.double(), ref, rtol=1e-5, atol=tol), e
+        assert torch.allclose(Hd.double(), ref_d, rtol=1e-4, atol=1e-4 * ref_d.abs().max().item()), e
+    assert hit >= E // 2  # most experts were routed tokens: the comparison is not vacuous
+    if weighted:
+        assert varied  # the routing weights differ between tokens: the weighting is not vacuous
 
 
 def test_router_weighting_is_plain_gptq_when_every_weight_is_equal():
