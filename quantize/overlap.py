@@ -15,16 +15,11 @@ the disk"). No torch here: header-only commands import this module too.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-__all__ = ["READERS", "Readahead", "background", "readahead_bytes"]
-
-# Reader threads of a Readahead: QUANTIZE_READERS overrides (a disk measurement's knob,
-# scripts/probe_disk.py, BENCHMARKS.md "RTN and verify against the disk").
-READERS = int(os.environ.get("QUANTIZE_READERS", "1") or 1)
+__all__ = ["Readahead", "background", "readahead_bytes"]
 
 
 def background(fn: Callable, *args) -> Future:
@@ -56,49 +51,39 @@ def readahead_bytes(limit: int = 2 * 2**30) -> int:
 
 class Readahead:
     """Reads the named tensors of `ckpt` (a source_checkpoint.Checkpoint) into the OS page
-    cache on daemon threads, in the order given, staying at most `ahead` bytes beyond the
-    bytes the consumer reported (`consumed`). `threads` readers each take the next tensor in
-    turn (an NVMe disk reads faster with several requests in flight; the default is
-    READERS). Read errors are left to the real reads; `close` (or leaving the `with`) stops
-    it within one chunk."""
+    cache on a daemon thread, in the order given, staying at most `ahead` bytes beyond the
+    bytes the consumer reported (`consumed`). Read errors are left to the real reads; `close`
+    (or leaving the `with`) stops it within one chunk."""
 
-    def __init__(self, ckpt, names: list[str], ahead: int | None = None,
-                 threads: int | None = None) -> None:
+    def __init__(self, ckpt, names: list[str], ahead: int | None = None) -> None:
         self.ckpt, self.names = ckpt, [n for n in names if n in ckpt.tensors]
         self.ahead = readahead_bytes() if ahead is None else ahead
         self._cv = threading.Condition()
         self._taken = 0
-        self._claimed = 0  # bytes of the tensors handed to a reader so far
-        self._next = 0  # index of the next tensor to hand out
         self._stop = False
-        self._threads = [threading.Thread(target=self._run, daemon=True, name=f"quantize-readahead-{i}")
-                         for i in range(max(1, READERS if threads is None else threads))]
-        for t in self._threads:
-            t.start()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="quantize-readahead")
+        self._thread.start()
 
     def consumed(self, nbytes: int) -> None:
         with self._cv:
             self._taken += nbytes
-            self._cv.notify_all()
+            self._cv.notify()
 
     def _run(self) -> None:
-        while True:
+        done = 0
+        for name in self.names:
             with self._cv:
-                self._cv.wait_for(lambda: self._stop or self._next >= len(self.names)
-                                  or self._claimed - self._taken < self.ahead)
-                if self._stop or self._next >= len(self.names):
+                self._cv.wait_for(lambda d=done: self._stop or d - self._taken < self.ahead)
+                if self._stop:
                     return
-                name = self.names[self._next]
-                self._next += 1
-                self._claimed += self.ckpt.tensors[name].nbytes
             self.ckpt.prefetch([name], stop=lambda: self._stop)
+            done += self.ckpt.tensors[name].nbytes
 
     def close(self) -> None:
         with self._cv:
             self._stop = True
-            self._cv.notify_all()
-        for t in self._threads:
-            t.join()
+            self._cv.notify()
+        self._thread.join()
 
     def __enter__(self) -> Readahead:
         return self

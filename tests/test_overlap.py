@@ -52,11 +52,8 @@ def _settle(asked: list[str], n: int, timeout: float = 10.0) -> None:
     time.sleep(0.1)  # (and no further: checked by the caller)
 
 
-@pytest.mark.parametrize("threads", [1, 4])
-def test_readahead_stays_within_its_budget_beyond_what_was_consumed(ckpt, monkeypatch, threads):
+def test_readahead_stays_within_its_budget_beyond_what_was_consumed(ckpt, monkeypatch):
     asked = _recording(ckpt, monkeypatch)
-    # (several readers take the tensors in turn: the same tensors, each once, in any order)
-    same = (lambda a, b: a == b) if threads == 1 else (lambda a, b: sorted(a) == sorted(b))
     names = sorted(ckpt.tensors, key=lambda n: -ckpt.tensors[n].nbytes)[:12]
     size = [ckpt.tensors[n].nbytes for n in names]
     budget = size[0] + size[1] + size[2]  # three tensors ahead (the largest first)
@@ -71,15 +68,15 @@ def test_readahead_stays_within_its_budget_beyond_what_was_consumed(ckpt, monkey
         return out
 
     assert within(0) == names[:3] and len(within(size[0] + size[1])) > 3
-    with Readahead(ckpt, names + ["no.such.tensor"], ahead=budget, threads=threads) as ra:
+    with Readahead(ckpt, names + ["no.such.tensor"], ahead=budget) as ra:
         _settle(asked, 3)
-        assert same(asked, within(0))  # begins at once, stops at the budget
+        assert asked == within(0)  # begins at once, stops at the budget
         ra.consumed(size[0] + size[1])
         _settle(asked, len(within(size[0] + size[1])))
-        assert same(asked, within(size[0] + size[1]))
+        assert asked == within(size[0] + size[1])
         ra.consumed(sum(size))
         _settle(asked, len(names))
-        assert same(asked, names)  # (a name the checkpoint lacks is skipped)
+        assert asked == names  # (a name the checkpoint lacks is skipped)
 
 
 def test_readahead_close_stops_a_waiting_thread_at_once(ckpt, monkeypatch):
@@ -90,7 +87,7 @@ def test_readahead_close_stops_a_waiting_thread_at_once(ckpt, monkeypatch):
     t0 = time.monotonic()
     ra.close()
     assert time.monotonic() - t0 < 2 and len(asked) == 1
-    assert not any(t.is_alive() for t in ra._threads)
+    assert not ra._thread.is_alive()
 
 
 def test_readahead_bytes_is_bounded_by_the_limit_and_the_memory():
