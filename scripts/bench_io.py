@@ -7,6 +7,7 @@ on the GLM-5.2-shaped slice of scripts/bench_pipeline.py (~21 GB block FP8).
 
 Runs, each after `sync; echo 3 > /proc/sys/vm/drop_caches`:
   copy     cp -r SRC DST && sync                       the yardstick a user knows
+  read     cat SRC/*.safetensors DST/*.safetensors     verify's cold read floor (after an rtn run)
   rtn      python3 -m quantize convert SRC DST --method rtn --overwrite
   verify   python3 -m quantize verify SRC DST --no-layer-check   (and with the layer check)
 Recorded: wall time, peak host RSS, the disk's cold read / fsynced write rates, and every
@@ -70,6 +71,8 @@ def main() -> None:
     q = [sys.executable, "-m", "quantize"]
     cmds = {
         "copy": ["bash", "-c", f"rm -rf {copy} && cp -r {src} {copy} && sync"],
+        # verify's yardstick: every byte it must read (the source's and the output's), cold
+        "read": ["bash", "-c", f"cat {src}/*.safetensors {dst}/*.safetensors > /dev/null"],
         "rtn": [*q, "convert", str(src), str(dst), "--method", "rtn", "--device", device, "--overwrite",
                 *args.extra.split()],
         "verify": [*q, "verify", str(src), str(dst), "--device", device, "--no-layer-check"],

@@ -34,7 +34,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -260,6 +260,10 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     src_name = ident["repo_id"] or (manifest.get("source") or {}).get("name") or Path(src).name
     report = VerifyReport(src_name, dst.name, min_sqnr_db)
     dev = resolve_device(device)  # auto: the GPU when there is one; cuda without one: exit 2
+    # the output's files are hashed from here on (disk-bound; hashlib releases the GIL), while
+    # this thread imports transformers for the layer check (seconds on a cold start)
+    digests = background(_hash_files, dst, manifest["files"])
+    t0 = time.perf_counter()
     prep = early = None
     if layer_check:  # transformers, the layer classes and the tokenizer load meanwhile
         try:
@@ -270,8 +274,8 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
         except (QuantizeError, OSError, ValueError):
             prep = None  # (said where SRC is opened below)
     try:
-        return _verify(report, src, dst, manifest, early, prep, min_sqnr_db, dev, on_unit, write,
-                       on_start, layer_check, log)
+        return _verify(report, src, dst, manifest, (digests, t0), early, prep, min_sqnr_db, dev,
+                       on_unit, write, on_start, layer_check, log)
     finally:  # never return with the preparation still building on its thread: transformers
         # sets torch's process-wide default dtype while it builds (a later build in this
         # process would take BF16 as the default to restore)
@@ -279,16 +283,17 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
             prep.exception()
 
 
-def _verify(report: VerifyReport, src, dst: Path, manifest: dict, early: Checkpoint | None,
-            prep, min_sqnr_db: float, dev: torch.device, on_unit, write: bool, on_start,
-            layer_check: bool, log) -> VerifyReport:
-    """verify()'s checks once the report is started and the layer check is preparing."""
+def _verify(report: VerifyReport, src, dst: Path, manifest: dict, hashing: tuple[Future, float],
+            early: Checkpoint | None, prep, min_sqnr_db: float, dev: torch.device, on_unit,
+            write: bool, on_start, layer_check: bool, log) -> VerifyReport:
+    """verify()'s checks once the report is started, the files are being hashed (`hashing`:
+    the Future of `_hash_files` and when it began) and the layer check is preparing."""
     # compressed-tensors (for config.json's quantization_config; seconds to import) loads while
     # the files are hashed. (transformers, which it imports, is whole already when the layer
     # check is preparing: `prepare_in_background` imports it on this thread first.)
     background(importlib.import_module, "compressed_tensors.quantization")
-    t0 = time.perf_counter()
-    _files_problems(report, Path(src), dst, manifest["files"])
+    digests, t0 = hashing
+    _files_problems(report, Path(src), dst, manifest["files"], digests.result())
     if log:
         log(f"{len(manifest['files'])} files checked against the manifest's sha256 in "
             f"{time.perf_counter() - t0:.1f} s")
@@ -325,15 +330,22 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, early: Checkpo
     return _finish(report, dst, write)
 
 
-def _files_problems(report: VerifyReport, src: Path, dst: Path, files: dict) -> None:
-    """The manifest's files present and unchanged, no weight file it does not list, the
-    source's files convert copies present; the user's other files noted."""
+def _hash_files(dst: Path, files: dict) -> dict[str, str]:
+    """sha256 of each of the manifest's files present at its recorded size (the others fail
+    without reading them)."""
     present = {n: (dst / n).stat().st_size for n in files if (dst / n).is_file()}
     # the files hashed several at once, largest first (hashlib releases the GIL): one thread
     # hashing shard after shard waits on each cold read in turn, at half the disk's rate
     same_size = sorted((n for n in present if present[n] == files[n]["bytes"]), key=lambda n: -present[n])
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1, len(same_size)))) as pool:
-        digests = dict(zip(same_size, pool.map(lambda n: sha256_file(dst / n), same_size)))
+        return dict(zip(same_size, pool.map(lambda n: sha256_file(dst / n), same_size)))
+
+
+def _files_problems(report: VerifyReport, src: Path, dst: Path, files: dict,
+                    digests: dict[str, str]) -> None:
+    """The manifest's files present and unchanged (`digests`: `_hash_files`), no weight file it
+    does not list, the source's files convert copies present; the user's other files noted."""
+    present = {n: (dst / n).stat().st_size for n in files if (dst / n).is_file()}
     for name, rec in sorted(files.items()):
         if name not in present:
             report.problems.append(f"{name}: listed in the manifest but missing")
