@@ -191,3 +191,57 @@ def test_batched_tokenization_equals_one_call_per_document(tok):
     want = [tok(_render(d, tok)[0], add_special_tokens=False)["input_ids"] for d in docs]
     assert len(ids) == len(docs) and ids == want
     assert chats == templated == sum(isinstance(d, list) for d in docs) > 0
+
+
+@pytest.mark.parametrize("suffix", [".xz", ".gz", ".bz2"])
+def test_compressed_files_read_as_their_contents(tmp_path, suffix):
+    """NAME.jsonl.xz / .gz / .bz2: the documents of NAME.jsonl; a damaged file is named."""
+    import bz2
+    import gzip
+    import lzma
+
+    compress = {".xz": lzma.compress, ".gz": gzip.compress, ".bz2": bz2.compress}[suffix]
+    rows = [{"text": f"record {i}: " + "words " * (i + 2)} for i in range(4)]
+    rows.append({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    plain = tmp_path / "c.jsonl"
+    plain.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    packed = tmp_path / f"c.jsonl{suffix}"
+    packed.write_bytes(compress(plain.read_bytes()))
+    assert read_documents(packed) == read_documents(plain)
+    txt = tmp_path / f"t.txt{suffix}"
+    txt.write_bytes(compress(b"a whole text file, one document\n"))
+    assert read_documents(txt) == ["a whole text file, one document\n"]
+    packed.write_bytes(packed.read_bytes()[: len(packed.read_bytes()) // 2])
+    with pytest.raises(QuantizeError, match=rf"c\.jsonl{re.escape(suffix)}.*not readable"):
+        read_documents(packed)
+
+
+def test_the_large_shipped_set(tok):
+    """shipped:large: its checksum as the README says; default's records first, in order (so
+    the documents eval keeps are the same in both sets); every record names a source and a
+    licence; Chinese, chats, code; at least 5.5 M characters (1.65 M tokens with Gemma-3's
+    tokenizer, README); a calibration on it keeps the same sixth for eval."""
+    from quantize.calib.data import SHIPPED_SETS, shipped_set
+
+    large = shipped_set("shipped:large")
+    assert large == SHIPPED_SETS["large"] and shipped_set("shipped:default") == DEFAULT_CALIB
+    readme = (DEFAULT_CALIB.parent / "README.md").read_text()
+    want = re.search(r"([0-9a-f]{64})  large\.jsonl\.xz", readme).group(1)
+    assert hashlib.sha256(large.read_bytes()).hexdigest() == want
+    docs, small = read_documents(large), read_documents(DEFAULT_CALIB)
+    assert docs[: len(small)] == small and len(docs) > 3 * len(small)
+    import lzma
+
+    rows = [json.loads(line) for line in lzma.decompress(large.read_bytes()).decode().splitlines()]
+    assert all(re.search(r"\((PSF|BSD|GPL|CC0|Debian FAQ licence|poems)", r["source"]) for r in rows)
+    text = "".join(d if isinstance(d, str) else "".join(m["content"] for m in d) for d in docs)
+    assert len(text) > 5_500_000
+    assert sum("\u4e00" <= ch <= "\u9fff" for ch in text) > 150_000  # Chinese characters
+    assert sum(isinstance(d, list) for d in docs) > 150 and "def " in text
+    cs = load_calibration("shipped:large", tok, 2, 32, seed=0)
+    assert cs.source == "large.jsonl.xz" and cs.eval_reserve == len(docs) // EVAL_EVERY
+    heldout = HELDOUT_ENGLISH.read_text(encoding="utf-8")
+    sentences = [x.strip() for x in re.split(r"[.!?]\s", heldout) if len(x.strip()) > 40]
+    assert not [x for x in sentences if x in text]  # eval's out-of-domain text stays out
+    with pytest.raises(QuantizeError, match="shipped:default, shipped:large"):
+        load_calibration("shipped:huge", tok, 2, 32, seed=0)

@@ -5,6 +5,11 @@ Accepted `--calib` sources (the default is the shipped `calib_data/default.jsonl
     *.jsonl / *.json   one JSON object per line: {"text": ...} or {"messages": [{role, content}]};
                        messages are rendered with the checkpoint's own chat template
     *.txt / *.md       plain UTF-8 text, the whole file one document
+    (each also compressed: NAME.jsonl.xz, .gz or .bz2)
+    shipped:NAME       a set shipped with the tool: `shipped:default` (calib_data/default.jsonl,
+                       ~0.27 M tokens) or `shipped:large` (calib_data/large.jsonl.xz, ~1.6 M
+                       tokens: default's records, then FAQ dialogue in English and Chinese,
+                       Python documentation, SymPy code, Chinese technical prose and poems)
     *.parquet          a `text` or `messages` column (needs pyarrow)
     a folder           a dataset saved with `datasets` `save_to_disk` (read with pyarrow)
     ORG/NAME[@REV][:SPLIT]  a dataset on the Hugging Face Hub (no local file of that name): the
@@ -34,10 +39,10 @@ import torch
 from quantize.errors import Problem, QuantizeError
 from quantize.write.shards import sha256_file
 
-__all__ = ["DEFAULT_CALIB", "EVAL_EVERY", "HELDOUT_ENGLISH", "CalibrationSet", "checkpoint_calibration",
-           "data_sha256", "eval_reserved", "is_shipped",
-           "join_documents", "load_calibration",
-           "read_documents", "resolve_calib", "tokenize_documents", "window_starts"]
+__all__ = ["DEFAULT_CALIB", "EVAL_EVERY", "HELDOUT_ENGLISH", "SHIPPED_SETS", "CalibrationSet",
+           "checkpoint_calibration", "data_sha256", "eval_reserved", "is_shipped", "join_documents",
+           "load_calibration", "read_documents", "resolve_calib", "shipped_set", "tokenize_documents",
+           "window_starts"]
 
 def _shipped(name: str) -> Path:
     """A shipped data file: inside the package in an installed wheel (quantize/_shipped/NAME,
@@ -48,6 +53,10 @@ def _shipped(name: str) -> Path:
 
 
 DEFAULT_CALIB = _shipped("default.jsonl")
+# `--calib shipped:NAME`: the sets shipped with the tool. large begins with default's records in
+# default's order, so the documents eval keeps (below) are the same ones in both.
+SHIPPED_SETS = {"default": DEFAULT_CALIB, "large": _shipped("large.jsonl.xz")}
+_COMPRESSED = {".xz": "lzma", ".gz": "gzip", ".bz2": "bz2"}
 # Every EVAL_EVERY-th document of the shipped set (index % EVAL_EVERY == EVAL_EVERY - 1) is kept
 # for `eval`: a calibration on the shipped set never reads it, so eval's default figures stay
 # held out at any --num-samples x --seq-len (512 x 2048 reads the rest ~4.7 times over).
@@ -60,11 +69,28 @@ def eval_reserved(i: int) -> bool:
 
 
 def is_shipped(path: Path) -> bool:
-    """Whether `path` is the shipped default set (from the checkout or the wheel)."""
+    """Whether `path` is one of the shipped sets (from the checkout or the wheel)."""
     try:
-        return path.resolve() == DEFAULT_CALIB.resolve()
+        return any(path.resolve() == p.resolve() for p in SHIPPED_SETS.values())
     except OSError:
         return False
+
+
+def shipped_set(calib: str | Path | None) -> Path | None:
+    """The file of `--calib shipped:NAME` (None: not of that form); an unknown NAME is an error
+    that lists the names."""
+    if not (isinstance(calib, str) and calib.startswith("shipped:")):
+        return None
+    name = calib.removeprefix("shipped:")
+    if name not in SHIPPED_SETS:
+        raise _error(calib, f"no shipped set named {name!r}", "one of "
+                     + ", ".join(f"shipped:{n}" for n in SHIPPED_SETS), "pick one of those, or pass a file")
+    return SHIPPED_SETS[name]
+
+
+def _kind(p: Path) -> str:
+    """The format suffix of a calibration file, under a compression suffix (a.jsonl.xz: .jsonl)."""
+    return Path(p.stem).suffix if p.suffix in _COMPRESSED else p.suffix
 # General English written for the project, in no calibration set: eval's out-of-domain text.
 HELDOUT_ENGLISH = _shipped("heldout_english.md")
 
@@ -110,6 +136,16 @@ def _error(file: str, found: str, expected: str, fix: str) -> QuantizeError:
 
 def _read_text(path: Path) -> str:
     try:
+        if path.suffix in _COMPRESSED:
+            import importlib
+
+            try:
+                data = importlib.import_module(_COMPRESSED[path.suffix]).decompress(path.read_bytes())
+            except Exception as e:  # noqa: BLE001 - each codec's own (LZMAError, BadGzipFile, EOFError)
+                raise _error(str(path), f"not readable as {path.suffix} ({e})",
+                             f"a complete {path.suffix} file", "compress it again, or pass it "
+                             "uncompressed") from None
+            return data.decode("utf-8")
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise _error(str(path), f"not UTF-8 (byte {e.start}: {e.reason})", "UTF-8 text",
@@ -177,18 +213,18 @@ def read_documents(path: str | Path) -> list[str | list[dict]]:
     """The documents of a calibration source: strings, or chat message lists."""
     p = Path(path)
     if not p.exists():
-        fix = ("the default set ships in the package (quantize/_shipped/default.jsonl): "
-               "reinstall the package, or pass --calib" if p == DEFAULT_CALIB
+        fix = (f"the shipped sets are in the package (quantize/_shipped/{p.name}): "
+               "reinstall the package, or pass --calib" if p in SHIPPED_SETS.values()
                else "check the --calib path")
         raise _error(str(p), "no such file or folder", "a .jsonl, .txt, .parquet file or a "
                      "saved datasets folder", fix)
     _regular(p)
     if p.is_dir():
         docs = [_record(r, str(p)) for r in _saved_dataset_rows(p)]
-    elif p.suffix == ".parquet":
+    elif _kind(p) == ".parquet":
         pq = _pyarrow(p, "a parquet file").parquet
         docs = [_record(r, str(p)) for r in pq.read_table(p).to_pylist()]
-    elif p.suffix in (".jsonl", ".json"):
+    elif _kind(p) in (".jsonl", ".json"):
         docs = []
         for i, line in enumerate(_read_text(p).splitlines(), 1):
             if not line.strip():
@@ -286,7 +322,7 @@ def resolve_calib(calib: str | Path | None) -> tuple[str, list[Path], str]:
     if isinstance(calib, str) and is_dataset_spec(calib):
         name, files = resolve_dataset(calib)
         return name, [local for _, local in files], _files_sha256(files)
-    p = Path(calib) if calib is not None else DEFAULT_CALIB
+    p = shipped_set(calib) or (Path(calib) if calib is not None else DEFAULT_CALIB)
     _regular(p)
     return p.name, [p], (data_sha256(p) if p.exists() else "")
 

@@ -53,6 +53,7 @@ from quantize.calib.data import (
     is_shipped,
     join_documents,
     read_documents,
+    shipped_set,
     tokenize_documents,
     window_starts,
 )
@@ -437,7 +438,8 @@ def _calib_windows(manifest_opts: ConvertOptions, data: Path, calib_sha256: str 
     (reports without one) the same path or name."""
     if manifest_opts.method == "rtn":
         return None, "none: the conversion used round-to-nearest (no calibration data)"
-    calib = Path(manifest_opts.calib) if manifest_opts.calib else DEFAULT_CALIB
+    calib = shipped_set(manifest_opts.calib) or (Path(manifest_opts.calib) if manifest_opts.calib
+                                                  else DEFAULT_CALIB)
     if calib_sha256 is not None and data.exists():
         same = data_sha256(data) == calib_sha256
     else:

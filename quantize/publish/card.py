@@ -189,7 +189,7 @@ def _calibration(f: CardFacts) -> list[str]:
         why = ("none (round-to-nearest needs no calibration data)" if f.method == "rtn"
                else "not recorded (no calibration-report.json)")
         return [f"| calibration data | {why} |"]
-    data = f"`{c.data}`" + (" (shipped with the tool as calib_data/default.jsonl)" if c.shipped else "")
+    data = f"`{c.data}`" + (f" (shipped with the tool as calib_data/{c.data})" if c.shipped else "")
     if c.sha256:
         data += f", sha256 `{c.sha256}`"
     lines = [

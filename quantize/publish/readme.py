@@ -76,7 +76,7 @@ def _calibration(report: dict | None, opts: ConvertOptions) -> CalibrationFacts 
     moe = [lay for lay in report["layers"] if lay.get("expert_tokens")]
     return CalibrationFacts(
         data=_data_name(c["source"]),
-        shipped=opts.calib is None,
+        shipped=opts.calib is None or opts.calib.startswith("shipped:"),
         sha256=c.get("sha256"),
         documents=c["documents"],
         num_samples=c["num_samples"],
