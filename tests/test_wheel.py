@@ -30,9 +30,11 @@ def test_wheel_ships_the_default_calibration_set(tmp_path):
     assert "quantize/_shipped/default.jsonl" in names and "quantize/cli/__init__.py" in names
     shipped = zipfile.ZipFile(whl).read("quantize/_shipped/default.jsonl")
     assert shipped == (ROOT / "calib_data" / "default.jsonl").read_bytes()
-    # eval's out-of-domain text too
-    assert zipfile.ZipFile(whl).read("quantize/_shipped/heldout_english.md") == \
-        (ROOT / "calib_data" / "heldout_english.md").read_bytes()
+    # eval's out-of-domain text, the large set (--calib shipped:large) and its licence texts too
+    for name in ("heldout_english.md", "large.jsonl.xz", "LICENSES/GPL-2.0.txt", "LICENSES/GPL-3.0.txt",
+                 "LICENSES/BSD-3-Clause-SymPy.txt", "LICENSES/Debian-FAQ.txt"):
+        assert zipfile.ZipFile(whl).read(f"quantize/_shipped/{name}") == (ROOT / "calib_data" / name).read_bytes()
+    print(f"wheel {whl.name}: {whl.stat().st_size:,} bytes")
     site = tmp_path / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(whl)],
                        capture_output=True, text=True, timeout=300, check=False)
