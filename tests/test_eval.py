@@ -287,6 +287,27 @@ def test_default_eval_is_held_out_from_a_calibration_on_the_shipped_set(tmp_path
     assert old["data"]["held_out_documents"] <= reserved
 
 
+def test_eval_on_the_large_set_after_a_calibration_on_it(tmp_path):
+    """`--calib shipped:large` then `eval --data shipped:large`: eval scores the large set's
+    reserved sixth, which that calibration never read; eval's default text after that
+    calibration is default.jsonl's sixth, the same documents (large begins with them)."""
+    from quantize.calib.data import EVAL_EVERY, SHIPPED_SETS
+
+    cfg = tiny_config("glm4_moe", num_hidden_layers=2)
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    out = tmp_path / "out"
+    convert(src, out, ConvertOptions(method="gptq", calib="shipped:large", num_samples=2, seq_len=64),
+            device="cpu")
+    reserved = len(read_documents(SHIPPED_SETS["large"])) // EVAL_EVERY
+    assert json.loads((out / "calibration-report.json").read_text())["calibration"]["eval_reserve"] == reserved
+    rep = evaluate(src, out, EvalOptions(data="shipped:large", num_samples=2, seq_len=32, ood="none"),
+                   device="cpu", write=False)
+    d = rep["data"]
+    assert d["disjoint"] and d["held_out_documents"] == reserved and "never reads" in d["calibration"], d
+    assert rep["options"]["data"] == "large.jsonl.xz"
+
+
 def test_refusals(converted, tmp_path):
     """(4) An unfinished DST, a folder that is no conversion, a missing tokenizer."""
     src, dst = converted

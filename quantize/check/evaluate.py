@@ -461,7 +461,7 @@ def _windows(src_ckpt, dst: Path, opts: EvalOptions, conv: ConvertOptions, calib
             f"using {limit}")
         seq_len = int(limit)
     tok = _tokenizer(src_ckpt, dst)
-    data = Path(opts.data) if opts.data else DEFAULT_CALIB
+    data = shipped_set(opts.data) or (Path(opts.data) if opts.data else DEFAULT_CALIB)
     doc_ids, _, _ = tokenize_documents(read_documents(data), tok)
     calib_summary = (calib_rep or {}).get("calibration") or {}
     calib, relation = _calib_windows(conv, data, calib_summary.get("sha256"))

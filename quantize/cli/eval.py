@@ -16,8 +16,10 @@ def eval_(
     src: Src,
     dst: Annotated[Path, typer.Argument(help="A finished `quantize convert` output folder.")],
     data: Annotated[str | None, typer.Option(
-        help="Eval text (.jsonl, .txt/.md, .parquet or a saved datasets folder). Default: the "
-             "shipped calib_data/default.jsonl, minus every document under a calibration window.")] = None,
+        help="Eval text (.jsonl, .txt/.md, .parquet or a saved datasets folder, or shipped:NAME). "
+             "Default: shipped:default, the sixth of calib_data/default.jsonl's documents that no "
+             "calibration on a shipped set reads; shipped:large scores the same sixth of the large "
+             "set (every genre in it).")] = None,
     num_samples: Annotated[int, typer.Option(help="Eval windows.")] = 16,
     seq_len: Annotated[int, typer.Option(
         help="Tokens per window (capped to max_position_embeddings).")] = 2048,
