@@ -211,6 +211,9 @@ def test_compressed_files_read_as_their_contents(tmp_path, suffix):
     txt = tmp_path / f"t.txt{suffix}"
     txt.write_bytes(compress(b"a whole text file, one document\n"))
     assert read_documents(txt) == ["a whole text file, one document\n"]
+    (tmp_path / f"t.parquet{suffix}").write_bytes(compress(b"PAR1"))
+    with pytest.raises(QuantizeError, match="decompress it and pass the .parquet"):
+        read_documents(tmp_path / f"t.parquet{suffix}")
     packed.write_bytes(packed.read_bytes()[: len(packed.read_bytes()) // 2])
     with pytest.raises(QuantizeError, match=rf"c\.jsonl{re.escape(suffix)}.*not readable"):
         read_documents(packed)

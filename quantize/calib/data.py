@@ -5,16 +5,16 @@ Accepted `--calib` sources (the default is the shipped `calib_data/default.jsonl
     *.jsonl / *.json   one JSON object per line: {"text": ...} or {"messages": [{role, content}]};
                        messages are rendered with the checkpoint's own chat template
     *.txt / *.md       plain UTF-8 text, the whole file one document
-    (each also compressed: NAME.jsonl.xz, .gz or .bz2)
-    shipped:NAME       a set shipped with the tool: `shipped:default` (calib_data/default.jsonl,
-                       ~0.27 M tokens) or `shipped:large` (calib_data/large.jsonl.xz, ~1.6 M
-                       tokens: default's records, then FAQ dialogue in English and Chinese,
-                       Python documentation, SymPy code, Chinese technical prose and poems)
+                       (each also compressed: NAME.jsonl.xz, .gz or .bz2)
     *.parquet          a `text` or `messages` column (needs pyarrow)
     a folder           a dataset saved with `datasets` `save_to_disk` (read with pyarrow)
     ORG/NAME[@REV][:SPLIT]  a dataset on the Hugging Face Hub (no local file of that name): the
                        split's .parquet / .jsonl / .txt files (default: train, else all),
                        fetched into the Hub cache at the revision's commit (`hub.resolve_dataset`)
+    shipped:NAME       a set shipped with the tool: `shipped:default` (calib_data/default.jsonl,
+                       ~0.27 M tokens) or `shipped:large` (calib_data/large.jsonl.xz, ~1.6 M
+                       tokens: default's records, then FAQ dialogue in English and Chinese,
+                       Python documentation, SymPy code, Chinese technical prose and poems)
 
 Sampling is deterministic for a given `seed`: the documents are shuffled with
 `torch.Generator().manual_seed(seed)`, tokenized, joined with the EOS token into one
@@ -91,6 +91,8 @@ def shipped_set(calib: str | Path | None) -> Path | None:
 def _kind(p: Path) -> str:
     """The format suffix of a calibration file, under a compression suffix (a.jsonl.xz: .jsonl)."""
     return Path(p.stem).suffix if p.suffix in _COMPRESSED else p.suffix
+
+
 # General English written for the project, in no calibration set: eval's out-of-domain text.
 HELDOUT_ENGLISH = _shipped("heldout_english.md")
 
@@ -222,6 +224,9 @@ def read_documents(path: str | Path) -> list[str | list[dict]]:
     if p.is_dir():
         docs = [_record(r, str(p)) for r in _saved_dataset_rows(p)]
     elif _kind(p) == ".parquet":
+        if p.suffix in _COMPRESSED:
+            raise _error(str(p), f"a parquet file inside {p.suffix}", "a .parquet file (parquet "
+                         "compresses its own columns)", "decompress it and pass the .parquet")
         pq = _pyarrow(p, "a parquet file").parquet
         docs = [_record(r, str(p)) for r in pq.read_table(p).to_pylist()]
     elif _kind(p) in (".jsonl", ".json"):
