@@ -145,6 +145,7 @@ def convert(
       quantize convert zai-org/GLM-5.2-FP8 ./GLM-5.2-INT4     # downloads into HF_HOME first
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --base-model zai-org/GLM-5.2-FP8
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 512
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --num-samples 512 --calib shipped:large
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --rtn-fallback
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --mse-norm 2 --expert-calibration routed-weighted
