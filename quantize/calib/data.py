@@ -29,8 +29,11 @@ sha256, never by its local path: the name says what it was, the hash pins the ex
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import hashlib
 import json
+import lzma
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +43,7 @@ from quantize.errors import Problem, QuantizeError
 from quantize.write.shards import sha256_file
 
 __all__ = ["DEFAULT_CALIB", "EVAL_EVERY", "HELDOUT_ENGLISH", "SHIPPED_SETS", "CalibrationSet",
-           "checkpoint_calibration", "data_sha256", "eval_reserved", "is_shipped", "join_documents",
+           "calib_path", "checkpoint_calibration", "data_sha256", "eval_reserved", "is_shipped", "join_documents",
            "load_calibration", "read_documents", "resolve_calib", "shipped_set", "tokenize_documents",
            "window_starts"]
 
@@ -56,7 +59,7 @@ DEFAULT_CALIB = _shipped("default.jsonl")
 # `--calib shipped:NAME`: the sets shipped with the tool. large begins with default's records in
 # default's order, so the documents eval keeps (below) are the same ones in both.
 SHIPPED_SETS = {"default": DEFAULT_CALIB, "large": _shipped("large.jsonl.xz")}
-_COMPRESSED = {".xz": "lzma", ".gz": "gzip", ".bz2": "bz2"}
+_COMPRESSED = {".xz": lzma.decompress, ".gz": gzip.decompress, ".bz2": bz2.decompress}
 # Every EVAL_EVERY-th document of the shipped set (index % EVAL_EVERY == EVAL_EVERY - 1) is kept
 # for `eval`: a calibration on the shipped set never reads it, so eval's default figures stay
 # held out at any --num-samples x --seq-len (512 x 2048 reads the rest ~4.7 times over).
@@ -86,6 +89,12 @@ def shipped_set(calib: str | Path | None) -> Path | None:
         raise _error(calib, f"no shipped set named {name!r}", "one of "
                      + ", ".join(f"shipped:{n}" for n in SHIPPED_SETS), "pick one of those, or pass a file")
     return SHIPPED_SETS[name]
+
+
+def calib_path(calib: str | Path | None) -> Path:
+    """The local file or folder `--calib` (or eval's `--data`) names: a shipped set by its name,
+    a path as given, the default set when None (a Hub dataset is `resolve_calib`'s)."""
+    return shipped_set(calib) or (Path(calib) if calib is not None else DEFAULT_CALIB)
 
 
 def _kind(p: Path) -> str:
@@ -139,10 +148,8 @@ def _error(file: str, found: str, expected: str, fix: str) -> QuantizeError:
 def _read_text(path: Path) -> str:
     try:
         if path.suffix in _COMPRESSED:
-            import importlib
-
             try:
-                data = importlib.import_module(_COMPRESSED[path.suffix]).decompress(path.read_bytes())
+                data = _COMPRESSED[path.suffix](path.read_bytes())
             except Exception as e:  # noqa: BLE001 - each codec's own (LZMAError, BadGzipFile, EOFError)
                 raise _error(str(path), f"not readable as {path.suffix} ({e})",
                              f"a complete {path.suffix} file", "compress it again, or pass it "
@@ -327,7 +334,7 @@ def resolve_calib(calib: str | Path | None) -> tuple[str, list[Path], str]:
     if isinstance(calib, str) and is_dataset_spec(calib):
         name, files = resolve_dataset(calib)
         return name, [local for _, local in files], _files_sha256(files)
-    p = shipped_set(calib) or (Path(calib) if calib is not None else DEFAULT_CALIB)
+    p = calib_path(calib)
     _regular(p)
     return p.name, [p], (data_sha256(p) if p.exists() else "")
 

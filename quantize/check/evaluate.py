@@ -45,15 +45,14 @@ import torch.nn.functional as F
 
 from quantize import SCHEMA_VERSION, __version__
 from quantize.calib.data import (
-    DEFAULT_CALIB,
     EVAL_EVERY,
     HELDOUT_ENGLISH,
+    calib_path,
     data_sha256,
     eval_reserved,
     is_shipped,
     join_documents,
     read_documents,
-    shipped_set,
     tokenize_documents,
     window_starts,
 )
@@ -438,8 +437,7 @@ def _calib_windows(manifest_opts: ConvertOptions, data: Path, calib_sha256: str 
     (reports without one) the same path or name."""
     if manifest_opts.method == "rtn":
         return None, "none: the conversion used round-to-nearest (no calibration data)"
-    calib = shipped_set(manifest_opts.calib) or (Path(manifest_opts.calib) if manifest_opts.calib
-                                                  else DEFAULT_CALIB)
+    calib = calib_path(manifest_opts.calib or None)
     if calib_sha256 is not None and data.exists():
         same = data_sha256(data) == calib_sha256
     else:
@@ -461,7 +459,7 @@ def _windows(src_ckpt, dst: Path, opts: EvalOptions, conv: ConvertOptions, calib
             f"using {limit}")
         seq_len = int(limit)
     tok = _tokenizer(src_ckpt, dst)
-    data = shipped_set(opts.data) or (Path(opts.data) if opts.data else DEFAULT_CALIB)
+    data = calib_path(opts.data or None)
     doc_ids, _, _ = tokenize_documents(read_documents(data), tok)
     calib_summary = (calib_rep or {}).get("calibration") or {}
     calib, relation = _calib_windows(conv, data, calib_summary.get("sha256"))
