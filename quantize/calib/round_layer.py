@@ -63,7 +63,6 @@ GPTQ_BATCH = 32
 AWQ_SEARCH_EXPERTS = 32  # routed experts the shared gate/up input scale is searched on
 
 
-
 class Sections:
     """Where the rounding phase goes, by section, without a synchronization inside it: on CUDA
     a pair of events around each section (the GPU time between them, read at the end), and

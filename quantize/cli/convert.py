@@ -310,8 +310,10 @@ def calibration_table(rep: dict, dst: Path, console) -> None:
                   if fb else "-", f"{seconds.get(lay['layer'], 0):.1f}")
     console.print(t)
     if c.get("overlapping"):
+        from quantize.calib.data import DEFAULT_CALIB
+
         more = (" (--calib shipped:large holds ~1.4 M tokens to calibrate on)"
-                if c["source"] == "default.jsonl" else "")
+                if c["source"] == DEFAULT_CALIB.name else "")
         err.print(f"[yellow]note:[/] the {c['num_samples']} calibration windows overlap: "
                   f"{c['source']} holds {c['stream_tokens']:,} tokens{more}", highlight=False)
     n_fb = sum(len(lay.get("fallback") or []) for lay in rep["layers"])
