@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_quality import fingerprint, run_ours, score, windows_of
+from bench_quality import commit, fingerprint, run_ours, score, windows_of
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS = {"dialogue": ("python-faq", "debian-faq-en", "debian-faq-zh"), "docs": ("python-docs",),
@@ -95,11 +95,7 @@ def main() -> None:
 
     dev = torch.device(a.device)
     src_model = AutoModelForCausalLM.from_pretrained(a.source, dtype=torch.float32).to(dev).eval()
-    import subprocess
-
-    commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-                            capture_output=True, text=True, check=False).stdout.strip() or None
-    res = {"model": a.label, "source_fingerprint": fingerprint(a.source), "commit": commit,
+    res = {"model": a.label, "source_fingerprint": fingerprint(a.source), "commit": commit(),
            "command": " ".join(sys.argv), "host": platform.node(), "torch": torch.__version__,
            "method": "gptq (the CLI's defaults), targets dense, group " + str(a.group_size),
            "calibration": {"num_samples": a.num_samples, "seq_len": a.seq_len, "eval_every": EVAL_EVERY},

@@ -109,6 +109,14 @@ def fingerprint(root: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def commit() -> str | None:
+    """The checkout's commit as `git describe --always --dirty` gives it (None outside git)."""
+    import subprocess
+
+    return subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                          capture_output=True, text=True, check=False).stdout.strip() or None
+
+
 def validation_score(row: dict) -> float:
     """What a configuration is chosen by: the mean KL over the validation texts."""
     v = [x["kl"] for k, x in row["scores"].items() if k.startswith("val:")]
@@ -297,11 +305,7 @@ def main() -> None:
         texts[f"ood:{p.name}"] = windows_of(ids[half:], args.eval_windows, args.ood_len)
     src_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
                                                      trust_remote_code=False).to(dev).eval()
-    import subprocess
-
-    commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-                            capture_output=True, text=True, check=False).stdout.strip() or None
-    res = {"model": args.label, "source_fingerprint": fingerprint(src), "commit": commit,
+    res = {"model": args.label, "source_fingerprint": fingerprint(src), "commit": commit(),
            "targets": "dense (gate/up/down_proj of every layer)", "device": args.device,
            "host": platform.node(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "calibration": {"num_samples": args.num_samples, "seq_len": args.seq_len,
