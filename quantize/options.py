@@ -51,7 +51,7 @@ class ConvertOptions:
     # 5 GB shards: the Hub's recommended maximum file size.
     max_shard_size: int = 5 * 10**9
     num_bits: int = 4
-    # Calibration (methods other than rtn). None: the shipped calib_data/default.jsonl.
+    # Calibration (methods other than rtn). None: the shipped default set (calib.data.DEFAULT_CALIB).
     calib: str | None = None
     # 128 x 2048 = 262k tokens: GPTQ's Hessians settle well before that; GLM-5.2 top-8 over
     # 256 experts gives each expert ~8k routed tokens on average.

@@ -12,11 +12,13 @@ calibration on a shipped set never reads) are the held-out texts, grouped by par
     dialogue  the Python and Debian FAQs as conversations (English and Chinese)
     docs      the Python tutorial, HOWTOs and library chapters
     code      SymPy modules
+    prose     the Debian Administrator's Handbook (English)
     zh        the Debian Reference in Chinese, Tang and Song poems
     ood       calib_data/heldout_english.md (in no calibration set)
 
 Variants calibrate on the other documents: `default` (default's only), `large` (all), `-PART`
-(all but that part). Each output (our gptq, dense MLP targets, the CLI's defaults otherwise) is
+(all but that part), `+PART` (all, that part's documents twice), `~PART` (all, every second
+document of that part left out). Each output (our gptq, dense MLP targets, the CLI's defaults otherwise) is
 loaded back by transformers (compressed-tensors decompression) and scored against the source
 (scripts/bench_quality.py's `score`: perplexity added, mean KL) on `--eval-windows` windows of
 `--eval-len` tokens of each held-out text, chats rendered with the model's chat template.
@@ -25,6 +27,7 @@ loaded back by transformers (compressed-tensors decompression) and scored agains
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import sys
@@ -34,11 +37,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_quality import commit, fingerprint, run_ours, score, windows_of
+from bench_quality import commit, fingerprint, make_source, run_ours, score, windows_of
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS = {"dialogue": ("python-faq", "debian-faq-en", "debian-faq-zh"), "docs": ("python-docs",),
-          "code": ("sympy-code",), "zh": ("debian-reference-zh", "poems-zh")}
+          "code": ("sympy-code",), "prose": ("handbook-en",), "zh": ("debian-reference-zh", "poems-zh")}
 
 
 def group_of(rec: dict) -> str:
@@ -48,7 +51,14 @@ def group_of(rec: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--source", type=Path, required=True, help="a BF16 checkpoint with its tokenizer")
+    ap.add_argument("--source", type=Path, required=True,
+                    help="a BF16 checkpoint with its tokenizer (built there from --gguf when given)")
+    ap.add_argument("--gguf", type=Path, default=None, help="build --source from this GGUF first")
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="with --gguf: the tokenizer folder to save beside it (e.g. one with a chat template)")
+    ap.add_argument("--append", action="store_true", help="keep the runs already in --out")
+    ap.add_argument("--split", action="store_true",
+                    help="score each text's first half of windows as `val:TEXT` (to choose by), its second as TEXT")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench-calib-mix"))
     ap.add_argument("--variants", default="default,large,-dialogue,-docs,-code,-zh")
@@ -68,6 +78,8 @@ def main() -> None:
 
     from quantize.calib.data import EVAL_EVERY, SHIPPED_SETS, eval_reserved, tokenize_documents
 
+    if a.gguf is not None:
+        make_source(a.gguf, a.source, a.tokenizer)
     rows = [json.loads(line) for line in lzma.decompress(SHIPPED_SETS["large"].read_bytes()).decode().splitlines()]
     a.workdir.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(a.source, trust_remote_code=False)
@@ -84,11 +96,18 @@ def main() -> None:
     ood = tok((ROOT / "calib_data" / "heldout_english.md").read_text(encoding="utf-8"),
               add_special_tokens=False)["input_ids"]
     texts["ood"] = windows_of(ood, a.eval_windows, a.eval_len)
+    if a.split:  # the first half of each text's windows validates (a mix is chosen by it), the rest is reported
+        texts = {k2: v2 for k, v in texts.items()
+                 for k2, v2 in ((f"val:{k}", v[: len(v) // 2]), (k, v[len(v) // 2:]))}
     train = [r for i, r in enumerate(rows) if not eval_reserved(i)]
 
     def calib_file(variant: str) -> Path:
         keep = ([r for r in train if group_of(r) == "default"] if variant == "default" else
-                train if variant == "large" else [r for r in train if group_of(r) != variant[1:]])
+                train if variant == "large" else
+                train + [r for r in train if group_of(r) == variant[1:]] if variant[0] == "+" else
+                [r for i, r in enumerate(train) if group_of(r) != variant[1:] or i % 2]
+                if variant[0] == "~" else
+                [r for r in train if group_of(r) != variant[1:]])
         p = a.workdir / f"calib{variant}.jsonl"
         p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in keep), encoding="utf-8")
         return p
@@ -99,7 +118,15 @@ def main() -> None:
            "command": " ".join(sys.argv), "host": platform.node(), "torch": torch.__version__,
            "method": "gptq (the CLI's defaults), targets dense, group " + str(a.group_size),
            "calibration": {"num_samples": a.num_samples, "seq_len": a.seq_len, "eval_every": EVAL_EVERY},
+           "large_sha256": hashlib.sha256(SHIPPED_SETS["large"].read_bytes()).hexdigest(),
+           "device": a.device, "chat_template": bool(getattr(tok, "chat_template", None)),
            "eval": {k: list(v.shape) for k, v in texts.items()}, "runs": []}
+    if a.append and a.out.exists():
+        old = json.loads(a.out.read_text())
+        if old.get("source_fingerprint") != res["source_fingerprint"] or old.get("eval") != res["eval"]:
+            raise SystemExit(f"{a.out}: another source or other held-out windows; not appending")
+        res["runs"] = old["runs"]
+        res["command"] = old["command"] + " ; " + res["command"]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     for seed in [int(s) for s in a.seeds.split(",")]:
         for variant in a.variants.split(","):

@@ -13,6 +13,7 @@ from quantize.calib.data import (
     DEFAULT_CALIB,
     EVAL_EVERY,
     HELDOUT_ENGLISH,
+    SHIPPED_SETS,
     data_sha256,
     eval_reserved,
     join_documents,
@@ -33,20 +34,21 @@ def tok(tmp_path_factory):
     return AutoTokenizer.from_pretrained(str(d))
 
 
-def test_default_set_checksum_matches_readme():
-    readme = (DEFAULT_CALIB.parent / "README.md").read_text()
+def test_small_set_checksum_matches_readme():
+    small = SHIPPED_SETS["small"]
+    readme = (small.parent / "README.md").read_text()
     want = re.search(r"([0-9a-f]{64})  default\.jsonl", readme).group(1)
-    assert hashlib.sha256(DEFAULT_CALIB.read_bytes()).hexdigest() == want
-    docs = read_documents(DEFAULT_CALIB)
+    assert small.name == "default.jsonl" and hashlib.sha256(small.read_bytes()).hexdigest() == want
+    docs = read_documents(small)
     assert any(isinstance(d, list) for d in docs) and any(isinstance(d, str) for d in docs)
 
 
 def test_heldout_english_is_in_no_calibration_set():
     """eval's out-of-domain text: shipped, CC0 as its header says, and no sentence of it in the
-    default calibration set (which would make it in-domain)."""
+    small calibration set (which would make it in-domain; the large set: its own test)."""
     text = HELDOUT_ENGLISH.read_text(encoding="utf-8")
     assert "CC0-1.0" in text.split("-->")[0] and len(text.split()) > 4000
-    calib = DEFAULT_CALIB.read_text(encoding="utf-8")
+    calib = SHIPPED_SETS["small"].read_text(encoding="utf-8")
     sentences = [x.strip() for x in re.split(r"[.!?]\s", text) if len(x.strip()) > 40]
     assert len(sentences) > 150
     assert not [x for x in sentences if x in calib]
@@ -64,20 +66,20 @@ def test_default_sampling_is_deterministic(tok):
 def test_the_shipped_sets_eval_documents_are_never_calibrated_on(tok, tmp_path):
     """Every EVAL_EVERY-th document of the shipped set is kept for eval: a calibration on the
     shipped set (by default or named by its path) reads exactly the others, a copy of the file
-    under another name is an ordinary file (every document read)."""
+    under another name is an ordinary file (every document read). The windows are those of the
+    whole stream tokenized, though only its beginning is (`_stream_prefix`)."""
     docs = read_documents(DEFAULT_CALIB)
     kept = [d for i, d in enumerate(docs) if not eval_reserved(i)]
     reserved = len(docs) - len(kept)
     assert reserved == len(docs) // EVAL_EVERY > 40
+    ids, _ = join_documents(tokenize_documents(kept, tok)[0], 0, tok.eos_token_id)
     for path in (None, str(DEFAULT_CALIB)):
         cs = load_calibration(path, tok, 4, 32, seed=0)
         assert cs.eval_reserve == reserved and cs.documents == len(kept)
         assert cs.summary()["eval_reserve"] == reserved
-        ids, _ = join_documents(tokenize_documents(kept, tok)[0], 0, tok.eos_token_id)
-        assert cs.stream_tokens == len(ids)  # the stream the windows are cut from
-        assert any(torch.equal(row, ids[s: s + 32]) for row in cs.tokens[:1]
-                   for s in range(len(ids) - 31))  # and its windows come from it
-    copy = tmp_path / "copy.jsonl"
+        assert 4 * 32 <= cs.stream_tokens < len(ids) // 20  # the first batch of documents only
+        assert torch.equal(cs.tokens, ids[: 4 * 32].view(4, 32))  # the whole stream's windows
+    copy = tmp_path / "copy.jsonl.xz"
     copy.write_bytes(DEFAULT_CALIB.read_bytes())
     cs = load_calibration(copy, tok, 4, 32, seed=0)
     assert cs.eval_reserve == 0 and cs.documents == len(docs)
@@ -183,10 +185,10 @@ def test_parquet_and_saved_dataset_folders(tmp_path):
 
 def test_batched_tokenization_equals_one_call_per_document(tok):
     """`tokenize_documents` encodes all documents in one batched call: the ids must be those of
-    encoding each rendered document on its own (the default set: prose, code, chats)."""
+    encoding each rendered document on its own (the small set: prose, code, chats)."""
     from quantize.calib.data import _render, tokenize_documents
 
-    docs = read_documents(DEFAULT_CALIB)
+    docs = read_documents(SHIPPED_SETS["small"])
     ids, chats, templated = tokenize_documents(docs, tok)
     want = [tok(_render(d, tok)[0], add_special_tokens=False)["input_ids"] for d in docs]
     assert len(ids) == len(docs) and ids == want
@@ -224,21 +226,21 @@ def test_the_large_shipped_set(tok):
     the documents eval keeps are the same in both sets); every record names a source and a
     licence; Chinese, chats, code; at least 5.5 M characters (1.65 M tokens with Gemma-3's
     tokenizer, README); a calibration on it keeps the same sixth for eval."""
-    from quantize.calib.data import SHIPPED_SETS, shipped_set
+    from quantize.calib.data import shipped_set
 
     large = shipped_set("shipped:large")
-    assert large == SHIPPED_SETS["large"] and shipped_set("shipped:default") == DEFAULT_CALIB
+    assert large == SHIPPED_SETS["large"] == DEFAULT_CALIB and shipped_set("shipped:small") == SHIPPED_SETS["small"]
     readme = (DEFAULT_CALIB.parent / "README.md").read_text()
     want = re.search(r"([0-9a-f]{64})  large\.jsonl\.xz", readme).group(1)
     assert hashlib.sha256(large.read_bytes()).hexdigest() == want
-    docs, small = read_documents(large), read_documents(DEFAULT_CALIB)
+    docs, small = read_documents(large), read_documents(SHIPPED_SETS["small"])
     assert docs[: len(small)] == small and len(docs) > 3 * len(small)
     import lzma
 
     rows = [json.loads(line) for line in lzma.decompress(large.read_bytes()).decode().splitlines()]
     assert all(re.search(r"\((PSF|BSD|GPL|CC0|Debian FAQ licence|poems)", r["source"]) for r in rows)
     text = "".join(d if isinstance(d, str) else "".join(m["content"] for m in d) for d in docs)
-    assert len(text) > 5_500_000
+    assert len(text) > 6_300_000
     assert sum("\u4e00" <= ch <= "\u9fff" for ch in text) > 150_000  # Chinese characters
     assert sum(isinstance(d, list) for d in docs) > 150 and "def " in text
     cs = load_calibration("shipped:large", tok, 2, 32, seed=0)
@@ -246,5 +248,5 @@ def test_the_large_shipped_set(tok):
     heldout = HELDOUT_ENGLISH.read_text(encoding="utf-8")
     sentences = [x.strip() for x in re.split(r"[.!?]\s", heldout) if len(x.strip()) > 40]
     assert not [x for x in sentences if x in text]  # eval's out-of-domain text stays out
-    with pytest.raises(QuantizeError, match="shipped:default, shipped:large"):
+    with pytest.raises(QuantizeError, match="shipped:large, shipped:small"):
         load_calibration("shipped:huge", tok, 2, 32, seed=0)

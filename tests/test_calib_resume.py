@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantize.calib.data import checkpoint_calibration
 from quantize.calib.state import CALIB_STATE, StateDir
 from quantize.errors import QuantizeError
 from quantize.options import ConvertOptions
@@ -245,8 +246,9 @@ def test_resume_refused_after_the_seed_the_tokenizer_or_config_changed(tmp_path)
     original = tok.read_bytes()
     shutil.copy(tok, tmp_path / "tok.bak")
     t = json.loads(original)
-    vocab = t["model"]["vocab"]  # swap two frequent merges' ids: other token ids, same size
-    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab = t["model"]["vocab"]  # swap the ids of two tokens the calibration reads: same size
+    used = checkpoint_calibration(src, opts).tokens.flatten().tolist()
+    a, b = [tk for tk, i in vocab.items() if i in {max(used), min(u for u in used if u > 4)}]
     vocab[a], vocab[b] = vocab[b], vocab[a]
     tok.write_text(json.dumps(t))
     refused(opts, "calibration tokens differ")

@@ -205,10 +205,10 @@ def test_gptq_and_awq_beat_rtn_on_held_out_text(ckpt_dir, tmp_path):
     Measured (this fixture, 8 x 64 calibration tokens, 16 x 64 eval tokens): glm_moe_dsa
     hidden error RTN 0.270 / GPTQ 0.202 / AWQ 0.258, KL 0.0378 / 0.0281 / 0.0376; glm4_moe
     0.245 / 0.156 / 0.210, KL 0.0326 / 0.0177 / 0.0282."""
-    from quantize.calib.data import DEFAULT_CALIB
+    from quantize.calib.data import SHIPPED_SETS
     from quantize.check.evaluate import EvalOptions, evaluate
 
-    lines = DEFAULT_CALIB.read_text().splitlines()
+    lines = SHIPPED_SETS["small"].read_text().splitlines()
     calib, held = tmp_path / "calib.jsonl", tmp_path / "held.jsonl"
     calib.write_text("\n".join(lines[::2]) + "\n")
     held.write_text("\n".join(lines[1::2]) + "\n")

@@ -83,7 +83,7 @@ LOGIT_TOKENS = 1024  # tokens per logits piece: 1024 x 154,880 x 4 B = 0.6 GB pe
 
 @dataclass(frozen=True)
 class EvalOptions:
-    data: str | None = None  # None: the shipped calib_data/default.jsonl
+    data: str | None = None  # None: the default calibration set's reserve (data.DEFAULT_CALIB)
     # 16 x 2048 = 32k scored tokens: the ppl ratio settles to ~0.1% (enough to rank methods)
     # in minutes on a GPU; raise it for a publication-grade figure.
     num_samples: int = 16
@@ -460,15 +460,20 @@ def _windows(src_ckpt, dst: Path, opts: EvalOptions, conv: ConvertOptions, calib
         seq_len = int(limit)
     tok = _tokenizer(src_ckpt, dst)
     data = calib_path(opts.data or None)
-    doc_ids, _, _ = tokenize_documents(read_documents(data), tok)
+    docs = read_documents(data)
     calib_summary = (calib_rep or {}).get("calibration") or {}
     calib, relation = _calib_windows(conv, data, calib_summary.get("sha256"))
     allowed = None
     if is_shipped(data):  # the shipped set: its documents kept for eval (data.EVAL_EVERY)
-        allowed = {i for i in range(len(doc_ids)) if eval_reserved(i)}
+        allowed = {i for i in range(len(docs)) if eval_reserved(i)}
         if calib is not None and calib_summary.get("eval_reserve"):  # never read by the
             calib, relation = None, (f"held out: a calibration on the shipped set never reads "
                                      f"these documents (every {EVAL_EVERY}th)")  # calibration
+    if allowed is not None and calib is None:  # only the reserve is read: only it is tokenized
+        ids = iter(tokenize_documents([docs[i] for i in sorted(allowed)], tok)[0])
+        doc_ids = [next(ids) if i in allowed else [] for i in range(len(docs))]
+    else:
+        doc_ids = tokenize_documents(docs, tok)[0]
     es = select_windows(doc_ids, tok.eos_token_id, opts.num_samples, seq_len, opts.seed, calib,
                         str(data), relation, allowed)
     log(f"eval data: {es.tokens.shape[0]} x {es.tokens.shape[1]} tokens from {data}; calibration: "

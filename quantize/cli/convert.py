@@ -64,9 +64,9 @@ def convert(
     calib: Annotated[str | None, typer.Option(
         help="Calibration text: .jsonl (text or chat messages), .txt/.md, .parquet, a saved "
              "datasets folder, or a Hub dataset ORG/NAME[@REVISION][:SPLIT] (default split: "
-             "train); also compressed (.jsonl.xz, .gz, .bz2). shipped:large is the 1.6 M-token set "
-             "shipped for --num-samples 512 --seq-len 2048 (English and Chinese dialogue, docs, "
-             "code, math). Default: shipped:default (calib_data/default.jsonl, 0.27 M tokens).",
+             "train); also compressed (.jsonl.xz, .gz, .bz2). Default: shipped:large, 1.8 M tokens "
+             "(English and Chinese dialogue, docs, prose, code, math), enough for --num-samples 512 "
+             "--seq-len 2048 without repeating; shipped:small is the 0.27 M-token set before it.",
         rich_help_panel=CALIB)] = None,
     num_samples: Annotated[int, typer.Option(
         help="Calibration sequences.", rich_help_panel=CALIB)] = 128,
@@ -145,7 +145,7 @@ def convert(
       quantize convert zai-org/GLM-5.2-FP8 ./GLM-5.2-INT4     # downloads into HF_HOME first
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --base-model zai-org/GLM-5.2-FP8
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 512
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --num-samples 512 --calib shipped:large
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --num-samples 512 --calib shipped:small
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --rtn-fallback
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --mse-norm 2 --expert-calibration routed-weighted
@@ -312,8 +312,8 @@ def calibration_table(rep: dict, dst: Path, console) -> None:
     if c.get("overlapping"):
         from quantize.calib.data import DEFAULT_CALIB
 
-        more = (" (--calib shipped:large holds ~1.4 M tokens to calibrate on)"
-                if c["source"] == DEFAULT_CALIB.name else "")
+        more = (f" (the default set, {DEFAULT_CALIB.name}, holds ~1.5 M tokens to calibrate on)"
+                if c["source"] != DEFAULT_CALIB.name else "")
         err.print(f"[yellow]note:[/] the {c['num_samples']} calibration windows overlap: "
                   f"{c['source']} holds {c['stream_tokens']:,} tokens{more}", highlight=False)
     n_fb = sum(len(lay.get("fallback") or []) for lay in rep["layers"])

@@ -17,9 +17,9 @@ def eval_(
     dst: Annotated[Path, typer.Argument(help="A finished `quantize convert` output folder.")],
     data: Annotated[str | None, typer.Option(
         help="Eval text (.jsonl, .txt/.md, .parquet or a saved datasets folder, or shipped:NAME). "
-             "Default: shipped:default, the sixth of calib_data/default.jsonl's documents that no "
-             "calibration on a shipped set reads; shipped:large scores the same sixth of the large "
-             "set (every genre in it).")] = None,
+             "Default: shipped:large, the sixth of the default calibration set's documents that no "
+             "calibration on a shipped set reads (every genre in it); shipped:small scores the "
+             "same sixth of the small set (its first 324 documents).")] = None,
     num_samples: Annotated[int, typer.Option(help="Eval windows.")] = 16,
     seq_len: Annotated[int, typer.Option(
         help="Tokens per window (capped to max_position_embeddings).")] = 2048,

@@ -45,7 +45,7 @@ class CalibrationFacts:
     """What calibration-report.json says about the calibration data and the experts' statistics."""
 
     data: str  # the calibration file's name (never a local path)
-    shipped: bool  # the tool's own calib_data/default.jsonl (no --calib given)
+    shipped: bool  # one of the sets shipped with the tool (calib_data/; the default or shipped:NAME)
     sha256: str | None  # of the data's bytes (None: a report from before it was recorded)
     documents: int
     num_samples: int

@@ -292,14 +292,14 @@ _CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }
 
 @functools.lru_cache(maxsize=4)
 def _train_tokenizer(vocab_size: int) -> str:
-    """tokenizer.json text of a byte-level BPE trained on the default calibration set's first
+    """tokenizer.json text of a byte-level BPE trained on the small shipped calibration set's first
     200 kB (a second on one core; every byte is encodable, so any text tokenizes)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from quantize.calib.data import DEFAULT_CALIB, read_documents
+    from quantize.calib.data import SHIPPED_SETS, read_documents
 
     texts = [d if isinstance(d, str) else "\n".join(m["content"] for m in d)
-             for d in read_documents(DEFAULT_CALIB)]
+             for d in read_documents(SHIPPED_SETS["small"])]
     corpus, n = [], 0
     for t in texts:
         corpus.append(t)
