@@ -40,6 +40,7 @@ EXPERT_CALIBRATION ?=
 MIN_EXPERT_TOKENS ?=
 PERCDAMP ?=
 MSE_CLIP ?=
+SCALE_REFIT ?=
 CHECKPOINT_INTERVAL ?=
 MAX_GPU_MEMORY ?=
 BASE_MODEL ?=
@@ -72,6 +73,7 @@ QUANT_FLAGS := --method $(METHOD) --group-size $(GROUP_SIZE) --targets $(TARGETS
   $(if $(MTP),--mtp $(MTP)) $(if $(KEEP_FP8),--keep-fp8) $(if $(EXPERT_CALIBRATION),--expert-calibration $(EXPERT_CALIBRATION)) \
   $(if $(MIN_EXPERT_TOKENS),--min-expert-tokens $(MIN_EXPERT_TOKENS)) \
   $(if $(PERCDAMP),--percdamp $(PERCDAMP)) $(if $(filter 0 no false off,$(MSE_CLIP)),--no-mse-clip,$(if $(MSE_CLIP),--mse-clip)) \
+  $(if $(SCALE_REFIT),--scale-refit $(SCALE_REFIT)) \
   $(if $(BASE_MODEL),--base-model $(BASE_MODEL)) $(if $(CONFIG),--config $(CONFIG))
 CONVERT_FLAGS := --tp $(TP) --device $(DEVICE) --max-shard-size $(MAX_SHARD_SIZE) \
   $(if $(CHECKPOINT_INTERVAL),--checkpoint-interval $(CHECKPOINT_INTERVAL)) \

@@ -84,6 +84,10 @@ class ConvertOptions:
     # the lowest validation KL of our GPTQ variants at groups 32 and 128 (3 seeds); 2 clips
     # more (SmolLM2, whose Q4_1 weights sit on a 4-bit grid, was measured with 2 only).
     mse_norm: int = 3
+    # Rounds of GPTQ's group scales re-fitted by least squares to the chosen codes against the
+    # Hessian (gptq.py `refit_scales`, `GPTQConfig.scale_refit`). 0 (off) by default: an option
+    # while it is measured (BENCHMARKS.md).
+    scale_refit: int = 0
     # the serving scheme the config declares (SCHEMES); the INT4 integers are the same
     scheme: str = "w4a16"
     mtp: str = "int4"
@@ -118,6 +122,8 @@ class ConvertOptions:
             raise ValueError("--min-expert-tokens must be >= 0")
         if not 0 < self.percdamp < 1:
             raise ValueError("--percdamp must be in (0, 1)")
+        if not 0 <= self.scale_refit <= 8:
+            raise ValueError(f"--scale-refit must be 0 (off) to 8 rounds, got {self.scale_refit}")
         if self.mse_norm not in (2, 3):
             raise ValueError(f"--mse-norm must be 2 or 3, got {self.mse_norm}")
         if self.mse_clip and "gptq" not in self.method:

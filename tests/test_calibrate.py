@@ -476,6 +476,35 @@ def test_mse_clip_reaches_gptq_and_verifies(tmp_path):
     assert verify(src, outs[True]).ok
 
 
+def test_scale_refit_reaches_gptq_and_verifies(tmp_path):
+    """--scale-refit through convert: the same codes as plain GPTQ (one round), other group
+    scales in most experts, every calibrated layer's output error on the calibration tokens at
+    most plain GPTQ's (+1e-3 for float noise), recorded in the report; the output verifies."""
+    from quantize.check.verify import verify
+
+    with pytest.raises(ValueError, match="--scale-refit"):
+        ConvertOptions(method="gptq", scale_refit=9)
+    assert ConvertOptions(method="gptq").scale_refit == 0
+    cfg = tiny_config("glm4_moe")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    outs = {n: tmp_path / f"out-{n}" for n in (0, 1)}
+    for n, out in outs.items():
+        convert(src, out, ConvertOptions(method="gptq", scale_refit=n, **CALIB), device="cpu")
+    rep = {n: json.loads((o / CALIB_REPORT).read_text()) for n, o in outs.items()}
+    assert rep[1]["scale_refit"] == 1 and rep[0]["scale_refit"] == 0
+    for a, b in zip(rep[0]["layers"], rep[1]["layers"], strict=True):
+        if a.get("output_rel_error") is not None and a["layer"] == 1:  # layer 1: same inputs
+            assert b["output_rel_error"] <= a["output_rel_error"] + 1e-3, (a, b)
+    idx = json.loads((outs[0] / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.mlp.experts.0.down_proj"
+    got = {n: load_file(o / idx[name + ".weight_packed"]) | load_file(o / idx[name + ".weight_scale"])
+           for n, o in outs.items()}
+    assert torch.equal(got[0][name + ".weight_packed"], got[1][name + ".weight_packed"])
+    assert not torch.equal(got[0][name + ".weight_scale"], got[1][name + ".weight_scale"])
+    assert verify(src, outs[1]).ok
+
+
 def test_overlapping_calibration_windows_are_announced(tmp_path):
     """Too little text for --num-samples x --seq-len: the run says so (log and report)."""
     cfg = tiny_config("glm4_moe")

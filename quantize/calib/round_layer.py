@@ -182,7 +182,7 @@ class LayerRounding:
         self.check_stop = check_stop
         self.gptq_cfg = GPTQConfig(group_size=opts.group_size, symmetric=opts.symmetric,
                                    percdamp=opts.percdamp, mse_clip=opts.mse_clip,
-                                   mse_norm=opts.mse_norm)
+                                   mse_norm=opts.mse_norm, scale_refit=opts.scale_refit)
         self.awq_cfg = AWQConfig(group_size=opts.group_size, symmetric=opts.symmetric)
         self.p = f"model.layers.{L}.mlp."
         self.W = LayerWeights(ckpt, units, device)

@@ -59,7 +59,7 @@ from quantize.names import (
 from quantize.options import ConvertOptions
 from quantize.overlap import Readahead, background
 from quantize.plan import Unit, make_plan
-from quantize.rounding.int4 import Int4Weight, dequantize, rtn_qparams, unpack_int4
+from quantize.rounding.int4 import REFIT_RANGE, Int4Weight, dequantize, rtn_qparams, unpack_int4
 from quantize.source.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor_table
 from quantize.source.layout import layer_of
 from quantize.source.weights import aux_files, resolve_device, source_weight
@@ -217,13 +217,18 @@ def _group_problems(W: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | Non
                     opts: ConvertOptions) -> str | None:
     """Group by group, the written scales (and zero points) against the rule every method
     uses (static groups: `int4.rtn_qparams` of the reference weight W; `--mse-clip` may only
-    shrink a group's range, to 0.80 of it): a single tampered group fails its tensor, which a
+    shrink a group's range, to 0.80 of it; `--scale-refit` moves it within 0.75-1.25 of it,
+    gptq.REFIT_RANGE): a single tampered group fails its tensor, which a
     tensor-wide SQNR would average away (4 doubled groups of 1,280 kept 12+ dB)."""
     want_s, want_z = rtn_qparams(W, opts.group_size, opts.symmetric)
     s, w = scale.float(), want_s.float()
     # 1 %: one bf16 step (0.8 %) of slack for a reference recomputed on another device
-    bad = (s > w * 1.01) | (s < w * 0.79) if opts.mse_clip else (s - w).abs() > 0.01 * w
-    if zp is not None and want_z is not None and not opts.mse_clip:
+    if opts.scale_refit:
+        lo, hi = REFIT_RANGE
+        bad = (s > w * hi * 1.01) | (s < w * lo * 0.99)
+    else:
+        bad = (s > w * 1.01) | (s < w * 0.79) if opts.mse_clip else (s - w).abs() > 0.01 * w
+    if zp is not None and want_z is not None and not (opts.mse_clip or opts.scale_refit):
         bad |= (zp.to(torch.int32) - want_z.to(torch.int32)).abs() > 1
     n = int(bad.sum())
     if n == 0:

@@ -95,6 +95,12 @@ def convert(
         help="The MSE clip's error power, sum H_kk |w - q|^N: 3 clips less than 2 (3 measured "
              "best on weights off a 4-bit grid: BENCHMARKS.md).",
         min=2, max=3, rich_help_panel=CALIB)] = 3,
+    scale_refit: Annotated[int, typer.Option(
+        help="GPTQ: rounds of re-fitting each row's group scales by least squares to the chosen "
+             "codes against the Hessian (1: the codes stay; more: the column loop runs again "
+             "under the re-fitted scales). 0: off. Measured on Gemma-3-270M at one seed, mixed "
+             "(BENCHMARKS.md): an option, not a default.",
+        min=0, max=8, rich_help_panel=CALIB)] = 0,
     rtn_fallback: Annotated[bool, typer.Option(
         help="A calibrated layer whose output error on the calibration tokens exceeds "
              "round-to-nearest's by 1.5x stops the run by default; with this flag that layer is "
@@ -234,7 +240,8 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
                            seq_len=a["seq_len"], seed=a["seed"],
                            expert_calibration=a["expert_calibration"],
                            min_expert_tokens=a["min_expert_tokens"], percdamp=a["percdamp"],
-                           mse_clip=a["mse_clip"], mse_norm=a["mse_norm"], scheme=a["scheme"],
+                           mse_clip=a["mse_clip"], mse_norm=a["mse_norm"],
+                           scale_refit=a["scale_refit"], scheme=a["scheme"],
                            mtp=a["mtp"],
                            keep_fp8=a["keep_fp8"], rtn_fallback=a["rtn_fallback"])
     gpu_bytes = _checked_numbers(a["checkpoint_interval"], a["max_gpu_memory"])
@@ -259,7 +266,8 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
         line(f"convert {src} -> {dst}: {fmt_bytes(total)} to read, {len(plan.shards)} shard(s) "
              f"of {fmt_bytes(plan.output_bytes)}, method {opts.method}"
              + (f" (MSE clip {f'on, norm {opts.mse_norm}' if opts.mse_clip else 'off'}, "
-                f"dampening {opts.percdamp:g})"
+                f"dampening {opts.percdamp:g}"
+                + (f", scales re-fitted x{opts.scale_refit}" if opts.scale_refit else "") + ")"
                 if "gptq" in opts.method else "") + f", device {a['device']}")
         res = run_convert(local, dst, opts, device=a["device"], resume=a["resume"],
                           overwrite=a["overwrite"], on_unit=step, command=command, log=line,

@@ -49,6 +49,10 @@ unless it says otherwise:
   order (`_tree_sum`), so CPU, CUDA and the CUDA path's single Triton kernel
   (`gptq_triton.mse_clip_qparams`, 30x the eager loop on an H200) pick the same scales bit
   for bit.
+- `scale_refit` (ours; off by default, measured in BENCHMARKS.md): once the codes are chosen, each
+  row's group scales are re-fitted by least squares against the same damped Hessian
+  (`refit_scales`); with n > 1 rounds the column loop runs again under the re-fitted scales.
+  The codes of round 1 are plain GPTQ's; the format and the kernels are unchanged.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from quantize.rounding import gptq_triton
 from quantize.rounding.int4 import (
     QMAX,
     QMIN,
+    REFIT_RANGE,
     SCALE_DTYPE,
     Int4Weight,
     quantize_with_qparams,
@@ -81,6 +86,7 @@ __all__ = [
 MAX_DAMP_RETRIES = 4  # 0.01 -> 100: past a dampening of 100x the mean diagonal H is not the problem
 # 1.00, 0.99, ..., 0.80: the range of llm-compressor's mse observer (maxshrink 0.2, step 0.01)
 MSE_SHRINK = tuple(1.0 - i / 100 for i in range(21))
+REFIT_CHUNK_BYTES = 1 << 28  # refit_scales: experts per pass so that one float64 (b, N, K) is <= 256 MiB
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,11 @@ class GPTQConfig:
     # power weighs a group's largest errors more, so it clips less; llm-compressor's
     # imatrix_mse observer uses 3; the CLI's default is 3: options.py)
     mse_norm: int = 2
+    # Rounds of re-fitting: each row's group scales fitted by least squares to the codes GPTQ
+    # chose, against the same damped Hessian (`refit_scales`). 1: the codes stay, the scales
+    # are re-fitted; n > 1: the column loop is run again with the re-fitted scales, and they are
+    # re-fitted to its codes, n times in all. 0: off (the default; an option while measured).
+    scale_refit: int = 0
     # CUDA: run the MSE clip search as one Triton kernel (bit-identical scales), each block's
     # column loop as one Triton kernel (same arithmetic; the update may be fused into an FMA),
     # and factor H by a blocked inverse Cholesky in batched matmuls
@@ -415,6 +426,119 @@ def _propagate(Ww: torch.Tensor, Err1: torch.Tensor, Hinv: torch.Tensor, i1: int
             Ww.view(B * N, K)[:, i2:].addmm_(Err1.reshape(B * N, -1), Hinv[0, i1:i2, i2:], alpha=-1)
 
 
+def _damped(H: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
+    """H (Bh, K, K) + frac · mean(diag H) · I per Hessian, dead inputs' H_ii = 1 first: the
+    matrix `_inverse_cholesky` factors (in the original column order)."""
+    diag = torch.diagonal(H, dim1=-2, dim2=-1)
+    diag = diag.masked_fill(diag == 0, 1.0)
+    Hd = H.clone()
+    torch.diagonal(Hd, dim1=-2, dim2=-1).copy_(diag + (frac * diag.mean(-1))[:, None])
+    return Hd
+
+
+def _row_error(W: torch.Tensor, R: torch.Tensor, Hd: torch.Tensor) -> torch.Tensor:
+    """(w - r) Hd (w - r)ᵀ per row of W, R (B, N, K) against Hd (Bh, K, K): (B, N) float64."""
+    E = (W - R).double()
+    return ((E @ Hd.double()) * E).sum(-1)
+
+
+def refit_scales(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                 zp: torch.Tensor | None, group_size: int, frac: torch.Tensor) -> torch.Tensor:
+    """Group scales (B, N, G) re-fitted to fixed codes q (B, N, K): per row w, the scales s that
+    minimise e Hd eᵀ, e = w - Σ_g s_g q̂_g (q̂ = q - zp, group g's columns), Hd = H damped as
+    GPTQ factored it (`frac` per Hessian). That is the G x G system A s = b with
+    A_gh = q̂_g Hd_gh q̂_hᵀ and b_g = q̂_g (Hd wᵀ)_g, solved per row in float64. GPTQ's scales
+    come from the weights before rounding; once the codes are chosen, other scales can fit the
+    layer's output better. Each scale is clamped to REFIT_RANGE x the rounding rule's (what
+    verify checks), a group whose codes are all 0 keeps its scale, and a row keeps all of its
+    scales when the bf16 re-fit does not lower its error (or is not finite and positive).
+    Experts in chunks of at most REFIT_CHUNK_BYTES per float64 (b, N, K) tensor."""
+    B, N, K = W.shape
+    Hd = _damped(H, frac.to(H.dtype)).double()  # (Bh, K, K)
+    rule = rtn_qparams(W.reshape(B * N, K), group_size, zp is None)[0].reshape(B, N, K // group_size)
+    step = max(1, REFIT_CHUNK_BYTES // (N * K * 8))
+    out = []
+    for b0 in range(0, B, step):
+        b1 = min(b0 + step, B)
+        out.append(_refit_chunk(W[b0:b1], Hd if Hd.shape[0] == 1 else Hd[b0:b1], q[b0:b1],
+                                scale[b0:b1], None if zp is None else zp[b0:b1], group_size,
+                                rule[b0:b1]))
+    return torch.cat(out)
+
+
+def _refit_chunk(W: torch.Tensor, Hd: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                 zp: torch.Tensor | None, g: int, rule: torch.Tensor) -> torch.Tensor:
+    """`refit_scales` for one chunk of experts (Hd float64, already damped)."""
+    B, N, K = W.shape
+    G = K // g
+    Qh = q.double()
+    if zp is not None:
+        Qh = Qh - zp.double().repeat_interleave(g, -1)
+    Wd = W.double()
+    b = (Qh * (Wd @ Hd)).reshape(B, N, G, g).sum(-1)  # (B, N, G)
+    A = torch.empty(B, N, G, G, dtype=torch.float64, device=W.device)
+    for j in range(G):  # A[..., j, :]: group j's codes through Hd's rows of group j
+        M = Qh[..., j * g:(j + 1) * g] @ Hd[:, j * g:(j + 1) * g, :]  # (B, N, K)
+        A[..., j, :] = (M * Qh).reshape(B, N, G, g).sum(-1)
+    s0 = scale.double()
+    dA = torch.diagonal(A, dim1=-2, dim2=-1)  # (B, N, G)
+    # a ridge towards the old scales: 1e-9 of the row's mean diagonal (numerics only); a group of
+    # zero codes has an empty row and column in A, and the ridge alone pins it to its old scale
+    ridge = 1e-9 * dA.mean(-1, keepdim=True) + (dA == 0).double()
+    dA += ridge
+    s = torch.linalg.solve(A, b + ridge * s0)  # (B, N, G)
+    r = rule.double()
+    s = torch.minimum(torch.maximum(s, REFIT_RANGE[0] * r), REFIT_RANGE[1] * r).to(scale.dtype)
+    s = torch.where(torch.isfinite(s) & (s > 0), s, scale)
+
+    def served(sc: torch.Tensor) -> torch.Tensor:  # bf16((q - zp) · scale), as `_dequant`
+        return (Qh * sc.double().repeat_interleave(g, -1)).to(SCALE_DTYPE).double()
+
+    better = _row_error(Wd, served(s), Hd) < _row_error(Wd, served(scale), Hd)  # (B, N)
+    return torch.where(better[..., None], s, scale)
+
+
+def _codes(Wb: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, Hinv: torch.Tensor,
+           perm: torch.Tensor, dead: torch.Tensor, g: int, blocksize: int, fused: bool) -> torch.Tensor:
+    """GPTQ's column loop: the codes (B, N, K) int8 of Wb (B, N, K) float32 under the static group
+    scale / zp (B, N, G), processed in the order perm (Bh, K) with Hinv = `_inverse_cholesky`'s."""
+    B, N, K = Wb.shape
+    Ww = Wb.gather(-1, perm[:, None, :].expand(B, N, K))  # (B, N, K) working copy, permuted
+    Ww.masked_fill_(dead[:, None, :], 0.0)  # dead inputs: the weight does not matter, q = 0
+    group_of = perm // g  # (Bh, K) group of each processed column, in the original order
+
+    q_perm = torch.empty(B, N, K, dtype=torch.int8, device=Wb.device)
+    Hinv = Hinv.contiguous()
+    for i1 in range(0, K, blocksize):
+        i2 = min(i1 + blocksize, K)
+        count = i2 - i1
+        idx = group_of[:, None, i1:i2].expand(B, N, count)  # (B, N, count)
+        s1 = scale.gather(-1, idx)  # (B, N, count) bf16 scale of each column's group
+        s1f = s1.float()
+        z1 = None if zp is None else zp.gather(-1, idx)
+        z1f = None if z1 is None else z1.float()
+
+        W1 = Ww[..., i1:i2].contiguous()  # (B, N, count), a copy
+        if fused:  # CUDA: the column loop in one kernel (quantize/rounding/gptq_triton.py)
+            Err1 = gptq_triton.gptq_block(W1, s1.contiguous(), z1, Hinv, i1, q_perm, QMIN, QMAX)
+            _propagate(Ww, Err1, Hinv, i1, i2)
+            continue
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[:, i1:i2, i1:i2]  # (Bh, count, count)
+        for i in range(count):
+            w = W1[..., i]  # (B, N)
+            d = Hinv1[:, i, i][:, None]  # (Bh, 1)
+            q = _quantize_column(w, s1f[..., i], None if z1f is None else z1f[..., i])
+            q_perm[..., i1 + i] = q.to(torch.int8)
+            Q = _dequant(q, s1[..., i], None if z1 is None else z1[..., i])  # (B, N)
+            err = (w - Q) / d  # (B, N)
+            W1[..., i:] -= err[..., None] * Hinv1[:, None, i, i:]
+            Err1[..., i] = err
+        _propagate(Ww, Err1, Hinv, i1, i2)
+
+    return torch.empty_like(q_perm).scatter_(-1, perm[:, None, :].expand(B, N, K), q_perm)
+
+
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig()
                   ) -> GPTQResult:
     """GPTQ-round W (..., N, K) against H (..., K, K) (or one shared (K, K)); inputs untouched.
@@ -452,40 +576,11 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig
     fused = cfg.fused and cfg.blocksize <= 128 and gptq_triton.available(Wb)
     # (Bh, K, K) upper; the fused (CUDA) path also takes the cheaper factorization
     Hinv, dead, damp, retries = _inverse_cholesky(Hb, perm, cfg.percdamp, flipped=fused)
-    Ww = Wb.gather(-1, perm[:, None, :].expand(B, N, K))  # (B, N, K) working copy, permuted
-    Ww.masked_fill_(dead[:, None, :], 0.0)  # dead inputs: the weight does not matter, q = 0
-    group_of = perm // g  # (Bh, K) group of each processed column, in the original order
-
-    q_perm = torch.empty(B, N, K, dtype=torch.int8, device=W.device)
-    Hinv = Hinv.contiguous()
-    for i1 in range(0, K, cfg.blocksize):
-        i2 = min(i1 + cfg.blocksize, K)
-        count = i2 - i1
-        idx = group_of[:, None, i1:i2].expand(B, N, count)  # (B, N, count)
-        s1 = scale.gather(-1, idx)  # (B, N, count) bf16 scale of each column's group
-        s1f = s1.float()
-        z1 = None if zp is None else zp.gather(-1, idx)
-        z1f = None if z1 is None else z1.float()
-
-        W1 = Ww[..., i1:i2].contiguous()  # (B, N, count), a copy
-        if fused:  # CUDA: the column loop in one kernel (quantize/rounding/gptq_triton.py)
-            Err1 = gptq_triton.gptq_block(W1, s1.contiguous(), z1, Hinv, i1, q_perm, QMIN, QMAX)
-            _propagate(Ww, Err1, Hinv, i1, i2)
-            continue
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[:, i1:i2, i1:i2]  # (Bh, count, count)
-        for i in range(count):
-            w = W1[..., i]  # (B, N)
-            d = Hinv1[:, i, i][:, None]  # (Bh, 1)
-            q = _quantize_column(w, s1f[..., i], None if z1f is None else z1f[..., i])
-            q_perm[..., i1 + i] = q.to(torch.int8)
-            Q = _dequant(q, s1[..., i], None if z1 is None else z1[..., i])  # (B, N)
-            err = (w - Q) / d  # (B, N)
-            W1[..., i:] -= err[..., None] * Hinv1[:, None, i, i:]
-            Err1[..., i] = err
-        _propagate(Ww, Err1, Hinv, i1, i2)
-
-    q = torch.empty_like(q_perm).scatter_(-1, perm[:, None, :].expand(B, N, K), q_perm)
+    q = _codes(Wb, scale, zp, Hinv, perm, dead, g, cfg.blocksize, fused)
+    for _ in range(int(cfg.scale_refit) - 1):  # each round: scales fitted to the codes, then codes
+        scale = refit_scales(Wb, Hb, q, scale, zp, g, damp)  # to those scales
+        q = _codes(Wb, scale, zp, Hinv, perm, dead, g, cfg.blocksize, fused)
+    scale = refit_scales(Wb, Hb, q, scale, zp, g, damp) if cfg.scale_refit else scale
     G = K // g
     weight = Int4Weight(q.reshape(*lead, N, K), scale.reshape(*lead, N, G),
                         None if zp is None else zp.reshape(*lead, N, G))

@@ -51,6 +51,9 @@ __all__ = [
 
 QMIN, QMAX = -8, 7
 SCALE_DTYPE = torch.bfloat16
+# gptq.refit_scales keeps each scale within these multiples of the rounding rule's (rtn_qparams
+# of the weight): the range `verify` accepts from a run with --scale-refit
+REFIT_RANGE = (0.75, 1.25)
 
 
 class Int4Weight(NamedTuple):
