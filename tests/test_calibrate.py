@@ -503,6 +503,11 @@ def test_scale_refit_reaches_gptq_and_verifies(tmp_path):
     assert torch.equal(got[0][name + ".weight_packed"], got[1][name + ".weight_packed"])
     assert not torch.equal(got[0][name + ".weight_scale"], got[1][name + ".weight_scale"])
     assert verify(src, outs[1]).ok
+    # zero points stay the rule's: verify still checks them (asymmetric, no clip, two rounds)
+    asym = tmp_path / "asym"
+    convert(src, asym, ConvertOptions(method="gptq", symmetric=False, mse_clip=False, scale_refit=2,
+                                      **CALIB), device="cpu")
+    assert verify(src, asym).ok
 
 
 def test_overlapping_calibration_windows_are_announced(tmp_path):

@@ -218,7 +218,7 @@ def _group_problems(W: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | Non
     """Group by group, the written scales (and zero points) against the rule every method
     uses (static groups: `int4.rtn_qparams` of the reference weight W; `--mse-clip` may only
     shrink a group's range, to 0.80 of it; `--scale-refit` moves it within 0.75-1.25 of it,
-    gptq.REFIT_RANGE): a single tampered group fails its tensor, which a
+    int4.REFIT_RANGE, and keeps the zero points): a single tampered group fails its tensor, which a
     tensor-wide SQNR would average away (4 doubled groups of 1,280 kept 12+ dB)."""
     want_s, want_z = rtn_qparams(W, opts.group_size, opts.symmetric)
     s, w = scale.float(), want_s.float()
@@ -228,7 +228,7 @@ def _group_problems(W: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | Non
         bad = (s > w * hi * 1.01) | (s < w * lo * 0.99)
     else:
         bad = (s > w * 1.01) | (s < w * 0.79) if opts.mse_clip else (s - w).abs() > 0.01 * w
-    if zp is not None and want_z is not None and not (opts.mse_clip or opts.scale_refit):
+    if zp is not None and want_z is not None and not opts.mse_clip:
         bad |= (zp.to(torch.int32) - want_z.to(torch.int32)).abs() > 1
     n = int(bad.sum())
     if n == 0:
