@@ -367,6 +367,11 @@ FACTOR_TF32 = True
 PROPAGATE_TF32 = True
 
 
+def _damp(diag: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
+    """Damped Hessian diagonals: diag (b, K) (dead inputs already 1) + frac (b,) · their mean."""
+    return diag + (frac * diag.mean(-1))[:, None]
+
+
 def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, percdamp: float, flipped: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Hinv = chol((P H Pᵀ + damp I)⁻¹)ᵀ for H (Bh, K, K) in the processing order perm (Bh, K).
@@ -378,8 +383,7 @@ def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, percdamp: float, flip
     Bh, K = H.shape[0], H.shape[-1]
     diag = torch.diagonal(H, dim1=-2, dim2=-1).gather(-1, perm)  # (Bh, K) processing order
     dead = diag == 0
-    diag = diag.masked_fill(dead, 1.0)
-    mean_diag = diag.mean(-1)  # (Bh,) after the dead fix, as the reference
+    diag = diag.masked_fill(dead, 1.0)  # the damping's mean is taken after this, as the reference
     frac = torch.full((Bh,), percdamp, dtype=torch.float32, device=H.device)
     todo = torch.arange(Bh, device=H.device)
     Hinv = None
@@ -391,7 +395,7 @@ def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, percdamp: float, flip
         A = torch.empty(len(todo), K, K, dtype=H.dtype, device=H.device)  # permuted copies
         for j, (h, pj) in enumerate(zip(todo.tolist(), p)):  # (advanced indexing of the whole
             A[j] = H[h].index_select(0, pj).index_select(1, pj)  # batch builds batch-sized indices)
-        d = diag[todo] + (frac[todo] * mean_diag[todo])[:, None]
+        d = _damp(diag[todo], frac[todo])
         torch.diagonal(A, dim1=-2, dim2=-1).copy_(d.flip(-1) if flipped else d)
         ok = _factor_flipped_inplace(A) if flipped else _factor_inplace(A)
         if Hinv is None:
@@ -430,16 +434,15 @@ def _damped(H: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
     """H (Bh, K, K) + frac · mean(diag H) · I per Hessian, dead inputs' H_ii = 1 first: the
     matrix `_inverse_cholesky` factors (in the original column order)."""
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
-    diag = diag.masked_fill(diag == 0, 1.0)
     Hd = H.clone()
-    torch.diagonal(Hd, dim1=-2, dim2=-1).copy_(diag + (frac * diag.mean(-1))[:, None])
+    torch.diagonal(Hd, dim1=-2, dim2=-1).copy_(_damp(diag.masked_fill(diag == 0, 1.0), frac))
     return Hd
 
 
 def _row_error(W: torch.Tensor, R: torch.Tensor, Hd: torch.Tensor) -> torch.Tensor:
-    """(w - r) Hd (w - r)ᵀ per row of W, R (B, N, K) against Hd (Bh, K, K): (B, N) float64."""
-    E = (W - R).double()
-    return ((E @ Hd.double()) * E).sum(-1)
+    """(w - r) Hd (w - r)ᵀ per row of W, R (B, N, K) against Hd (Bh, K, K), all float64: (B, N)."""
+    E = W - R
+    return ((E @ Hd) * E).sum(-1)
 
 
 def refit_scales(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -577,10 +580,10 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig
     # (Bh, K, K) upper; the fused (CUDA) path also takes the cheaper factorization
     Hinv, dead, damp, retries = _inverse_cholesky(Hb, perm, cfg.percdamp, flipped=fused)
     q = _codes(Wb, scale, zp, Hinv, perm, dead, g, cfg.blocksize, fused)
-    for _ in range(int(cfg.scale_refit) - 1):  # each round: scales fitted to the codes, then codes
-        scale = refit_scales(Wb, Hb, q, scale, zp, g, damp)  # to those scales
-        q = _codes(Wb, scale, zp, Hinv, perm, dead, g, cfg.blocksize, fused)
-    scale = refit_scales(Wb, Hb, q, scale, zp, g, damp) if cfg.scale_refit else scale
+    for r in range(cfg.scale_refit):  # each round: scales fitted to the codes; between rounds,
+        scale = refit_scales(Wb, Hb, q, scale, zp, g, damp)  # codes under those scales
+        if r + 1 < cfg.scale_refit:
+            q = _codes(Wb, scale, zp, Hinv, perm, dead, g, cfg.blocksize, fused)
     G = K // g
     weight = Int4Weight(q.reshape(*lead, N, K), scale.reshape(*lead, N, G),
                         None if zp is None else zp.reshape(*lead, N, G))
