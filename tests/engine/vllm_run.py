@@ -6,9 +6,7 @@ Run in its own process (one vLLM engine per process). Saves {"params": every par
 the weight loader wrote it (vllm_dequant_moe.loaded_parameters), "logprobs": float32
 [T - 1, vocab] prompt log-probs (row t: the distribution of token t + 1 given tokens 0..t;
 None with --loader-only: the engine is built and its weights loaded and post-processed, no
-forward), "methods": each module's quantization method and scheme class, "wna16_linear_kernel":
-whether this CPU's vLLM library has the INT4 Linear kernel (cpu_gemm_wna16: its AVX-512 build
-has it, the AVX2 build not)}.
+forward), "methods": each module's quantization method and scheme class}.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ def main(model_dir: str, out: str, prompt: str, *flags: str) -> None:
               max_model_len=128, max_num_seqs=1, max_num_batched_tokens=128, max_logprobs=vocab,
               seed=0)
     result = {"params": vllm_dequant_moe.loaded_parameters(), "logprobs": None,
-              "methods": vllm_dequant_moe.quant_methods(),
-              "wna16_linear_kernel": hasattr(torch.ops._C, "cpu_gemm_wna16")}
+              "methods": vllm_dequant_moe.quant_methods()}
     if "--loader-only" in flags:
         torch.save(result, out)
         return
