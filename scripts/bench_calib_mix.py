@@ -17,8 +17,8 @@ calibration on a shipped set never reads) are the held-out texts, grouped by par
     ood       calib_data/heldout_english.md (in no calibration set)
 
 Variants calibrate on the other documents: `default` (default's only), `large` (all), `-PART`
-(all but that part), `+PART` (all, that part's documents twice), `~PART` (all, every second
-document of that part left out). Each output (our gptq, dense MLP targets, the CLI's defaults otherwise) is
+(all but that part), `+PART` (all, that part's documents twice), `~PART` (all, that part's
+documents at even positions of the calibration documents left out: about half of it). Each output (our gptq, dense MLP targets, the CLI's defaults otherwise) is
 loaded back by transformers (compressed-tensors decompression) and scored against the source
 (scripts/bench_quality.py's `score`: perplexity added, mean KL) on `--eval-windows` windows of
 `--eval-len` tokens of each held-out text, chats rendered with the model's chat template.
