@@ -43,7 +43,8 @@ def disk_needed(plan: Plan, device: torch.device | str, previous: dict | None = 
     """Bytes a conversion still has to write into its output folder: the shards the
     manifest does not hold yet, and for calibrated methods the resume checkpoints (each the
     hidden states of every calibration token: bf16 on a GPU, float32 on the CPU; none with an
-    infinite `checkpoint_interval`). `at_once`: how many checkpoints are kept on disk at once,
+    infinite `checkpoint_interval`; twice that with `--gptaq`, which carries the unrounded
+    model's hidden states too). `at_once`: how many checkpoints are kept on disk at once,
     MAX_CHECKPOINTS, or with `free` bytes known as many as fit beside the shards (at least 1:
     `total` is then the least the run needs)."""
     held = set((previous or {}).get("files", {}))
@@ -54,6 +55,8 @@ def disk_needed(plan: Plan, device: torch.device | str, previous: dict | None = 
         itemsize = 2 if str(device).startswith("cuda") else 4
         one = checkpoint_bytes(o.num_samples, o.seq_len, plan.hidden_size, itemsize,
                                plan.index_topk)
+        if o.gptaq:  # the unrounded model's stream is carried (and checkpointed) beside it
+            one *= 2
     at_once = MAX_CHECKPOINTS if one else 0
     if one and free is not None:
         at_once = max(1, min(MAX_CHECKPOINTS, (free - shards) // one))

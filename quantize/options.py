@@ -88,6 +88,11 @@ class ConvertOptions:
     # Hessian (gptq.py `refit_scales`, `GPTQConfig.scale_refit`). 0 (off) by default: an option
     # while it is measured (BENCHMARKS.md).
     scale_refit: int = 0
+    # Asymmetric calibration (GPTAQ): GPTQ fits each dense / shared-expert Linear to the
+    # unrounded model's outputs, not to the unrounded layer's on the rounded model's inputs;
+    # the fraction of that step taken, 0 (off, the default: an option while measured) to 1.
+    # A second stream of hidden states is carried (gptq.py `gptaq_target`).
+    gptaq: float = 0.0
     # the serving scheme the config declares (SCHEMES); the INT4 integers are the same
     scheme: str = "w4a16"
     mtp: str = "int4"
@@ -124,6 +129,10 @@ class ConvertOptions:
             raise ValueError("--percdamp must be in (0, 1)")
         if not 0 <= self.scale_refit <= 8:
             raise ValueError(f"--scale-refit must be 0 (off) to 8 rounds, got {self.scale_refit}")
+        if not 0 <= self.gptaq <= 1:
+            raise ValueError(f"--gptaq must be a fraction from 0 (off) to 1, got {self.gptaq}")
+        if self.gptaq and "gptq" not in self.method:
+            raise ValueError("--gptaq moves GPTQ's targets: use it with --method gptq or awq+gptq")
         if self.mse_norm not in (2, 3):
             raise ValueError(f"--mse-norm must be 2 or 3, got {self.mse_norm}")
         if self.mse_clip and "gptq" not in self.method:

@@ -17,6 +17,12 @@ MoE statistics (`expert_calibration`):
     all     every expert's statistics from every token: the gate/up Hessian is the layer's
             single all-token Hessian, the down Hessians from every token through every expert;
             only routed outputs flow on
+
+`--gptaq` (asymmetric calibration): the forwards also take `x_fp`, the same tokens' MLP inputs in
+the unrounded model (the calibration carries that stream too), and the dense / shared Linears
+get D = 2 (Xf - X)ᵀ X / n beside H = 2 XᵀX / n (`D_in`, `D_down`; the down projection's inputs
+in both streams through the unrounded gate/up). Routed experts keep plain GPTQ: which tokens
+reach an expert differs between the two streams.
 """
 
 from __future__ import annotations
@@ -76,6 +82,9 @@ class MLPStats:
     x_sample: list[torch.Tensor] = field(default_factory=list)  # all-token MLP inputs (float32)
     inter_sample: list[torch.Tensor] = field(default_factory=list)  # dense/shared down inputs
     inter_e: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # routed down inputs
+    D_in: torch.Tensor | None = None  # --gptaq: 2 (Xf - X)ᵀ X / n of the MLP inputs (H, H)
+    D_down: torch.Tensor | None = None  # --gptaq: the same of the dense / shared down inputs
+    n_asym: int = 0  # tokens in D_in and D_down
 
     def __post_init__(self) -> None:
         self.expert_tokens = [0] * self.num_experts
@@ -110,6 +119,11 @@ class MLPStats:
             self.H_in = d.all_reduce(self.H_in * (n_in / self.tokens))
         if self.H_down is not None:
             self.H_down = d.all_reduce(self.H_down * (n_down / self.n_down))
+        if self.D_in is not None:  # (--gptaq: every rank carries both streams)
+            n_a = self.n_asym
+            self.n_asym = int(d.all_reduce(torch.tensor([n_a], dtype=torch.int64)).item())
+            self.D_in = d.all_reduce(self.D_in * (n_a / self.n_asym))
+            self.D_down = d.all_reduce(self.D_down * (n_a / self.n_asym))
         xs = torch.cat(self.x_sample) if self.x_sample else None
         shape = d.broadcast_object(None if xs is None else tuple(xs.shape))
         if shape is not None:
@@ -125,6 +139,18 @@ class MLPStats:
             # call index len(x_store) - 1, as routed() recorded; None: `x_of` recomputes it
             self.x_store.append(x if self.x_of is None else None)
         self._keep(self.x_sample, x, SAMPLE_TOKENS)
+
+    def asym(self, xf: torch.Tensor, x: torch.Tensor, interf: torch.Tensor,
+             inter: torch.Tensor) -> None:
+        """--gptaq: the same tokens' MLP inputs (T, H) and down inputs (T, I) in the unrounded
+        model's stream (xf, interf) and in the rounded one's (x, inter), into the running means
+        D = 2 (Xf - X)ᵀ X / n."""
+        if xf.shape != x.shape or interf.shape != inter.shape:
+            raise ValueError(f"MLPStats.asym: the streams' shapes differ ({tuple(xf.shape)} vs "
+                             f"{tuple(x.shape)}, {tuple(interf.shape)} vs {tuple(inter.shape)})")
+        n_old, self.n_asym = self.n_asym, self.n_asym + x.shape[0]
+        self.D_in = _cross_mean(self.D_in, xf, x, n_old, self.n_asym)
+        self.D_down = _cross_mean(self.D_down, interf, inter, n_old, self.n_asym)
 
     def down_input(self, inter: torch.Tensor) -> None:  # dense / shared (T, I)
         if self.hessians:
@@ -216,6 +242,16 @@ class MLPStats:
         return H if H is not None else torch.zeros(K, K, device=like.device)
 
 
+def _cross_mean(D: torch.Tensor | None, xf: torch.Tensor, x: torch.Tensor, n_old: int,
+                n: int) -> torch.Tensor:
+    """The running mean 2 (Xf - X)ᵀ X / n, float32, updated with one batch of rows."""
+    x32 = x.float()
+    step = (xf.float() - x32).mT @ x32
+    if D is None:
+        return step.mul_(2.0 / n)
+    return D.mul_(n_old / n).add_(step, alpha=2.0 / n)
+
+
 def _weighted(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     """Rows of x (n, K) scaled by w (n,) in x's dtype (None: x itself), so that XᵀX sums
     w_t^2 x_t x_tᵀ."""
@@ -230,10 +266,11 @@ def expert_inter(experts: torch.nn.Module, es: range, x: torch.Tensor) -> torch.
 
 
 def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = None,
-                outputs: bool = True) -> torch.Tensor | None:
+                outputs: bool = True, x_fp: torch.Tensor | None = None) -> torch.Tensor | None:
     """`GlmMoeDsaMoE.forward` / `Glm4MoeMoE.forward`, op for op, exposing each expert's routed
     tokens (and, with `stats.all_experts`, every expert's activations on every token).
-    `outputs=False`: statistics only, returns None (no down projections, no sum)."""
+    `outputs=False`: statistics only, returns None (no down projections, no sum). `x_fp`: the
+    same tokens in the unrounded model's stream (--gptaq: the shared experts' D terms)."""
     shape = x.shape
     _, topk_weights, topk_indices = moe.gate(x)  # (T, k) each
     xf = x.reshape(-1, shape[-1])  # (T, H)
@@ -267,6 +304,8 @@ def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = 
     sh = moe.shared_experts
     inter_s = sh.act_fn(sh.gate_proj(x)) * sh.up_proj(x)
     if stats is not None:
+        if x_fp is not None:
+            _asym(stats, sh, x_fp, x, inter_s)
         stats.mlp_input(xf)
         stats.down_input(inter_s.reshape(-1, inter_s.shape[-1]))
         if stats.all_experts and stats.hessians:
@@ -276,11 +315,23 @@ def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = 
     return out.view(*shape) + sh.down_proj(inter_s) if outputs else None
 
 
+def _asym(stats: MLPStats, mlp: torch.nn.Module, x_fp: torch.Tensor, x: torch.Tensor,
+          inter: torch.Tensor) -> None:
+    """--gptaq: a gate/up/down MLP's (dense, or the shared experts) D terms from the unrounded
+    model's inputs x_fp and the rounded one's x (its intermediate `inter` already computed)."""
+    inter_fp = mlp.act_fn(mlp.gate_proj(x_fp)) * mlp.up_proj(x_fp)
+    H, I = x.shape[-1], inter.shape[-1]
+    stats.asym(x_fp.reshape(-1, H), x.reshape(-1, H), inter_fp.reshape(-1, I), inter.reshape(-1, I))
+
+
 def dense_forward(mlp: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = None,
-                  outputs: bool = True) -> torch.Tensor | None:
-    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))` (GLM / Llama MLP), feeding `stats`."""
+                  outputs: bool = True, x_fp: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))` (GLM / Llama MLP), feeding `stats`
+    (`x_fp`: the same tokens in the unrounded model's stream, --gptaq)."""
     inter = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
     if stats is not None:
+        if x_fp is not None:
+            _asym(stats, mlp, x_fp, x, inter)
         stats.mlp_input(x.reshape(-1, x.shape[-1]))
         stats.down_input(inter.reshape(-1, inter.shape[-1]))
     return mlp.down_proj(inter) if outputs else None

@@ -8,7 +8,11 @@ layer after layer on its thread):
     pass 2  the carried hidden states through the rounded layer (the next layer's inputs)
 
 `Carry` is what goes from one layer to the next (and into a resume checkpoint): the hidden
-states in chunks, the DSA top-k, the report's entries, the AWQ scales as applied.
+states in chunks, the DSA top-k, the report's entries, the AWQ scales as applied. With
+`--gptaq` it also carries the unrounded model's hidden states (`fp`, and their top-k): pass 1
+runs the unrounded layer on them too (their MLP inputs paired with the rounded stream's for the
+statistics' D terms, their outputs the next layer's `fp`), and the RTN guard measures both
+candidates against the unrounded model's layer output, the target GPTAQ fits.
 """
 
 from __future__ import annotations
@@ -132,7 +136,8 @@ class Carry:
     """What the calibration carries from layer to layer, and what a resume checkpoint holds:
     the hidden states of the calibration tokens (chunks; None before the embedding), the DSA
     top-k each chunk passes on, whether the hidden states live off the GPU, the report's entry
-    of every layer run, the AWQ scales as applied, and the MTP layers not calibrated (why)."""
+    of every layer run, the AWQ scales as applied, and the MTP layers not calibrated (why);
+    with --gptaq the unrounded model's hidden states and top-k (`fp`, `fp_topk`)."""
 
     hidden: HiddenStates | None = None
     topk: list[torch.Tensor | None] = field(default_factory=list)
@@ -140,6 +145,8 @@ class Carry:
     layers: list[dict] = field(default_factory=list)
     awq_scales: dict[str, torch.Tensor] = field(default_factory=dict)
     mtp_skip: dict[int, str] = field(default_factory=dict)
+    fp: HiddenStates | None = None  # --gptaq: the unrounded model's hidden states, chunked alike
+    fp_topk: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class LayerRunner:
@@ -178,11 +185,14 @@ class LayerRunner:
         entry: dict = {"layer": L, "mlp": kind}
         if not active:
             self.before_overwrite()
-            for i in range(len(self.carry.hidden)):
-                self.check_stop()
-                h, self.carry.topk[i] = run_layer(self.skeleton, layer, self.inputs, self.carry.hidden.on_device(i),
-                                            self.carry.topk[i])
-                self.carry.hidden.put(i, h)
+            streams = [(self.carry.hidden, self.carry.topk)]
+            if self.carry.fp is not None:
+                streams.append((self.carry.fp, self.carry.fp_topk))
+            for hs, topk in streams:
+                for i in range(len(hs)):
+                    self.check_stop()
+                    h, topk[i] = run_layer(self.skeleton, layer, self.inputs, hs.on_device(i), topk[i])
+                    hs.put(i, h)
             entry["quantized"] = 0
         else:
             with torch_profile(L, self.device, self._profiled):
@@ -216,14 +226,18 @@ class LayerRunner:
                          router_weighted=o.expert_calibration == "routed-weighted",
                          store_tokens=not self.carry.spilled and not HiddenStates.should_spill(2 * kept, self.device))
         clock = _Clock(self.device)
-        ref0, h0, halves = self._pass1(L, layer, kind, stats)
+        ref0, h0, halves, fp0 = self._pass1(L, layer, kind, stats)
+        # the errors below: each candidate's layer output (its change to the residual stream)
+        # against the unrounded layer's on the same inputs, or with --gptaq against the
+        # unrounded model's (fp0: its output and input on chunk 0), the target GPTAQ fits
+        want = (ref0 - h0) if fp0 is None else (fp0[0] - fp0[1])
         clock.lap("pass1_forward_statistics")
         stats.all_reduce(self.dist, self.device)  # several ranks: counts and shared statistics summed
         quant = [n for n, t in targets.items() if t.quantize]
         # what round-to-nearest would give on chunk 0 (the module's targets rounded in place:
         # the rounding below reads the source from the checkpoint and overwrites every one)
         round_in_place(layer, L, quant, o.group_size, o.symmetric)
-        rtn_err = self._err(self._chunk0_output(layer, halves) - h0, ref0 - h0)
+        rtn_err = self._err(self._chunk0_output(layer, halves) - h0, want)
         clock.lap("rtn_reference")
 
         rounding = LayerRounding(L, mlp, kind, targets, stats, self.ckpt, self.units, o,
@@ -246,7 +260,7 @@ class LayerRunner:
         clock.lap("rounding")
 
         # ---- the calibrated layer against round-to-nearest, on chunk 0 (in sample)
-        err = self._err(self._chunk0_output(layer, halves) - h0, ref0 - h0)
+        err = self._err(self._chunk0_output(layer, halves) - h0, want)
         report["check"] = {"chunk0_rel_error": err, "rtn_rel_error": rtn_err,
                            "margin": REGRESSION_MARGIN}
         worse = err > REGRESSION_MARGIN * rtn_err + 1e-12
@@ -271,7 +285,11 @@ class LayerRunner:
 
         # ---- pass 2: the next layer's inputs through the quantized layer
         out0 = self._pass2(layer, halves)
-        report["output_rel_error"] = self._err(out0 - h0, ref0 - h0)
+        report["output_rel_error"] = self._err(out0 - h0, want)
+        if stats.D_in is not None:  # how far the streams had drifted, relative to H
+            report["gptaq"] = {"fraction": o.gptaq, "tokens": stats.n_asym,
+                               "D_in_rel": float(stats.D_in.norm() / stats.H_in.norm().clamp(min=1e-30)),
+                               "D_down_rel": float(stats.D_down.norm() / stats.H_down.norm().clamp(min=1e-30))}
         report["attention_once"] = halves is not None
         clock.lap("pass2_forward")
         report["timing_s"] = clock.laps
@@ -336,37 +354,59 @@ class LayerRunner:
                               L, self.ckpt.model_type)
 
     def _pass1(self, L: int, layer, kind: str, stats: MLPStats
-               ) -> tuple[torch.Tensor, torch.Tensor, SplitLayer | None]:
+               ) -> tuple[torch.Tensor, torch.Tensor, SplitLayer | None,
+                          tuple[torch.Tensor, torch.Tensor] | None]:
         """Pass 1: the layer over every chunk, the MLP's statistics on. Where the layer splits
         into its halves (`SplitLayer.check` on chunk 0, bit for bit), the attention runs once
         per chunk, its output h1 replaces the chunk (pass 2 starts there), and the statistics
         forward runs on groups of chunks without computing outputs nobody reads; else whole
-        layers. Returns (chunk 0's output through the unrounded layer, chunk 0's input, the
-        split or None)."""
+        layers. --gptaq: the unrounded model's stream through the unrounded layer too, chunk by
+        chunk beside the rounded one's (its MLP inputs paired with theirs in the statistics,
+        its outputs replacing its chunks). Returns (chunk 0's output through the unrounded
+        layer, chunk 0's input, the split or None, and with --gptaq the unrounded stream's
+        chunk-0 output and input, else None)."""
         fwd = moe_forward if kind == "moe" else dense_forward
         mlp = layer.mlp
+        fp = self.carry.fp
         h0 = self.carry.hidden.on_device(0)
+        fp0 = None if fp is None else (None, fp.on_device(0))
         halves = SplitLayer(self.skeleton, layer, self.inputs)
         ok, ref0, h1, topk1, x0 = halves.check(h0, self.carry.topk[0])
         if not ok:
             self.log(f"layer {L}: its forward is not attention + MLP on one residual, bit for "
                      "bit: whole-layer forwards in both passes")
             # the statistics of the MLP's input, captured by a pre-hook as the class's own
-            # forward runs (the layer's output is not kept: pass 2 computes it after rounding)
-            hook = mlp.register_forward_pre_hook(lambda m, args: fwd(m, args[0], stats, outputs=False))
+            # forward runs (the layer's output is not kept: pass 2 computes it after rounding);
+            # --gptaq: the unrounded stream's chunk first, its MLP input kept for the pair
+            x_fp: list[torch.Tensor] = []
+
+            def pre(m, args):
+                if x_fp and x_fp[-1] is None:  # the unrounded stream's forward
+                    x_fp[-1] = args[0]
+                else:
+                    fwd(m, args[0], stats, outputs=False, x_fp=x_fp.pop() if x_fp else None)
+
+            hook = mlp.register_forward_pre_hook(pre)
             try:
                 for i in range(len(self.carry.hidden)):
                     self.check_stop()
+                    if fp is not None:
+                        x_fp.append(None)
+                        out_f, self.carry.fp_topk[i] = run_layer(
+                            self.skeleton, layer, self.inputs, fp.on_device(i), self.carry.fp_topk[i])
+                        fp0 = (out_f, fp0[1]) if i == 0 else fp0
+                        fp.put(i, out_f)
                     run_layer(self.skeleton, layer, self.inputs, self.carry.hidden.on_device(i), self.carry.topk[i])
             finally:
                 hook.remove()
-            return ref0, h0, None
+            return ref0, h0, None, fp0
         # several chunks per statistics call (all-expert mode: one, its (e, T, I) activations
         # grow with T); the routed Hessians recompute a call's MLP inputs from the hidden
         # states (h1 after this pass) instead of keeping a copy of them
         group = 0 if stats.all_experts else mlp_group_tokens(self.device)
         calls: list[list[int]] = []  # the chunks of each statistics call
         pending: list[torch.Tensor] = []
+        pending_fp: list[torch.Tensor] = []  # --gptaq: the same tokens' unrounded-stream inputs
         if stats.routed_hessians and kind == "moe":
             stats.store_tokens = True
             stats.x_of = lambda c: torch.cat([halves.mlp_input(self.carry.hidden.on_device(i)).flatten(0, -2)
@@ -375,13 +415,19 @@ class LayerRunner:
         def flush(upto: int) -> None:
             if pending:
                 x = pending[0] if len(pending) == 1 else torch.cat(pending)
+                x_fp = None if not pending_fp else \
+                    pending_fp[0] if len(pending_fp) == 1 else torch.cat(pending_fp)
                 start = calls[-1][-1] + 1 if calls else 0
                 calls.append(list(range(start, upto + 1)))
                 pending.clear()
-                fwd(mlp, x, stats, outputs=False)
+                pending_fp.clear()
+                fwd(mlp, x, stats, outputs=False, x_fp=x_fp)
 
         def take(x: torch.Tensor) -> None:
             pending.append(x.reshape(-1, x.shape[-1]))
+
+        def take_fp(x: torch.Tensor) -> None:
+            pending_fp.append(x.reshape(-1, x.shape[-1]))
 
         self.before_overwrite()
         for i in range(len(self.carry.hidden)):
@@ -393,10 +439,16 @@ class LayerRunner:
                 h1_i, topk_i = halves.attention(self.carry.hidden.on_device(i), self.carry.topk[i], take)
             self.carry.topk[i] = topk_i  # what the layer passes on (pass 2 does not recompute it)
             self.carry.hidden.put(i, h1_i)
+            if fp is not None:  # the unrounded stream: its whole layer now, the MLP unrounded
+                h1_f, self.carry.fp_topk[i] = halves.attention(fp.on_device(i), self.carry.fp_topk[i], take_fp)
+                out_f = halves.mlp(h1_f)
+                fp0 = (out_f, fp0[1]) if i == 0 else fp0
+                fp.put(i, out_f)
+                del h1_f, out_f
             if sum(p.shape[0] for p in pending) >= group:
                 flush(i)
         flush(len(self.carry.hidden) - 1)
-        return ref0, h0, halves
+        return ref0, h0, halves, fp0
 
     def _pass2(self, layer, halves: SplitLayer | None) -> torch.Tensor:
         """Pass 2: every chunk through the rounded layer, replaced by the output (the next

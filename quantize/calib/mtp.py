@@ -47,7 +47,8 @@ def mtp_inputs(ckpt: Checkpoint, L: int, skeleton, carry: Carry, tokens: torch.T
                device: torch.device, dtype: torch.dtype,
                before_overwrite: Callable[[], None]) -> None:
     """The carried hidden states (the last decoder layer's outputs) replaced, chunk by chunk,
-    by MTP layer L's inputs (S-1 positions each); its top-k reset (it computes its own).
+    by MTP layer L's inputs (S-1 positions each); its top-k reset (it computes its own). With
+    --gptaq the unrounded model's stream alike.
     `tokens`: the calibration tokens of these chunks, in order."""
     p = f"model.layers.{L}."
     cfg = mtp_config(ckpt, L)
@@ -59,17 +60,20 @@ def mtp_inputs(ckpt: Checkpoint, L: int, skeleton, carry: Carry, tokens: torch.T
     hnorm.weight.copy_(ckpt.read(p + "hnorm.weight", device))
     eh = ckpt.read(p + "eh_proj.weight", device).to(dtype)  # (H, 2H)
     emb = ckpt.read("model.embed_tokens.weight", device)  # (V, H)
-    carry.topk = [None] * len(carry.hidden)
     before_overwrite()
-    first = 0  # the chunk's first sample (chunks as the embedding, or a checkpoint, made them)
-    for i in range(len(carry.hidden)):  # each chunk replaced in turn: no second copy
-        h = carry.hidden.on_device(i)
-        t = tokens[first:first + h.shape[0], 1:].to(device)  # (b, S-1) next tokens
-        first += h.shape[0]
-        x = torch.cat([enorm(emb[t].to(dtype)), hnorm(h[:, :-1])], -1)
-        del h
-        carry.hidden.put(i, F.linear(x, eh))  # (b, S-1, H)
-        del x
+    streams = [carry.hidden] + ([carry.fp] if carry.fp is not None else [])  # (--gptaq: both)
+    carry.topk = [None] * len(carry.hidden)
+    carry.fp_topk = [None] * len(carry.hidden) if carry.fp is not None else []
+    for hs in streams:
+        first = 0  # the chunk's first sample (chunks as the embedding, or a checkpoint, made them)
+        for i in range(len(hs)):  # each chunk replaced in turn: no second copy
+            h = hs.on_device(i)
+            t = tokens[first:first + h.shape[0], 1:].to(device)  # (b, S-1) next tokens
+            first += h.shape[0]
+            x = torch.cat([enorm(emb[t].to(dtype)), hnorm(h[:, :-1])], -1)
+            del h
+            hs.put(i, F.linear(x, eh))  # (b, S-1, H)
+            del x
 
 
 def rtn_entries(plan: Plan, num_layers: int, carry: Carry) -> list[dict]:

@@ -143,15 +143,23 @@ class Resume:
         results of the layers up to c)."""
         saved, carry = self.state.read(c), self.carry
         carry.layers, carry.mtp_skip, carry.awq_scales = saved.entries, saved.mtp_skip, saved.awq_scales
-        carry.hidden, carry.topk = None, []
+        carry.hidden, carry.topk, carry.fp, carry.fp_topk = None, [], None, []
         if saved.chunks:
-            h, _ = saved.chunk(0)
-            where = HiddenStates.placement(h.nbytes * saved.chunks, self.device)  # as the embedding's
+            t = saved.parts(0)
+            fp = "fp" in t  # --gptaq: the unrounded model's stream too
+            where = HiddenStates.placement(t["hidden"].nbytes * saved.chunks * (2 if fp else 1),
+                                           self.device)  # as the embedding's
             carry.hidden, carry.spilled = HiddenStates([], self.device, where), where != "device"
+            if fp:
+                carry.fp = HiddenStates([], self.device, where)
             for i in range(saved.chunks):
-                h, topk = saved.chunk(i)
-                carry.hidden.append(h)
-                carry.topk.append(None if topk is None else topk.to(self.device))
+                t = t if i == 0 else saved.parts(i)
+                for hs, topk, hk, kk in [(carry.hidden, carry.topk, "hidden", "topk")] + \
+                        ([(carry.fp, carry.fp_topk, "fp", "fp_topk")] if fp else []):
+                    hs.append(t[hk])
+                    k = t.get(kk)
+                    topk.append(None if k is None else k.to(self.device))
+            del t
         return c + 1
 
     def checkpoint(self, M: int) -> None:
@@ -168,8 +176,10 @@ class Resume:
         n = 0 if last else len(carry.hidden)
         # hidden states spilled to files are overwritten by the next layer: written first
         background = not last and not carry.hidden.on_disk
+        fp = None if carry.fp is None else [carry.fp.get(i) for i in range(n)]
         self.saver.save(M, [carry.hidden.get(i) for i in range(n)], carry.topk[:n], carry.layers,
-                        carry.mtp_skip, carry.awq_scales, background=background)
+                        carry.mtp_skip, carry.awq_scales, background=background, fp=fp,
+                        fp_topk=None if fp is None else carry.fp_topk[:n])
 
     def wait(self) -> None:
         """Until a checkpoint being written is on disk (its errors raised)."""

@@ -182,7 +182,8 @@ class LayerRounding:
         self.check_stop = check_stop
         self.gptq_cfg = GPTQConfig(group_size=opts.group_size, symmetric=opts.symmetric,
                                    percdamp=opts.percdamp, mse_clip=opts.mse_clip,
-                                   mse_norm=opts.mse_norm, scale_refit=opts.scale_refit)
+                                   mse_norm=opts.mse_norm, scale_refit=opts.scale_refit,
+                                   gptaq=opts.gptaq)
         self.awq_cfg = AWQConfig(group_size=opts.group_size, symmetric=opts.symmetric)
         self.p = f"model.layers.{L}.mlp."
         self.W = LayerWeights(ckpt, units, device)
@@ -312,8 +313,8 @@ class LayerRounding:
 
     # -- GPTQ -----------------------------------------------------------------------------------
 
-    def _solve(self, Ws: torch.Tensor, H: torch.Tensor) -> Int4Weight:
-        r = gptq_quantize(Ws, H, self.gptq_cfg)
+    def _solve(self, Ws: torch.Tensor, H: torch.Tensor, D: torch.Tensor | None = None) -> Int4Weight:
+        r = gptq_quantize(Ws, H, self.gptq_cfg, D)
         self._damps.append(r.damp.max())  # a device scalar: read once at the end, no sync here
         self._retries += r.retries
         return r.weight
@@ -331,14 +332,18 @@ class LayerRounding:
         rest = [n for n in quant if ".experts." not in n]  # shared experts / dense MLP
         gu = [n for n in rest if n.endswith(("gate_proj.weight", "up_proj.weight"))]
         with self.sections("gptq_shared_or_dense"):
+            # (--gptaq: the asymmetric terms, scaled as their Hessians; None without it)
+            D_in = None if stats.D_in is None else _H_scaled(stats.D_in, self.s_in)
             if gu:
-                w = self._solve(torch.cat([W[n] for n in gu]), H_in)  # (len(gu) * I, H)
+                w = self._solve(torch.cat([W[n] for n in gu]), H_in, D_in)  # (len(gu) * I, H)
                 rows = w.q.shape[0] // len(gu)
                 for i, n in enumerate(gu):
                     done(n, _split(w, slice(i * rows, (i + 1) * rows)))
             for n in rest:
                 if n.endswith("down_proj.weight"):
-                    done(n, self._solve(W[n], _H_scaled(stats.H_down, W.col.get(n))))
+                    sc = W.col.get(n)
+                    done(n, self._solve(W[n], _H_scaled(stats.H_down, sc),
+                                        None if stats.D_down is None else _H_scaled(stats.D_down, sc)))
         report["gptq"] = {"damp_max": float(torch.stack(self._damps).max()) if self._damps else None,
                           "retries": self._retries}
         return report

@@ -84,8 +84,12 @@ class Saved:
 
     def chunk(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Chunk i's hidden states (b, S, H) and top-k indices, on the host."""
-        t = load((self.path / _chunk_name(i)).read_bytes())
+        t = self.parts(i)
         return t["hidden"], t.get("topk")
+
+    def parts(self, i: int) -> dict[str, torch.Tensor]:
+        """Chunk i's file: "hidden", and where saved "topk", --gptaq's "fp" and "fp_topk"."""
+        return load((self.path / _chunk_name(i)).read_bytes())
 
 
 def _chunk_name(i: int) -> str:
@@ -122,17 +126,16 @@ class StateDir:
 
     def save(self, layer: int, chunks, entries: list[dict], mtp_skip: dict[int, str],
              awq_scales: dict[str, torch.Tensor]) -> None:
-        """Write the state after `layer` atomically. `chunks`: (hidden, topk) pairs, iterated
-        once (one chunk in memory at a time)."""
+        """Write the state after `layer` atomically. `chunks`: (hidden, topk) pairs, or with
+        --gptaq (hidden, topk, fp, fp_topk), iterated once (one chunk in memory at a time)."""
         final, tmp = self.path(layer), self.path(layer).with_name(f"layer-{layer}{PARTIAL}")
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             files = {}
-            for i, (h, topk) in enumerate(chunks):
-                t = {"hidden": h.detach().cpu().contiguous()}
-                if topk is not None:
-                    t["topk"] = topk.detach().cpu().contiguous()
+            for i, parts in enumerate(chunks):
+                t = {k: v.detach().cpu().contiguous()
+                     for k, v in zip(("hidden", "topk", "fp", "fp_topk"), parts) if v is not None}
                 files[_chunk_name(i)] = _write_bytes(tmp / _chunk_name(i), save(t))
             if awq_scales:
                 files[_SCALES] = _write_bytes(tmp / _SCALES, save(awq_scales))
@@ -255,15 +258,18 @@ class Checkpointer:
 
     def save(self, layer: int, chunks: list[torch.Tensor], topk: list[torch.Tensor | None],
              entries: list[dict], mtp_skip: dict[int, str], awq_scales: dict[str, torch.Tensor],
-             background: bool = True) -> None:
+             background: bool = True, fp: list[torch.Tensor] | None = None,
+             fp_topk: list[torch.Tensor | None] | None = None) -> None:
         """Checkpoint the state after `layer`. `chunks` / `topk`: the hidden states and DSA
         top-k per chunk, on the device or the host, never modified in place afterwards (the
-        caller replaces them); the other arguments are copied here. `background=False` writes
-        before returning (hidden states spilled to files that the next layer overwrites)."""
+        caller replaces them); `fp` / `fp_topk` the unrounded model's (--gptaq) alike; the
+        other arguments are copied here. `background=False` writes before returning (hidden
+        states spilled to files that the next layer overwrites)."""
         self.wait()
         self._last = self.clock()
         args = (layer, list(chunks), list(topk), json.loads(json.dumps(entries)), dict(mtp_skip),
-                dict(awq_scales))
+                dict(awq_scales), None if fp is None else list(fp),
+                None if fp_topk is None else list(fp_topk))
         if not background:
             self._write(*args, wait_for_writer=False)
             return
@@ -299,6 +305,7 @@ class Checkpointer:
 
     def _write(self, layer: int, chunks: list[torch.Tensor], topk: list[torch.Tensor | None],
                entries: list[dict], mtp_skip: dict[int, str], awq_scales: dict[str, torch.Tensor],
+               fp: list[torch.Tensor] | None = None, fp_topk: list[torch.Tensor | None] | None = None,
                wait_for_writer: bool = True) -> None:
         """`wait_for_writer`: on the checkpoint's own thread (room for one: it may wait for the
         writer there); False on the layer thread, which the writer waits for."""
@@ -306,7 +313,10 @@ class Checkpointer:
 
         host = [to_host(h) for h in chunks]  # (b, S, H) each, through pinned chunks
         top = [None if k is None else to_host(k) for k in topk]
-        del chunks, topk  # the device copies may go now
+        host_fp = [None] * len(host) if fp is None else [to_host(h) for h in fp]
+        top_fp = [None] * len(host) if fp_topk is None else \
+            [None if k is None else to_host(k) for k in fp_topk]
+        del chunks, topk, fp, fp_topk  # the device copies may go now
         self._copied.set()
         self.state.prune(self.keep_after())  # room first: an older checkpoint no resume needs
         if self.at_once == 1 and host:  # room for one: it replaces the last once a resume
@@ -317,6 +327,6 @@ class Checkpointer:
                 if self._abandon.wait(0.05):
                     return
             self.state.drop_all()
-        self.state.save(layer, zip(host, top), entries, mtp_skip, awq_scales)
-        del host
+        self.state.save(layer, zip(host, top, host_fp, top_fp), entries, mtp_skip, awq_scales)
+        del host, host_fp
         self.state.prune(self.keep_after())

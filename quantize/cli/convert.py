@@ -101,6 +101,13 @@ def convert(
              "under the re-fitted scales). 0: off. Measured on Gemma-3-270M at one seed, mixed "
              "(BENCHMARKS.md): an option, not a default.",
         min=0, max=8, rich_help_panel=CALIB)] = 0,
+    gptaq: Annotated[float, typer.Option(
+        help="GPTQ with asymmetric calibration (GPTAQ): the dense and shared-expert Linears fit "
+             "the unrounded model's outputs instead of the unrounded layer's on the rounded "
+             "model's inputs; the fraction of that correction taken, 0 (off) to 1. Carries a "
+             "second copy of the calibration's hidden states (memory and checkpoints x2) and "
+             "runs each layer's forward on it too. An option while measured (BENCHMARKS.md).",
+        min=0.0, max=1.0, rich_help_panel=CALIB)] = 0.0,
     rtn_fallback: Annotated[bool, typer.Option(
         help="A calibrated layer whose output error on the calibration tokens exceeds "
              "round-to-nearest's by 1.5x stops the run by default; with this flag that layer is "
@@ -242,7 +249,7 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
                            expert_calibration=a["expert_calibration"],
                            min_expert_tokens=a["min_expert_tokens"], percdamp=a["percdamp"],
                            mse_clip=a["mse_clip"], mse_norm=a["mse_norm"],
-                           scale_refit=a["scale_refit"], scheme=a["scheme"],
+                           scale_refit=a["scale_refit"], gptaq=a["gptaq"], scheme=a["scheme"],
                            mtp=a["mtp"],
                            keep_fp8=a["keep_fp8"], rtn_fallback=a["rtn_fallback"])
     gpu_bytes = _checked_numbers(a["checkpoint_interval"], a["max_gpu_memory"])
@@ -268,7 +275,8 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
              f"of {fmt_bytes(plan.output_bytes)}, method {opts.method}"
              + (f" (MSE clip {f'on, norm {opts.mse_norm}' if opts.mse_clip else 'off'}, "
                 f"dampening {opts.percdamp:g}"
-                + (f", scales re-fitted x{opts.scale_refit}" if opts.scale_refit else "") + ")"
+                + (f", scales re-fitted x{opts.scale_refit}" if opts.scale_refit else "")
+                + (f", GPTAQ {opts.gptaq:g}" if opts.gptaq else "") + ")"
                 if "gptq" in opts.method else "") + f", device {a['device']}")
         res = run_convert(local, dst, opts, device=a["device"], resume=a["resume"],
                           overwrite=a["overwrite"], on_unit=step, command=command, log=line,

@@ -53,6 +53,17 @@ unless it says otherwise:
   row's group scales are re-fitted by least squares against the same damped Hessian
   (`refit_scales`); with n > 1 rounds the column loop runs again under the re-fitted scales.
   The codes of round 1 are plain GPTQ's; the format and the kernels are unchanged.
+- `gptaq` (asymmetric calibration, Li et al. 2025 "GPTAQ"; ours, off by default): the layer's
+  inputs in the rounded model, X̃, differ from the unrounded model's, X, by the error of the
+  layers before. Fitting Ŵ X̃ to the unrounded model's outputs W X instead of to W X̃ moves the
+  target: with D = 2 (X - X̃) X̃ᵀ / T beside H = 2 X̃ X̃ᵀ / T,
+
+      |W X - Ŵ X̃|² + λ|Ŵ - W|²  =  |(W* - Ŵ) X̃|² + λ'|W* - Ŵ|² + const,   W* = W + W D Hd⁻¹
+
+  (Hd = H + λ I, the damped Hessian GPTQ factors; the cross terms vanish because W* solves the
+  ridge problem). So GPTQ's column loop run on W* minimises the asymmetric error; the group
+  scales stay those of W (static groups, what verify checks), W* being a small step from it; `gptaq` = a in W + a · W D Hd⁻¹ takes a fraction of the step
+  (the GPTAQ authors' code scales their term by 0.25). D = 0 gives plain GPTQ exactly.
 """
 
 from __future__ import annotations
@@ -79,6 +90,7 @@ __all__ = [
     "GPTQConfig",
     "GPTQResult",
     "accumulate_hessian",
+    "gptaq_target",
     "gptq_quantize",
     "xtx",
 ]
@@ -113,6 +125,9 @@ class GPTQConfig:
     # are re-fitted; n > 1: the column loop is run again with the re-fitted scales, and they are
     # re-fitted to its codes, n times in all. 0: off (the default; an option while measured).
     scale_refit: int = 0
+    # Asymmetric calibration: GPTQ fits W* = W + gptaq · W D Hd⁻¹ (the module docstring) when the
+    # caller passes D; 0: off (the default; an option while measured), 1: the whole step.
+    gptaq: float = 0.0
     # CUDA: run the MSE clip search as one Triton kernel (bit-identical scales), each block's
     # column loop as one Triton kernel (same arithmetic; the update may be fused into an FMA),
     # and factor H by a blocked inverse Cholesky in batched matmuls
@@ -127,6 +142,8 @@ class GPTQConfig:
             raise ValueError(f"blocksize must be positive, got {self.blocksize}")
         if self.mse_norm not in (2, 3):
             raise ValueError(f"mse_norm must be 2 or 3, got {self.mse_norm}")
+        if not 0 <= self.gptaq <= 1:
+            raise ValueError(f"gptaq must be in [0, 1], got {self.gptaq}")
         if not self.percdamp > 0:
             raise ValueError(f"percdamp must be > 0 (a retry multiplies it), got {self.percdamp}")
 
@@ -446,7 +463,8 @@ def _row_error(W: torch.Tensor, R: torch.Tensor, Hd: torch.Tensor) -> torch.Tens
 
 
 def refit_scales(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                 zp: torch.Tensor | None, group_size: int, frac: torch.Tensor) -> torch.Tensor:
+                 zp: torch.Tensor | None, group_size: int, frac: torch.Tensor,
+                 rule_of: torch.Tensor | None = None) -> torch.Tensor:
     """Group scales (B, N, G) re-fitted to fixed codes q (B, N, K): per row w, the scales s that
     minimise e Hd eᵀ, e = w - Σ_g s_g q̂_g (q̂ = q - zp, group g's columns), Hd = H damped as
     GPTQ factored it (`frac` per Hessian). That is the G x G system A s = b with
@@ -455,10 +473,12 @@ def refit_scales(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: torch
     layer's output better. Each scale is clamped to REFIT_RANGE x the rounding rule's (what
     verify checks), a group whose codes are all 0 keeps its scale, and a row keeps all of its
     scales when the bf16 re-fit does not lower its error (or is not finite and positive).
-    Experts in chunks of at most REFIT_CHUNK_BYTES per float64 (b, N, K) tensor."""
+    Experts in chunks of at most REFIT_CHUNK_BYTES per float64 (b, N, K) tensor. `rule_of`: the
+    weight whose rounding rule bounds the scales (default W)."""
     B, N, K = W.shape
     Hd = _damped(H, frac.to(H.dtype)).double()  # (Bh, K, K)
-    rule = rtn_qparams(W.reshape(B * N, K), group_size, zp is None)[0].reshape(B, N, K // group_size)
+    ref = W if rule_of is None else rule_of  # (`gptaq`: the source's rule, not the target's)
+    rule = rtn_qparams(ref.reshape(B * N, K), group_size, zp is None)[0].reshape(B, N, K // group_size)
     step = max(1, REFIT_CHUNK_BYTES // (N * K * 8))
     out = []
     for b0 in range(0, B, step):
@@ -542,9 +562,27 @@ def _codes(Wb: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, Hinv:
     return torch.empty_like(q_perm).scatter_(-1, perm[:, None, :].expand(B, N, K), q_perm)
 
 
-def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig()
-                  ) -> GPTQResult:
+def gptaq_target(W: torch.Tensor, H: torch.Tensor, D: torch.Tensor, percdamp: float,
+                 a: float) -> torch.Tensor:
+    """W* = W + a · W D Hd⁻¹ for W (B, N, K), H and D (Bh, K, K) (Bh = B or 1), Hd = H damped
+    as GPTQ factors it (`_damped` with `percdamp`): the target whose GPTQ rounding minimises the
+    error against the unrounded model's outputs (module docstring, `gptaq`). Solved in float64
+    (a Cholesky of Hd; an LU solve where that fails); returned in W's dtype."""
+    frac = torch.full((H.shape[0],), percdamp, dtype=H.dtype, device=H.device)
+    Hd = _damped(H, frac).double()
+    Dt = D.double().mT  # (Bh, K, K)
+    L, info = torch.linalg.cholesky_ex(Hd)
+    Z = torch.cholesky_solve(Dt, L) if not bool(info.any()) else torch.linalg.solve(Hd, Dt)
+    # Z = Hd⁻¹ Dᵀ, so W D Hd⁻¹ = (Z Wᵀ)ᵀ = W Zᵀ
+    step = W.double() @ Z.mT if Z.shape[0] == W.shape[0] else W.double() @ Z[0].mT
+    return (W.double() + a * step).to(W.dtype)
+
+
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig(),
+                  D: torch.Tensor | None = None) -> GPTQResult:
     """GPTQ-round W (..., N, K) against H (..., K, K) (or one shared (K, K)); inputs untouched.
+    `D` (shaped as H): the asymmetric term 2 (X - X̃) X̃ᵀ / T, used when `cfg.gptaq` > 0: W is
+    then rounded toward `gptaq_target`.
 
     All leading dims are solved at once (a layer's experts in one batch). With H = I the result
     equals `quantize_rtn(W)` exactly (without `mse_clip`). Memory beyond the inputs: one
@@ -568,9 +606,13 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig
     Wb = W.reshape(B, N, K).to(torch.float32)  # (B, N, K)
     Hb = H.reshape(-1, K, K).to(torch.float32)  # (Bh, K, K), Bh = B or 1 (shared)
     Bh = Hb.shape[0]
-
     Hdiag = torch.diagonal(Hb, dim1=-2, dim2=-1)  # (Bh, K)
     scale, zp = _group_qparams(Wb, Hdiag, cfg)  # (B, N, G) from the original W: static groups
+    Wt = Wb  # what the codes approximate: W, or with `gptaq` the shifted target W*
+    if D is not None and cfg.gptaq > 0:
+        if D.shape != H.shape:
+            raise ValueError(f"gptq_quantize: D {tuple(D.shape)} must be shaped as H {tuple(H.shape)}")
+        Wt = gptaq_target(Wb, Hb, D.reshape(-1, K, K).to(torch.float32), cfg.percdamp, cfg.gptaq)
 
     if cfg.actorder:
         perm = torch.argsort(Hdiag, dim=-1, descending=True, stable=True)  # (Bh, K) order
@@ -579,11 +621,11 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig
     fused = cfg.fused and cfg.blocksize <= 128 and gptq_triton.available(Wb)
     # (Bh, K, K) upper; the fused (CUDA) path also takes the cheaper factorization
     Hinv, dead, damp, retries = _inverse_cholesky(Hb, perm, cfg.percdamp, flipped=fused)
-    q = _codes(Wb, scale, zp, Hinv, perm, dead, g, cfg.blocksize, fused)
+    q = _codes(Wt, scale, zp, Hinv, perm, dead, g, cfg.blocksize, fused)
     for r in range(cfg.scale_refit):  # each round: scales fitted to the codes; between rounds,
-        scale = refit_scales(Wb, Hb, q, scale, zp, g, damp)  # codes under those scales
+        scale = refit_scales(Wt, Hb, q, scale, zp, g, damp, rule_of=Wb)  # codes under them
         if r + 1 < cfg.scale_refit:
-            q = _codes(Wb, scale, zp, Hinv, perm, dead, g, cfg.blocksize, fused)
+            q = _codes(Wt, scale, zp, Hinv, perm, dead, g, cfg.blocksize, fused)
     G = K // g
     weight = Int4Weight(q.reshape(*lead, N, K), scale.reshape(*lead, N, G),
                         None if zp is None else zp.reshape(*lead, N, G))
