@@ -55,7 +55,7 @@ def disk_needed(plan: Plan, device: torch.device | str, previous: dict | None = 
         itemsize = 2 if str(device).startswith("cuda") else 4
         one = checkpoint_bytes(o.num_samples, o.seq_len, plan.hidden_size, itemsize,
                                plan.index_topk)
-        if o.gptaq:  # the unrounded model's stream is carried (and checkpointed) beside it
+        if plan.gptaq_active:  # the unrounded model's stream is carried (and checkpointed) too
             one *= 2
     at_once = MAX_CHECKPOINTS if one else 0
     if one and free is not None:

@@ -11,6 +11,7 @@ from quantize.source.layout import ROLES
 __all__ = ["ConvertOptions", "parse_size"]
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+GPTAQ_DEFAULT = 0.25  # ConvertOptions.gptaq for gptq and awq+gptq
 EXPERT_CALIBRATION = ("routed", "routed-weighted", "all")
 GROUP_SIZES = (32, 64, 128)  # what vLLM's Marlin / SGLang WNA16 MoE kernels accept
 # w4a16: INT4 weights, BF16 activations (Marlin / Machete / WNA16 kernels). w4afp8: the same
@@ -90,9 +91,12 @@ class ConvertOptions:
     scale_refit: int = 0
     # Asymmetric calibration (GPTAQ): GPTQ fits each dense / shared-expert Linear to the
     # unrounded model's outputs, not to the unrounded layer's on the rounded model's inputs;
-    # the fraction of that step taken, 0 (off, the default: an option while measured) to 1.
-    # A second stream of hidden states is carried (gptq.py `gptaq_target`).
-    gptaq: float = 0.0
+    # the fraction of that step taken, 0 (off) to 1; a second stream of hidden states is
+    # carried where such a Linear is a target (gptq.py `gptaq_target`, Plan.gptaq_active).
+    # None: 0.25 for gptq and awq+gptq, the validation choice on Gemma-3-270M at groups 32 and
+    # 128 (3 seeds; 0.5 next, 0.75 worse than none, 1 broke the model: BENCHMARKS.md), 0
+    # (not applicable) for rtn and awq.
+    gptaq: float | None = None
     # the serving scheme the config declares (SCHEMES); the INT4 integers are the same
     scheme: str = "w4a16"
     mtp: str = "int4"
@@ -109,6 +113,8 @@ class ConvertOptions:
             raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.mse_clip is None:  # frozen: resolve the per-method default once, here
             object.__setattr__(self, "mse_clip", "gptq" in self.method)
+        if self.gptaq is None:
+            object.__setattr__(self, "gptaq", GPTAQ_DEFAULT if "gptq" in self.method else 0.0)
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"--group-size must be one of {GROUP_SIZES} (what the serving "
                              f"kernels accept), got {self.group_size}")

@@ -103,6 +103,14 @@ class Plan:
     block_size: tuple[int, int] | None = None  # the source's FP8 block (block FP8 sources)
 
     @property
+    def gptaq_active(self) -> bool:
+        """Whether --gptaq changes anything: it applies to dense and shared-expert MLP Linears
+        (routed experts keep plain GPTQ), so with none of those among the INT4 targets the
+        calibration carries no second stream of hidden states."""
+        return bool(self.options.gptaq) and any(
+            u.action == "quantize" and u.role in ("dense", "shared") for u in self.units)
+
+    @property
     def output_bytes(self) -> int:
         return sum(s.data_bytes for s in self.shards)
 

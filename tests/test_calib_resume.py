@@ -436,3 +436,36 @@ def test_ctrl_c_during_a_calibrated_run_stops_it_and_the_folder_resumes(src, tmp
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name] == want[name], f"{name} differs from the uninterrupted run"
+
+
+def test_a_gptaq_run_resumes_with_both_streams(src, tmp_path):
+    """--gptaq with dense and shared-expert targets: each checkpoint holds the unrounded
+    model's hidden states and DSA top-k beside the rounded ones ("fp", "fp_topk"), twice the
+    bytes the disk check reserves; a run that dies in layer 2 resumes after layer 1 and its
+    folder is byte-identical to an uninterrupted run's."""
+    from quantize.disk import disk_needed
+
+    opts = ConvertOptions(method="awq+gptq", max_shard_size=200_000,
+                          targets=frozenset({"routed", "shared", "dense"}), **CALIB)
+    assert opts.gptaq == 0.25
+    plan = make_plan(open_checkpoint(src), opts)
+    plain = make_plan(open_checkpoint(src), ConvertOptions(**{**opts.__dict__, "gptaq": 0.0}))
+    assert plan.gptaq_active and not plain.gptaq_active
+    assert disk_needed(plan, "cpu")["checkpoint"] == 2 * disk_needed(plain, "cpu")["checkpoint"]
+    ref = tmp_path / "ref"
+    convert(src, ref, opts, device="cpu")
+    out = tmp_path / "out"
+    starts = [s.units[0] for s in plan.shards if layer_of(s.units[0].source) == 2]
+    with pytest.raises(Stop):
+        convert(src, out, opts, device="cpu", on_unit=stop_at(lambda u: u == starts[1]))
+    state = StateDir(out / CALIB_STATE, "")
+    assert 1 in state.layers()
+    saved = state.read(1)
+    parts = saved.parts(0)
+    assert {"hidden", "topk", "fp", "fp_topk"} <= set(parts)
+    assert parts["fp"].shape == parts["hidden"].shape and not torch.equal(parts["fp"], parts["hidden"])
+    log: list[str] = []
+    convert(src, out, opts, device="cpu", resume=True, log=log.append)
+    assert f"resuming calibration at layer 2 from {out / CALIB_STATE}/layer-1" in log, log
+    assert computed_layers(log) == [2, 3], log
+    assert_identical(out, ref)

@@ -825,3 +825,118 @@ def test_dense_families_forward_as_transformers_and_calibrate(model_type, tmp_pa
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         assert torch.isfinite(loaded(ids).logits).all()
+
+
+def _tiny_llama(path, seed: int = 0):
+    """A 2-layer Llama saved by transformers (float32), with its tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16, max_position_embeddings=128, bos_token_id=0,
+                               eos_token_id=1)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    write_tokenizer(path, 512)
+    return path
+
+
+def _mlp_inputs(model, tokens: torch.Tensor, L: int) -> torch.Tensor:
+    """Layer L's MLP inputs (T, H) over the calibration tokens, by transformers' own forward."""
+    got: list[torch.Tensor] = []
+    h = model.model.layers[L].mlp.register_forward_pre_hook(lambda m, a: got.append(a[0].reshape(-1, a[0].shape[-1])))
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        h.remove()
+    return torch.cat(got).double()
+
+
+def test_gptaq_carries_the_unrounded_stream_and_verifies(tmp_path):
+    """--gptaq (default 0.25 for gptq): the calibration carries the unrounded model's hidden
+    states beside the rounded ones. Layer 0's two streams are the same tokens, so D = 0 there
+    and its INT4 bytes equal plain GPTQ's; layer 1's D term is the one transformers' own
+    forwards give: the source's MLP inputs against those of the source with layer 0's MLP
+    replaced by the written INT4 weights (read back from the files, reconstructed as the
+    engines do, bf16((q - zp) s)), |D| / |H| as the report says (float32 forwards on both
+    sides: 1e-3 of it). The output verifies. Routed-only targets carry no second stream and
+    give plain GPTQ's bytes."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from quantize.calib.data import checkpoint_calibration
+    from quantize.rounding.int4 import Int4Weight, dequantize, unpack_int4
+
+    assert ConvertOptions(method="gptq").gptaq == 0.25
+    assert ConvertOptions(method="awq+gptq").gptaq == 0.25
+    assert ConvertOptions(method="rtn").gptaq == 0 and ConvertOptions(method="awq").gptaq == 0
+    with pytest.raises(ValueError, match="--gptaq"):
+        ConvertOptions(method="rtn", gptaq=0.25)
+    with pytest.raises(ValueError, match="--gptaq"):
+        ConvertOptions(method="gptq", gptaq=1.5)
+
+    src = _tiny_llama(tmp_path / "src")
+    dense = {"targets": frozenset({"dense"}), **CALIB}
+    outs = {a: tmp_path / f"out-{a}" for a in (0.0, 0.25)}
+    for a, out in outs.items():
+        convert(src, out, ConvertOptions(method="gptq", gptaq=a, **dense), device="cpu")
+    rep = {a: json.loads((o / CALIB_REPORT).read_text()) for a, o in outs.items()}
+    assert rep[0.25]["gptaq"] == 0.25 and rep[0.25]["gptaq_active"]
+    assert not rep[0.0]["gptaq_active"] and all("gptaq" not in e for e in rep[0.0]["layers"])
+    g = {e["layer"]: e["gptaq"] for e in rep[0.25]["layers"]}
+    assert g[0]["D_in_rel"] == 0 and g[0]["D_down_rel"] == 0 and g[1]["D_in_rel"] > 0
+    w = {a: load_file(o / "model-00001-of-00001.safetensors") for a, o in outs.items()}
+    for n in w[0.0]:
+        if ".layers.0." in n:
+            assert torch.equal(w[0.0][n], w[0.25][n]), n
+    assert any(not torch.equal(w[0.0][n], w[0.25][n]) for n in w[0.0] if ".layers.1.mlp." in n)
+    assert verify(src, outs[0.25]).ok
+
+    # layer 1's D, independently: transformers' forwards of the source and of the output
+    tokens = checkpoint_calibration(src, ConvertOptions(method="gptq", **dense)).tokens
+    fp = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    q = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    for n in ("gate_proj", "up_proj", "down_proj"):
+        p = f"model.layers.0.mlp.{n}."
+        K = int(w[0.25][p + "weight_shape"][1])
+        rounded = Int4Weight(unpack_int4(w[0.25][p + "weight_packed"], K).to(torch.int8),
+                             w[0.25][p + "weight_scale"], None)
+        with torch.no_grad():
+            q.get_parameter(p + "weight").copy_(dequantize(rounded, torch.float32))
+    Xf, X = _mlp_inputs(fp, tokens, 1), _mlp_inputs(q, tokens, 1)
+    D, H = 2 * (Xf - X).T @ X / len(X), 2 * X.T @ X / len(X)
+    assert abs(float(D.norm() / H.norm()) - g[1]["D_in_rel"]) <= 1e-3 * g[1]["D_in_rel"]
+
+    # routed experts only: nothing to carry, plain GPTQ's bytes
+    cfg = tiny_config("glm4_moe")
+    gsrc = write_checkpoint(tmp_path / "glm", cfg, "fp8-channel")
+    write_tokenizer(gsrc, cfg["vocab_size"])
+    gouts = {a: tmp_path / f"glm-{a}" for a in (0.0, 0.25)}
+    for a, out in gouts.items():
+        opts = ConvertOptions(method="gptq", gptaq=a, **CALIB)
+        assert not make_plan(open_checkpoint(gsrc), opts).gptaq_active
+        convert(gsrc, out, opts, device="cpu")
+    for f in sorted(p.name for p in gouts[0.0].glob("*.safetensors")):
+        assert (gouts[0.0] / f).read_bytes() == (gouts[0.25] / f).read_bytes(), f
+
+
+def test_gptaq_statistics_are_running_means_over_the_batches():
+    """MLPStats.asym: D = 2 (Xf - X)ᵀ X / n over batches of different sizes equals the float64
+    one-shot sum over all rows (for the MLP inputs and the down inputs alike); streams of
+    other shapes are refused."""
+    g = torch.Generator().manual_seed(3)
+    stats = MLPStats("dense", hessians=True, samples=False, all_experts=False)
+    xs = [torch.randn(n, 16, generator=g) for n in (5, 11, 2)]
+    xfs = [x + 0.1 * torch.randn(x.shape, generator=g) for x in xs]
+    it = [torch.randn(n, 24, generator=g) for n in (5, 11, 2)]
+    itf = [i + 0.1 * torch.randn(i.shape, generator=g) for i in it]
+    for a, b, c, d in zip(xfs, xs, itf, it):
+        stats.asym(a, b, c, d)
+    for D, f, q in ((stats.D_in, xfs, xs), (stats.D_down, itf, it)):
+        F, Q = torch.cat(f).double(), torch.cat(q).double()
+        want = 2 * (F - Q).T @ Q / len(Q)
+        assert torch.allclose(D.double(), want, rtol=1e-5, atol=1e-6)
+    assert stats.n_asym == 18
+    with pytest.raises(ValueError, match="shapes differ"):
+        stats.asym(xfs[0], xs[1], itf[0], it[0])

@@ -137,6 +137,35 @@ def test_gptq_under_torchrun_matches_one_process(src, tmp_path):
         convert(src, two, opts, device="cpu", tp=1, resume=True)
 
 
+@pytest.mark.slow
+def test_gptaq_under_torchrun_sums_its_statistics_over_the_ranks(src, tmp_path):
+    """--gptaq (default 0.25) with shared-expert targets under torchrun: every rank carries
+    both streams of its own samples and the D terms are summed over the ranks, so the report's
+    |D| / |H| per layer is the one-process run's (0 on the first calibrated layer, whose two
+    streams are the same tokens; within 3 % after it, where the ranks' other integers move the
+    streams a little); the output verifies."""
+    from quantize.check.verify import verify
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    opts = ConvertOptions(method="gptq", num_samples=8, seq_len=64, max_shard_size=10**6,
+                          targets=frozenset({"routed", "shared"}))
+    convert(src, one, opts, device="cpu", tp=1)
+    r = torchrun(src, two, "--method", "gptq", "--targets", "routed,shared", *CALIB)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert verify(src, two).ok
+    g1, g2 = ({lay["layer"]: lay["gptaq"] for lay in json.loads((o / "calibration-report.json").read_text())["layers"]
+               if "gptaq" in lay} for o in (one, two))
+    assert sorted(g1) == sorted(g2) and len(g1) >= 2
+    first = min(g1)
+    for L in g1:
+        assert g2[L]["tokens"] == g1[L]["tokens"] in (8 * 64, 8 * 63)  # (the MTP layer: S - 1)
+        if L == first:
+            assert g1[L]["D_in_rel"] == g2[L]["D_in_rel"] == 0
+        else:
+            assert g1[L]["D_in_rel"] > 0
+            assert abs(g2[L]["D_in_rel"] - g1[L]["D_in_rel"]) <= 0.03 * g1[L]["D_in_rel"], (L, g1[L], g2[L])
+
+
 def test_ranks_split_samples_and_experts_and_refuse_awq(src):
     d = [Dist(r, 3, torch.device("cpu")) for r in range(3)]
     assert [x.samples(8) for x in d] == [slice(0, 2), slice(2, 5), slice(5, 8)]

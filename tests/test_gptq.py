@@ -405,3 +405,71 @@ def test_scale_refit_rounds_and_expert_chunks(monkeypatch):
     monkeypatch.setattr(G, "REFIT_CHUNK_BYTES", N * K * 8)  # one expert per pass
     chunked = gptq_quantize(W, H, GPTQConfig(group_size=g, scale_refit=2)).weight
     assert torch.equal(one.q, chunked.q) and torch.equal(one.scale, chunked.scale)
+
+
+def _drifted(T: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Xf, X): a layer's inputs in the unrounded model and the same tokens in the rounded one.
+    They differ by the error of the layers before: a fixed map of the tokens (the same for
+    every `seed`: X = Xf (I + E)) plus a little noise."""
+    Xf = _correlated_inputs(T, K, seed)
+    E = torch.randn(K, K, generator=_gen(1234)) * (0.15 / K**0.5)
+    return Xf, Xf @ (torch.eye(K) + E) + 0.02 * torch.randn(T, K, generator=_gen(seed + 100))
+
+
+def test_gptaq_target_is_the_ridge_least_squares_solution():
+    """`gptaq_target` at a = 1 equals a generic float64 least-squares solve of
+    min (2/T)|Xf Wᵀ - X Ŵᵀ|² + λ|Ŵ - W|² (λ: GPTQ's damping of H = 2 XᵀX / T), the stacked
+    system [X; sqrt(λT/2) I] Ŵᵀ = [Xf Wᵀ; sqrt(λT/2) Wᵀ]; a takes that fraction of the step;
+    D = 0 leaves W as it is; batched experts and one shared Hessian agree."""
+    from quantize.rounding.gptq import gptaq_target
+
+    T, K, N, frac = 3000, 48, 10, 0.1
+    Xf, X = (t.double() for t in _drifted(T, K, 0))
+    W = torch.randn(N, K, generator=_gen(1), dtype=torch.float64) * 0.05
+    H, D = 2 * X.T @ X / T, 2 * (Xf - X).T @ X / T
+    lam = frac * H.diagonal().mean()
+    r = (lam * T / 2).sqrt()
+    A = torch.cat([X, r * torch.eye(K, dtype=torch.float64)])
+    B = torch.cat([Xf @ W.T, r * W.T])
+    want = torch.linalg.lstsq(A, B).solution.T  # (N, K)
+    got = gptaq_target(W.float()[None], H.float()[None], D.float()[None], frac, 1.0)[0]
+    assert (got.double() - want).norm() / (want - W).norm() < 1e-4
+    half = gptaq_target(W.float()[None], H.float()[None], D.float()[None], frac, 0.25)[0]
+    assert torch.allclose(half.double(), W + 0.25 * (want - W), rtol=0, atol=1e-6)
+    assert torch.equal(gptaq_target(W.float()[None], H.float()[None], torch.zeros(1, K, K), frac, 1.0)[0],
+                       W.float())
+    Ws = torch.stack([W.float(), 2 * W.float()])
+    both = gptaq_target(Ws, H.float()[None], D.float()[None], frac, 1.0)
+    each = gptaq_target(Ws, H.float().expand(2, K, K), D.float().expand(2, K, K), frac, 1.0)
+    assert torch.allclose(both, each, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gptaq_lowers_the_error_against_the_unrounded_models_outputs(symmetric):
+    """GPTQ with `gptaq`: with D = 0 (no drift) the very codes and scales of plain GPTQ; with
+    a drift, the error against the unrounded model's outputs, |Xf Wᵀ - X Qᵀ|, falls as a grows
+    (0, 0.25, 1), in sample and on held-out tokens of the same drift; the scales stay the
+    rounding rule's of W (what verify checks), the codes move."""
+    K, N, g = 128, 32, 32
+    Xf, X = _drifted(4096, K, 7)
+    Xf_t, X_t = _drifted(4096, K, 8)
+    W = torch.randn(N, K, generator=_gen(9)) * 0.05
+    H, D = 2 * X.T @ X / X.shape[0], 2 * (Xf - X).T @ X / X.shape[0]
+    cfg = dict(group_size=g, symmetric=symmetric, percdamp=0.1, mse_clip=True)
+    plain = gptq_quantize(W, H, GPTQConfig(**cfg)).weight
+    same = gptq_quantize(W, H, GPTQConfig(**cfg, gptaq=0.25), torch.zeros(K, K)).weight
+    assert torch.equal(plain.q, same.q) and torch.equal(plain.scale, same.scale)
+
+    def err(w, xf, x):
+        return (xf @ W.T - x @ dequantize(w).float().T).norm().item()
+
+    ws = [gptq_quantize(W, H, GPTQConfig(**cfg, gptaq=a), D).weight for a in (0.0, 0.25, 1.0)]
+    for xf, x in ((Xf, X), (Xf_t, X_t)):
+        e = [err(w, xf, x) for w in ws]
+        assert e[2] < e[1] < e[0], e
+    assert all(torch.equal(w.scale, plain.scale) for w in ws)
+    assert not torch.equal(ws[1].q, plain.q)
+    with pytest.raises(ValueError, match="gptaq"):
+        GPTQConfig(gptaq=1.5)
+    with pytest.raises(ValueError, match="shaped as H"):
+        gptq_quantize(W, H, GPTQConfig(**cfg, gptaq=0.25), torch.zeros(K, K + 1))

@@ -279,7 +279,7 @@ class Calibrator:
         return {"method": o.method, "expert_calibration": o.expert_calibration,
                 "min_expert_tokens": o.min_expert_tokens, "percdamp": o.percdamp,
                 "mse_clip": o.mse_clip, "mse_norm": o.mse_norm, "scale_refit": o.scale_refit,
-                "gptaq": o.gptaq, "group_size": o.group_size, "calibration": self.calib.summary(),
+                "gptaq": o.gptaq, "gptaq_active": self.plan.gptaq_active, "group_size": o.group_size, "calibration": self.calib.summary(),
                 "device": str(self.device), "compute_dtype": str(self.dtype).replace("torch.", ""),
                 "layers": self.carry.layers + rtn_entries(self.plan, self.num_layers, self.carry)}
 
@@ -370,11 +370,11 @@ class Calibrator:
         chunks = [embed(self.skeleton, emb, self.tokens[i: i + b].to(self.device)).to(self.dtype)
                   for i in range(0, n, b)]  # (b, S, H) each
         nbytes = n * S * emb.shape[1] * torch.finfo(self.dtype).bits // 8
-        streams = 2 if self.opts.gptaq else 1  # --gptaq: the unrounded model's stream too
+        streams = 2 if self.plan.gptaq_active else 1  # --gptaq: the unrounded model's stream too
         where = HiddenStates.placement(streams * nbytes, self.device)
         self.carry.hidden = HiddenStates(chunks, self.device, where)
         self.carry.topk = [None] * len(chunks)
-        if self.opts.gptaq:
+        if self.plan.gptaq_active:
             self.carry.fp = HiddenStates(chunks, self.device, where)  # (chunks are never
             self.carry.fp_topk = [None] * len(chunks)  # modified in place: shared until put)
         self.carry.spilled = where != "device"
