@@ -12,6 +12,7 @@ __all__ = ["ConvertOptions", "parse_size"]
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 GPTAQ_DEFAULT = 0.25  # ConvertOptions.gptaq for gptq and awq+gptq
+SCALE_REFIT_DEFAULT = 3  # ConvertOptions.scale_refit (dense and shared-expert Linears), the same
 EXPERT_CALIBRATION = ("routed", "routed-weighted", "all")
 GROUP_SIZES = (32, 64, 128)  # what vLLM's Marlin / SGLang WNA16 MoE kernels accept
 # w4a16: INT4 weights, BF16 activations (Marlin / Machete / WNA16 kernels). w4afp8: the same
@@ -86,9 +87,13 @@ class ConvertOptions:
     # more (SmolLM2, whose Q4_1 weights sit on a 4-bit grid, was measured with 2 only).
     mse_norm: int = 3
     # Rounds of GPTQ's group scales re-fitted by least squares to the chosen codes against the
-    # Hessian (gptq.py `refit_scales`, `GPTQConfig.scale_refit`). 0 (off) by default: an option
-    # while it is measured (BENCHMARKS.md).
-    scale_refit: int = 0
+    # Hessian (gptq.py `refit_scales`, `GPTQConfig.scale_refit`), on dense and shared-expert
+    # Linears; `scale_refit_routed` on routed experts. None: 3 and 0 for gptq and awq+gptq (with
+    # GPTAQ 0.25 the validation choice on Gemma-3-270M at groups 32 and 128; on a GLM-5.2 MoE
+    # layer three rounds take 120 s instead of 14: BENCHMARKS.md), 0 for rtn and awq. An explicit
+    # `scale_refit` with `scale_refit_routed` unset applies to every target.
+    scale_refit: int | None = None
+    scale_refit_routed: int | None = None
     # Asymmetric calibration (GPTAQ): GPTQ fits each dense / shared-expert Linear to the
     # unrounded model's outputs, not to the unrounded layer's on the rounded model's inputs;
     # the fraction of that step taken, 0 (off) to 1; a second stream of hidden states is
@@ -113,6 +118,12 @@ class ConvertOptions:
             raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.mse_clip is None:  # frozen: resolve the per-method default once, here
             object.__setattr__(self, "mse_clip", "gptq" in self.method)
+        routed = self.scale_refit_routed
+        if routed is None:
+            routed = 0 if self.scale_refit is None else self.scale_refit
+        if self.scale_refit is None:
+            object.__setattr__(self, "scale_refit", SCALE_REFIT_DEFAULT if "gptq" in self.method else 0)
+        object.__setattr__(self, "scale_refit_routed", routed if "gptq" in self.method else 0)
         if self.gptaq is None:
             object.__setattr__(self, "gptaq", GPTAQ_DEFAULT if "gptq" in self.method else 0.0)
         if self.group_size not in GROUP_SIZES:
@@ -133,8 +144,9 @@ class ConvertOptions:
             raise ValueError("--min-expert-tokens must be >= 0")
         if not 0 < self.percdamp < 1:
             raise ValueError("--percdamp must be in (0, 1)")
-        if not 0 <= self.scale_refit <= 8:
-            raise ValueError(f"--scale-refit must be 0 (off) to 8 rounds, got {self.scale_refit}")
+        for v in (self.scale_refit, self.scale_refit_routed):
+            if not 0 <= v <= 8:
+                raise ValueError(f"--scale-refit must be 0 (off) to 8 rounds, got {v}")
         if not 0 <= self.gptaq <= 1:
             raise ValueError(f"--gptaq must be a fraction from 0 (off) to 1, got {self.gptaq}")
         if self.gptaq and "gptq" not in self.method:

@@ -102,13 +102,27 @@ class Plan:
     fp8_targets: tuple[str, ...] = ()  # --keep-fp8: the FP8 config group's targets
     block_size: tuple[int, int] | None = None  # the source's FP8 block (block FP8 sources)
 
+    def quantizes(self, *roles: str) -> bool:
+        """Whether any INT4 target has one of these layout roles (routed, shared, dense)."""
+        return any(u.action == "quantize" and u.role in roles for u in self.units)
+
     @property
     def gptaq_active(self) -> bool:
         """Whether --gptaq changes anything: it applies to dense and shared-expert MLP Linears
         (routed experts keep plain GPTQ), so with none of those among the INT4 targets the
         calibration carries no second stream of hidden states."""
-        return bool(self.options.gptaq) and any(
-            u.action == "quantize" and u.role in ("dense", "shared") for u in self.units)
+        return bool(self.options.gptaq) and self.quantizes("dense", "shared")
+
+    @property
+    def scale_refits(self) -> dict[str, int]:
+        """The rounds of --scale-refit each kind of target present gets: {"dense/shared": n,
+        "routed": m}, rounds > 0 only."""
+        o, out = self.options, {}
+        if o.scale_refit and self.quantizes("dense", "shared"):
+            out["dense/shared"] = o.scale_refit
+        if o.scale_refit_routed and self.quantizes("routed"):
+            out["routed"] = o.scale_refit_routed
+        return out
 
     @property
     def output_bytes(self) -> int:

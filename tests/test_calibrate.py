@@ -484,7 +484,11 @@ def test_scale_refit_reaches_gptq_and_verifies(tmp_path):
 
     with pytest.raises(ValueError, match="--scale-refit"):
         ConvertOptions(method="gptq", scale_refit=9)
-    assert ConvertOptions(method="gptq").scale_refit == 0
+    d = ConvertOptions(method="gptq")  # the default: 3 rounds on dense / shared, none on routed
+    assert (d.scale_refit, d.scale_refit_routed) == (3, 0)
+    assert (ConvertOptions(method="rtn").scale_refit, ConvertOptions(method="awq").scale_refit) == (0, 0)
+    one = ConvertOptions(method="gptq", scale_refit=1)  # a number given: every target
+    assert (one.scale_refit, one.scale_refit_routed) == (1, 1)
     cfg = tiny_config("glm4_moe")
     src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
     write_tokenizer(src, cfg["vocab_size"])
@@ -940,3 +944,31 @@ def test_gptaq_statistics_are_running_means_over_the_batches():
     assert stats.n_asym == 18
     with pytest.raises(ValueError, match="shapes differ"):
         stats.asym(xfs[0], xs[1], itf[0], it[0])
+
+
+def test_default_scale_refit_is_for_dense_and_shared_linears(tmp_path):
+    """The default re-fits the scales of dense and shared-expert Linears (3 rounds) and leaves
+    routed experts' alone (their cost: BENCHMARKS.md): on the first MoE layer (whose inputs do
+    not depend on the options: layer 0 is no target) the routed experts' bytes equal a run
+    without the re-fit, the shared experts' scales do not; verify checks the routed experts
+    against the strict rule and passes the output."""
+    cfg = tiny_config("glm4_moe")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    both = frozenset({"routed", "shared"})
+    outs = {"default": ConvertOptions(method="gptq", targets=both, **CALIB),
+            "off": ConvertOptions(method="gptq", targets=both, scale_refit=0, **CALIB)}
+    assert make_plan(open_checkpoint(src), outs["default"]).scale_refits == {"dense/shared": 3}
+    assert make_plan(open_checkpoint(src), outs["off"]).scale_refits == {}
+    for k, opts in outs.items():
+        convert(src, tmp_path / k, opts, device="cpu")
+    t = {}
+    for k in outs:
+        for f in (tmp_path / k).glob("*.safetensors"):
+            t.setdefault(k, {}).update(load_file(f))
+    p = "model.layers.1.mlp."
+    routed = [n for n in t["off"] if n.startswith(p + "experts.")]
+    assert routed and all(torch.equal(t["default"][n], t["off"][n]) for n in routed)
+    assert not torch.equal(t["default"][p + "shared_experts.gate_proj.weight_scale"],
+                           t["off"][p + "shared_experts.gate_proj.weight_scale"])
+    assert verify(src, tmp_path / "default").ok

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +184,8 @@ class LayerRounding:
                                    percdamp=opts.percdamp, mse_clip=opts.mse_clip,
                                    mse_norm=opts.mse_norm, scale_refit=opts.scale_refit,
                                    gptaq=opts.gptaq)
+        # routed experts: their own rounds of the scale re-fit (0 by default: its cost there)
+        self.gptq_cfg_routed = replace(self.gptq_cfg, scale_refit=opts.scale_refit_routed)
         self.awq_cfg = AWQConfig(group_size=opts.group_size, symmetric=opts.symmetric)
         self.p = f"model.layers.{L}.mlp."
         self.W = LayerWeights(ckpt, units, device)
@@ -313,8 +315,9 @@ class LayerRounding:
 
     # -- GPTQ -----------------------------------------------------------------------------------
 
-    def _solve(self, Ws: torch.Tensor, H: torch.Tensor, D: torch.Tensor | None = None) -> Int4Weight:
-        r = gptq_quantize(Ws, H, self.gptq_cfg, D)
+    def _solve(self, Ws: torch.Tensor, H: torch.Tensor, D: torch.Tensor | None = None,
+               routed: bool = False) -> Int4Weight:
+        r = gptq_quantize(Ws, H, self.gptq_cfg_routed if routed else self.gptq_cfg, D)
         self._damps.append(r.damp.max())  # a device scalar: read once at the end, no sync here
         self._retries += r.retries
         return r.weight
@@ -376,7 +379,7 @@ class LayerRounding:
                         Ws = torch.stack([torch.cat([R[name(e, "gate_proj")], R[name(e, "up_proj")]])
                                           for e in es])  # (e, 2I, H)
                     if stats.all_experts:  # one Hessian for every expert: one solve of e*2I rows
-                        w = self._solve(Ws.reshape(-1, K), H_in)
+                        w = self._solve(Ws.reshape(-1, K), H_in, routed=True)
                         w = Int4Weight(*(None if t is None else t.reshape(len(es), -1, t.shape[-1])
                                          for t in w))
                     else:  # gate and up of an expert share its routed-token Hessian
@@ -386,7 +389,7 @@ class LayerRounding:
                             elif self.s_in is not None:
                                 H_gu[i] = _H_scaled(H_gu[i], self.s_in)
                         with sec("gptq_gate_up"):
-                            w = self._solve(Ws, H_gu)
+                            w = self._solve(Ws, H_gu, routed=True)
                     del Ws, H_gu
                     with sec("publish"):
                         for i, e in enumerate(es):
@@ -399,7 +402,8 @@ class LayerRounding:
                                                             self.expert_inter_sample(e), 0)
                         H_dn[i] = _H_scaled(H_dn[i], W.col.get(n))
                     with sec("gptq_down"):
-                        w = self._solve(torch.stack([R[name(e, "down_proj")] for e in es]), H_dn)
+                        w = self._solve(torch.stack([R[name(e, "down_proj")] for e in es]), H_dn,
+                                        routed=True)
                     del H_dn
                     with sec("publish"):
                         for i, e in enumerate(es):

@@ -195,7 +195,8 @@ def _check_quantized(dst: Checkpoint, unit: Unit, opts: ConvertOptions, min_sqnr
         notes.append("non-finite or non-positive scale")
     if notes:
         return TensorCheck(unit.source, "quantize", float("nan"), float("-inf"), False, "; ".join(notes))
-    if (groups := _group_problems(W, scale, zp, opts)) is not None:
+    refit = opts.scale_refit_routed if unit.role == "routed" else opts.scale_refit
+    if (groups := _group_problems(W, scale, zp, opts, refit)) is not None:
         rel, sq = _error_stats(W, dequantize(Int4Weight(q, scale, zp), torch.float32))
         return TensorCheck(unit.source, "quantize", rel, sq, False, groups)
     Wq = dequantize(Int4Weight(q, scale, zp), torch.float32)
@@ -214,7 +215,7 @@ def _check_quantized(dst: Checkpoint, unit: Unit, opts: ConvertOptions, min_sqnr
 
 
 def _group_problems(W: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None,
-                    opts: ConvertOptions) -> str | None:
+                    opts: ConvertOptions, refit: int = 0) -> str | None:
     """Group by group, the written scales (and zero points) against the rule every method
     uses (static groups: `int4.rtn_qparams` of the reference weight W; `--mse-clip` may only
     shrink a group's range, to 0.80 of it; `--scale-refit` moves it within 0.75-1.25 of it,
@@ -223,7 +224,7 @@ def _group_problems(W: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | Non
     want_s, want_z = rtn_qparams(W, opts.group_size, opts.symmetric)
     s, w = scale.float(), want_s.float()
     # 1 %: one bf16 step (0.8 %) of slack for a reference recomputed on another device
-    if opts.scale_refit:
+    if refit:  # (the tensor's rounds: --scale-refit, routed experts their own)
         lo, hi = REFIT_RANGE
         bad = (s > w * hi * 1.01) | (s < w * lo * 0.99)
     else:
