@@ -455,7 +455,7 @@ def test_gptaq_lowers_the_error_against_the_unrounded_models_outputs(symmetric):
     Xf_t, X_t = _drifted(4096, K, 8)
     W = torch.randn(N, K, generator=_gen(9)) * 0.05
     H, D = 2 * X.T @ X / X.shape[0], 2 * (Xf - X).T @ X / X.shape[0]
-    cfg = dict(group_size=g, symmetric=symmetric, percdamp=0.1, mse_clip=True)
+    cfg = {"group_size": g, "symmetric": symmetric, "percdamp": 0.1, "mse_clip": True}
     plain = gptq_quantize(W, H, GPTQConfig(**cfg)).weight
     same = gptq_quantize(W, H, GPTQConfig(**cfg, gptaq=0.25), torch.zeros(K, K)).weight
     assert torch.equal(plain.q, same.q) and torch.equal(plain.scale, same.scale)
