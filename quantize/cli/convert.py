@@ -166,7 +166,8 @@ def convert(
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --rtn-fallback
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --mse-norm 2 --expert-calibration routed-weighted
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --scale-refit 1
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --targets routed,shared,dense
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --targets routed,shared --gptaq 0 --scale-refit 0
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --calib HuggingFaceH4/ultrachat_200k:train_sft
       torchrun --nproc-per-node 8 -m quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq
       quantize convert --config run.toml ./GLM-5.2-FP8 ./GLM-5.2-INT4   # options from a file
