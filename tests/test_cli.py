@@ -85,6 +85,22 @@ def test_plan_json_and_strict(dsa_fp8):
         assert 1.9 < v["output_bytes"] / v["source_bytes"] < 2.0  # FP8 + 128x128 scales -> BF16
     assert d["by_role"]["router"]["output_bytes"] == d["by_role"]["router"]["source_bytes"]
     assert d["output_bytes"] == sum(v["output_bytes"] for v in d["by_role"].values())
+    assert d["calibration"] is None  # rtn
+    # gptq: GPTAQ and the scale re-fit apply to dense / shared targets only, and GPTAQ's second
+    # stream doubles the calibration checkpoints
+    plans = {}
+    for k, extra in {"routed": [], "shared": ["--targets", "routed,shared"],
+                     "shared-plain": ["--targets", "routed,shared", "--gptaq", "0"]}.items():
+        r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "1", "--method", "gptq", "--json", *extra])
+        assert r.exit_code == 0, r.output
+        plans[k] = json.loads(r.stdout)
+    assert plans["routed"]["calibration"] == {"gptaq": 0, "scale_refit": {}}
+    assert plans["shared"]["calibration"] == {"gptaq": 0.25, "scale_refit": {"dense/shared": 3}}
+    assert plans["shared-plain"]["calibration"] == {"gptaq": 0, "scale_refit": {"dense/shared": 3}}
+    assert plans["shared"]["disk"]["checkpoint"] == 2 * plans["shared-plain"]["disk"]["checkpoint"] > 0
+    r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "1", "--method", "gptq", "--targets", "routed,shared"])
+    assert "GPTQ beyond the column loop" in r.output and "GPTAQ 0.25;" in r.output, r.output
+    assert "re-fitted x3" in r.output and "streams: GPTAQ" in r.output, r.output
     # expert width 96 at TP 8 breaks the Marlin rule: warning, and exit 1 with --strict
     r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "8", "--strict"])
     assert r.exit_code == 1 and "expert width" in r.output

@@ -14,9 +14,11 @@ import typer
 
 from quantize.cli.app import Failed, app, err, out, print_json, progress, reporters
 from quantize.cli.params import (
+    CALIB,
     Asym,
     Debug,
     ExpertCalibration,
+    GptaqOpt,
     GroupSize,
     KeepFp8,
     MaxShardSize,
@@ -24,6 +26,7 @@ from quantize.cli.params import (
     Mtp,
     MtpOpt,
     Revision,
+    ScaleRefitOpt,
     Scheme,
     SchemeOpt,
     Targets,
@@ -41,8 +44,6 @@ from quantize.cli.run_record import (
 )
 from quantize.errors import Problem, QuantizeError
 from quantize.names import CALIB_REPORT, CALIB_TIMINGS, MANIFEST, RUN_RECORD
-
-CALIB = "Calibration (gptq, awq)"  # the --help panel of the calibration's options
 
 
 @app.command()
@@ -95,23 +96,8 @@ def convert(
         help="The MSE clip's error power, sum H_kk |w - q|^N: 3 clips less than 2 (3 measured "
              "best on weights off a 4-bit grid: BENCHMARKS.md).",
         min=2, max=3, rich_help_panel=CALIB)] = 3,
-    scale_refit: Annotated[int | None, typer.Option(
-        help="GPTQ: rounds of re-fitting each row's group scales by least squares to the chosen "
-             "codes against the Hessian (1: the codes stay; more: the column loop runs again "
-             "under the re-fitted scales). 0: off. Default: 3 on dense and shared-expert "
-             "Linears and 0 on routed experts (lower KL on Gemma-3-270M with GPTAQ; 8.5x the "
-             "time of a GLM-5.2 MoE layer: BENCHMARKS.md); a number given applies to every "
-             "target.",
-        min=0, max=8, show_default=False, rich_help_panel=CALIB)] = None,
-    gptaq: Annotated[float | None, typer.Option(
-        help="GPTQ with asymmetric calibration (GPTAQ): dense and shared-expert Linears fit "
-             "the unrounded model's outputs instead of the unrounded layer's on the rounded "
-             "model's inputs; the fraction of that correction taken, 0 (off) to 1. Where such "
-             "a Linear is a target it carries a second copy of the calibration's hidden states "
-             "(their memory and checkpoints x2) and runs each layer on it too; routed experts "
-             "keep plain GPTQ. Default: 0.25 for gptq and awq+gptq (Gemma-3-270M: lower KL at "
-             "groups 32 and 128; 0.75 and 1 overshoot: BENCHMARKS.md).",
-        min=0.0, max=1.0, show_default=False, rich_help_panel=CALIB)] = None,
+    scale_refit: ScaleRefitOpt = None,
+    gptaq: GptaqOpt = None,
     rtn_fallback: Annotated[bool, typer.Option(
         help="A calibrated layer whose output error on the calibration tokens exceeds "
              "round-to-nearest's by 1.5x stops the run by default; with this flag that layer is "

@@ -61,6 +61,23 @@ Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON 
 Debug = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
 Device = Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")]
 MaxShardSize = Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")]
+CALIB = "Calibration (gptq, awq)"  # the --help panel of the calibration's options
+ScaleRefitOpt = Annotated[int | None, typer.Option(
+    help="GPTQ: rounds of re-fitting each row's group scales by least squares to the chosen "
+         "codes against the Hessian (1: the codes stay; more: the column loop runs again under "
+         "the re-fitted scales). 0: off. Default: 3 on dense and shared-expert Linears and 0 on "
+         "routed experts (lower KL on Gemma-3-270M with GPTAQ; 8.5x the time of a GLM-5.2 MoE "
+         "layer: BENCHMARKS.md); a number given applies to every target.",
+    min=0, max=8, show_default=False, rich_help_panel=CALIB)]
+GptaqOpt = Annotated[float | None, typer.Option(
+    help="GPTQ with asymmetric calibration (GPTAQ): dense and shared-expert Linears fit the "
+         "unrounded model's outputs instead of the unrounded layer's on the rounded model's "
+         "inputs; the fraction of that correction taken, 0 (off) to 1. Where such a Linear is a "
+         "target it carries a second copy of the calibration's hidden states (their memory and "
+         "checkpoints x2) and runs each layer on it too; routed experts keep plain GPTQ. "
+         "Default: 0.25 for gptq and awq+gptq (Gemma-3-270M: lower KL at groups 32 and 128; "
+         "0.75 and 1 overshoot: BENCHMARKS.md).",
+    min=0.0, max=1.0, show_default=False, rich_help_panel=CALIB)]
 
 
 def convert_options(method: str, group_size: int, targets: str, asymmetric: bool,

@@ -10,6 +10,7 @@ from quantize.cli.app import app, err, out, print_json
 from quantize.cli.params import (
     Asym,
     Debug,
+    GptaqOpt,
     GroupSize,
     Json,
     KeepFp8,
@@ -18,6 +19,7 @@ from quantize.cli.params import (
     Mtp,
     MtpOpt,
     Revision,
+    ScaleRefitOpt,
     Scheme,
     SchemeOpt,
     Src,
@@ -42,6 +44,8 @@ def plan(
     keep_fp8: KeepFp8 = False,
     num_samples: Annotated[int, typer.Option(help="Calibration sequences (calibrated methods).")] = 128,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 2048,
+    gptaq: GptaqOpt = None,
+    scale_refit: ScaleRefitOpt = None,
     json_: Json = False,
     strict: Annotated[bool, typer.Option(help="Exit 1 when a serving check fails.")] = False,
     revision: Revision = None,
@@ -57,6 +61,7 @@ def plan(
       quantize plan ./GLM-4.6-FP8 --tp 8 --group-size 128     # warns: 1536/8 = 192
       quantize plan zai-org/GLM-5.2-FP8 --tp 8                # Hub: headers only
       quantize plan ./GLM-5.2-FP8 --method gptq --num-samples 512   # + checkpoint disk
+      quantize plan ./GLM-5.2-FP8 --method gptq --targets routed,shared   # GPTAQ: x2 checkpoints
       quantize plan ./GLM-5.2-INT4 --tp 8        # an INT4 output: the serving checks at TP 8
     """
     from quantize.cli.report import (
@@ -82,7 +87,8 @@ def plan(
         ckpt = resolve_source(src, revision, headers_only=True)
         d = plan_data(make_plan(ckpt, convert_options(
             method, group_size, targets, asymmetric, max_shard_size, num_samples=num_samples,
-            seq_len=seq_len, scheme=scheme, mtp=mtp, keep_fp8=keep_fp8), tp))
+            seq_len=seq_len, scheme=scheme, mtp=mtp, keep_fp8=keep_fp8, gptaq=gptaq,
+            scale_refit=scale_refit), tp))
         checks, prefix = d["checks"], ""
         if json_:
             print_json(d)

@@ -196,6 +196,10 @@ def plan_data(plan: Plan) -> dict:
         "ignore": list(plan.ignore),
         "checks": [{"level": c.level, "what": c.what, "detail": c.detail} for c in plan.checks],
         "disk": _disk(plan),
+        # calibrated methods: what GPTQ does beyond the column loop, per kind of target
+        "calibration": None if "gptq" not in plan.options.method else {
+            "gptaq": plan.options.gptaq if plan.gptaq_active else 0,
+            "scale_refit": plan.scale_refits},
     }
 
 
@@ -220,8 +224,14 @@ def plan_tables(d: dict) -> list[Table]:
     t.add_row("ratio", "", f"{d['ratio']:.3f}")
     t.add_row("files (shards, headers incl.)", "", f"{d['shards']} / {fmt_bytes(d['output_file_bytes'])}")
     disk = d.get("disk") or {}
+    cal = d.get("calibration")
+    if cal:
+        extra = ([f"GPTAQ {cal['gptaq']:g}"] if cal["gptaq"] else []) + \
+            [f"{k} scales re-fitted x{n}" for k, n in cal["scale_refit"].items()]
+        t.add_row("GPTQ beyond the column loop", "", "; ".join(extra) or "none")
     if disk.get("checkpoint"):
-        t.add_row(f"+ calibration checkpoints ({o['num_samples']} x {o['seq_len']} tokens, GPU)", "",
+        both = "; two streams: GPTAQ" if cal and cal["gptaq"] else ""
+        t.add_row(f"+ calibration checkpoints ({o['num_samples']} x {o['seq_len']} tokens, GPU{both})", "",
                   f"up to {disk['at_once']} x {fmt_bytes(disk['checkpoint'])}")
         t.add_row("disk needed", "", f"{fmt_bytes(disk['shards'] + disk['checkpoint'])} at least "
                   f"(1 checkpoint), {fmt_bytes(disk['total'])} for {disk['at_once']}")
