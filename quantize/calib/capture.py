@@ -21,8 +21,9 @@ MoE statistics (`expert_calibration`):
 `--gptaq` (asymmetric calibration): the forwards also take `x_fp`, the same tokens' MLP inputs in
 the unrounded model (the calibration carries that stream too), and the dense / shared Linears
 get D = 2 (Xf - X)ᵀ X / n beside H = 2 XᵀX / n (`D_in`, `D_down`; the down projection's inputs
-in both streams through the unrounded gate/up). Routed experts keep plain GPTQ: which tokens
-reach an expert differs between the two streams.
+in both streams through the unrounded gate/up), kept as the cross term C = 2 Xfᵀ X / n (one
+GEMM as H's: bf16 inputs, float32 accumulation on CUDA) so that D = C - H. Routed experts keep
+plain GPTQ: which tokens reach an expert differs between the two streams.
 """
 
 from __future__ import annotations
@@ -82,9 +83,9 @@ class MLPStats:
     x_sample: list[torch.Tensor] = field(default_factory=list)  # all-token MLP inputs (float32)
     inter_sample: list[torch.Tensor] = field(default_factory=list)  # dense/shared down inputs
     inter_e: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # routed down inputs
-    D_in: torch.Tensor | None = None  # --gptaq: 2 (Xf - X)ᵀ X / n of the MLP inputs (H, H)
-    D_down: torch.Tensor | None = None  # --gptaq: the same of the dense / shared down inputs
-    n_asym: int = 0  # tokens in D_in and D_down
+    C_in: torch.Tensor | None = None  # --gptaq: 2 Xfᵀ X / n of the MLP inputs (H, H)
+    C_down: torch.Tensor | None = None  # --gptaq: the same of the dense / shared down inputs
+    n_asym: int = 0  # tokens in C_in and C_down (every token of H_in and H_down)
 
     def __post_init__(self) -> None:
         self.expert_tokens = [0] * self.num_experts
@@ -119,11 +120,11 @@ class MLPStats:
             self.H_in = d.all_reduce(self.H_in * (n_in / self.tokens))
         if self.H_down is not None:
             self.H_down = d.all_reduce(self.H_down * (n_down / self.n_down))
-        if self.D_in is not None:  # (--gptaq: every rank carries both streams)
+        if self.C_in is not None:  # (--gptaq: every rank carries both streams)
             n_a = self.n_asym
             self.n_asym = int(d.all_reduce(torch.tensor([n_a], dtype=torch.int64)).item())
-            self.D_in = d.all_reduce(self.D_in * (n_a / self.n_asym))
-            self.D_down = d.all_reduce(self.D_down * (n_a / self.n_asym))
+            self.C_in = d.all_reduce(self.C_in * (n_a / self.n_asym))
+            self.C_down = d.all_reduce(self.C_down * (n_a / self.n_asym))
         xs = torch.cat(self.x_sample) if self.x_sample else None
         shape = d.broadcast_object(None if xs is None else tuple(xs.shape))
         if shape is not None:
@@ -144,13 +145,31 @@ class MLPStats:
              inter: torch.Tensor) -> None:
         """--gptaq: the same tokens' MLP inputs (T, H) and down inputs (T, I) in the unrounded
         model's stream (xf, interf) and in the rounded one's (x, inter), into the running means
-        D = 2 (Xf - X)ᵀ X / n."""
+        C = 2 Xfᵀ X / n (the same tokens then go to `mlp_input` / `down_input`)."""
         if xf.shape != x.shape or interf.shape != inter.shape:
             raise ValueError(f"MLPStats.asym: the streams' shapes differ ({tuple(xf.shape)} vs "
                              f"{tuple(x.shape)}, {tuple(interf.shape)} vs {tuple(inter.shape)})")
         n_old, self.n_asym = self.n_asym, self.n_asym + x.shape[0]
-        self.D_in = _cross_mean(self.D_in, xf, x, n_old, self.n_asym)
-        self.D_down = _cross_mean(self.D_down, interf, inter, n_old, self.n_asym)
+        self.C_in = _cross_mean(self.C_in, xf, x, n_old, self.n_asym)
+        self.C_down = _cross_mean(self.C_down, interf, inter, n_old, self.n_asym)
+
+    @property
+    def D_in(self) -> torch.Tensor | None:
+        """--gptaq: D = 2 (Xf - X)ᵀ X / n of the MLP inputs, C - H (None without it)."""
+        return self._D(self.C_in, self.H_in, self.tokens)
+
+    @property
+    def D_down(self) -> torch.Tensor | None:
+        """--gptaq: the same of the dense / shared down_proj inputs."""
+        return self._D(self.C_down, self.H_down, self.n_down)
+
+    def _D(self, C: torch.Tensor | None, H: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        if C is None:
+            return None
+        if H is None or n != self.n_asym:  # C and H must cover the very same tokens
+            raise RuntimeError(f"MLPStats: GPTAQ's cross term covers {self.n_asym} tokens, the "
+                               f"Hessian {n}: the two streams were not fed together")
+        return C - H
 
     def down_input(self, inter: torch.Tensor) -> None:  # dense / shared (T, I)
         if self.hessians:
@@ -242,14 +261,13 @@ class MLPStats:
         return H if H is not None else torch.zeros(K, K, device=like.device)
 
 
-def _cross_mean(D: torch.Tensor | None, xf: torch.Tensor, x: torch.Tensor, n_old: int,
+def _cross_mean(C: torch.Tensor | None, xf: torch.Tensor, x: torch.Tensor, n_old: int,
                 n: int) -> torch.Tensor:
-    """The running mean 2 (Xf - X)ᵀ X / n, float32, updated with one batch of rows."""
-    x32 = x.float()
-    step = (xf.float() - x32).mT @ x32
-    if D is None:
-        return step.mul_(2.0 / n)
-    return D.mul_(n_old / n).add_(step, alpha=2.0 / n)
+    """The running mean 2 Xfᵀ X / n, float32, updated with one batch of rows, as
+    `accumulate_hessian` updates H (the same GEMM: `xtx`)."""
+    step = xtx(xf.to(x.dtype), Y=x)
+    # (the very arithmetic of accumulate_hessian: where the streams agree, C - H is exactly 0)
+    return step * (2.0 / n) if C is None else C * (n_old / n) + step * (2.0 / n)
 
 
 def _weighted(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:

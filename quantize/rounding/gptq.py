@@ -181,14 +181,19 @@ def accumulate_hessian(H: torch.Tensor, X: torch.Tensor, n_seen: torch.Tensor | 
     return H_new, n_total
 
 
-def xtx(X: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 XᵀX of X (..., T, K), added into `acc` (..., K, K) in place when given.
+def xtx(X: torch.Tensor, acc: torch.Tensor | None = None, Y: torch.Tensor | None = None
+        ) -> torch.Tensor:
+    """float32 XᵀX of X (..., T, K), added into `acc` (..., K, K) in place when given; with
+    `Y` (X's shape and dtype) the cross product XᵀY instead.
 
     bf16 values (8-bit mantissa) are exact products in fp32, so for bf16 inputs on CUDA the
     sums are computed by a bf16 GEMM with float32 output and float32 accumulation
     (`out_dtype`, no float32 copy of X, 2x the TF32 rate), the same sums as a float32 matmul
     up to summation order; where torch lacks that op, TF32 of a float32 copy (also exact
     products: bf16 fits TF32's 10-bit mantissa)."""
+    Y = X if Y is None else Y
+    if Y.shape != X.shape or Y.dtype != X.dtype:
+        raise ValueError(f"xtx: Y {tuple(Y.shape)} {Y.dtype} must match X {tuple(X.shape)} {X.dtype}")
     if X.dtype == torch.bfloat16 and X.is_cuda and X.ndim in (2, 3) and _BF16_OUT[0]:
         prev = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -196,10 +201,10 @@ def xtx(X: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
             Xt = X.mT
             if acc is None:
                 mm = torch.bmm if X.ndim == 3 else torch.mm
-                return mm(Xt, X, out_dtype=torch.float32)
+                return mm(Xt, Y, out_dtype=torch.float32)
             if acc.ndim == 3:
-                return torch.baddbmm(acc, Xt, X, out_dtype=torch.float32, out=acc)
-            return torch.addmm(acc, Xt, X, out_dtype=torch.float32, out=acc)
+                return torch.baddbmm(acc, Xt, Y, out_dtype=torch.float32, out=acc)
+            return torch.addmm(acc, Xt, Y, out_dtype=torch.float32, out=acc)
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, TypeError, NotImplementedError):
@@ -207,10 +212,11 @@ def xtx(X: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
         finally:
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = prev
     Xf = X.to(torch.float32)
+    Yf = Xf if Y is X else Y.to(torch.float32)
     with _tf32(X.dtype == torch.bfloat16 and X.is_cuda):
         if acc is None:
-            return Xf.mT @ Xf
-        return acc.baddbmm_(Xf.mT, Xf) if acc.ndim == 3 else acc.addmm_(Xf.mT, Xf)
+            return Xf.mT @ Yf
+        return acc.baddbmm_(Xf.mT, Yf) if acc.ndim == 3 else acc.addmm_(Xf.mT, Yf)
 
 
 _BF16_OUT = [True]  # bf16 GEMMs with float32 output available (cleared at the first refusal)
