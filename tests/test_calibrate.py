@@ -691,20 +691,24 @@ def test_split_layer_reproduces_the_whole_forward_or_says_not(model_type):
         torch.testing.assert_close(both[2:], ref.flip(0), rtol=1e-5, atol=1e-5)
 
 
-def test_whole_layer_fallback_gives_the_split_result(ckpt_dir, monkeypatch):
+@pytest.mark.parametrize("targets", [None, frozenset({"routed", "shared", "dense"})])
+def test_whole_layer_fallback_gives_the_split_result(ckpt_dir, monkeypatch, targets):
     """A layer whose halves do not check out runs whole-layer forwards in both passes; on a
     layer where they do, both ways give the same calibration (same statistics, same
-    rounding, the same pass-2 output bit for bit)."""
+    rounding, the same pass-2 output bit for bit); with dense and shared targets, GPTAQ's
+    second stream and its D terms too."""
     from quantize.calib.decoder import SplitLayer
 
-    split = _calibrate(ckpt_dir, method="gptq")
+    kw = {"method": "gptq", **({"targets": targets} if targets else {})}
+    split = _calibrate(ckpt_dir, **kw)
     real = SplitLayer.check
 
     def refuse(self, h, topk):
         return (False, *real(self, h, topk)[1:])
 
     monkeypatch.setattr(SplitLayer, "check", refuse)
-    whole = _calibrate(ckpt_dir, method="gptq")
+    whole = _calibrate(ckpt_dir, **kw)
+    assert (targets is not None) == any("gptaq" in lay for lay in whole["layers"])
     strip = (*TIMING_KEYS, "attention_once")
     assert all(lay.get("attention_once") is True for lay in split["layers"] if lay.get("quantized"))
     assert all(lay.get("attention_once") is False for lay in whole["layers"] if lay.get("quantized"))

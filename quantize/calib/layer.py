@@ -387,6 +387,8 @@ class LayerRunner:
                     fwd(m, args[0], stats, outputs=False, x_fp=x_fp.pop() if x_fp else None)
 
             hook = mlp.register_forward_pre_hook(pre)
+            if fp is not None:
+                self.before_overwrite()  # (the unrounded stream's chunks are replaced here)
             try:
                 for i in range(len(self.carry.hidden)):
                     self.check_stop()
