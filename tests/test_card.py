@@ -166,6 +166,8 @@ def test_card_calibration_is_the_reports(calibrated):
     for card in (push.card, (dst / "README.md").read_text()):  # and the card verify rewrote
         assert str(calib.parent) not in card
         assert "| method | `gptq` |" in card
+        # routed targets only: neither GPTAQ nor the default re-fit applies, and the card says so
+        assert "| GPTQ settings | MSE clip of error power 3; dampening 0.1 |" in card
         assert (f"| calibration data | `my-calib.txt`, sha256 `{c['sha256']}`; "
                 "1 document |") in card  # a .txt file is one document
         assert (f"| calibration tokens | {c['num_samples']} samples x {c['seq_len']} tokens = "
@@ -222,3 +224,20 @@ def test_card_metadata_is_what_the_hub_understands(tmp_path):
     assert _front_matter(render_card(card_facts(dst)))["license"] == "mit"
     convert(src, dst, ConvertOptions(method="rtn"), device="cpu", overwrite=True)
     assert "license" not in _front_matter((dst / "README.md").read_text())
+
+
+def test_card_names_gptqs_settings_as_the_report_records_them():
+    """The card's "GPTQ settings" row from calibration-report.json: GPTAQ only where it was
+    active, the scale re-fit per kind of target present, keys an older report lacks left out."""
+    from quantize.publish.readme import _gptq_settings
+
+    base = {"mse_clip": True, "mse_norm": 3, "percdamp": 0.1}
+    assert _gptq_settings({**base, "gptaq": 0.25, "gptaq_active": True,
+                           "scale_refits": {"dense/shared": 3}}) == (
+        "MSE clip of error power 3; dampening 0.1; GPTAQ 0.25 on dense and shared-expert "
+        "Linears; dense and shared-expert scales re-fitted x3")
+    assert _gptq_settings({**base, "gptaq": 0.25, "gptaq_active": False, "scale_refits": {}}) == \
+        "MSE clip of error power 3; dampening 0.1"
+    assert _gptq_settings({**base, "scale_refits": {"dense/shared": 2, "routed": 2}}).endswith(
+        "; scales re-fitted x2")
+    assert _gptq_settings({"mse_clip": False, "percdamp": 0.01}) == "no MSE clip; dampening 0.01"

@@ -57,6 +57,7 @@ class CalibrationFacts:
     expert_tokens: tuple[int, ...]  # routed tokens of every expert in every MoE layer
     fallbacks: tuple[tuple[int, int, int], ...]  # (layer, expert, routed tokens): all-token statistics
     rounded: tuple[tuple[int, str], ...] = ()  # (layer, why): rounded to nearest instead
+    gptq: str = ""  # GPTQ's settings in words (calibration-report.json), "" for awq / old reports
 
     @property
     def tokens(self) -> int:
@@ -209,6 +210,8 @@ def _calibration(f: CardFacts) -> list[str]:
              f"({len(et):,} experts in {c.moe_layers} MoE layers) |"),
             f"| expert fallbacks | {_fallbacks(c)} |",
         ]
+    if c.gptq:
+        lines.append(f"| GPTQ settings | {c.gptq} |")
     if c.rounded:
         lines.append("| rounded to nearest instead | "
                      + "; ".join(f"layer {L}: {why}" for L, why in c.rounded) + " |")

@@ -94,7 +94,27 @@ def _calibration(report: dict | None, opts: ConvertOptions) -> CalibrationFacts 
                             f"(relative error {fb['rel_error']:.3g} vs {fb['rtn_rel_error']:.3g}; "
                             "--rtn-fallback)"))
             for lay in report["layers"] if (fb := lay.get("rtn_fallback"))),
+        gptq=_gptq_settings(report) if "gptq" in opts.method else "",
     )
+
+
+def _gptq_settings(r: dict) -> str:
+    """GPTQ's settings as the calibration report records them, in words (keys a report from
+    an earlier version lacks are left out)."""
+    parts = []
+    if "mse_clip" in r:
+        parts.append(f"MSE clip of error power {r.get('mse_norm', 2)}" if r["mse_clip"] else "no MSE clip")
+    if "percdamp" in r:
+        parts.append(f"dampening {r['percdamp']:g}")
+    if r.get("gptaq_active"):
+        parts.append(f"GPTAQ {r['gptaq']:g} on dense and shared-expert Linears")
+    names = {"dense/shared": "dense and shared-expert", "routed": "routed experts'"}
+    refits = r.get("scale_refits") or {}  # {kind of target present: rounds}
+    if len(set(refits.values())) == 1 and len(refits) == 2:
+        parts.append(f"scales re-fitted x{next(iter(refits.values()))}")
+    else:
+        parts += [f"{names.get(k, k)} scales re-fitted x{v}" for k, v in refits.items()]
+    return "; ".join(parts)
 
 
 def _sizes(manifest: dict, index: dict, plan: Plan | None) -> Sizes:
