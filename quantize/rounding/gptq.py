@@ -49,11 +49,12 @@ unless it says otherwise:
   order (`_tree_sum`), so CPU, CUDA and the CUDA path's single Triton kernel
   (`gptq_triton.mse_clip_qparams`, 30x the eager loop on an H200) pick the same scales bit
   for bit.
-- `scale_refit` (ours; off by default, measured in BENCHMARKS.md): once the codes are chosen, each
-  row's group scales are re-fitted by least squares against the same damped Hessian
-  (`refit_scales`); with n > 1 rounds the column loop runs again under the re-fitted scales.
-  The codes of round 1 are plain GPTQ's; the format and the kernels are unchanged.
-- `gptaq` (asymmetric calibration, Li et al. 2025 "GPTAQ"; ours, off by default): the layer's
+- `scale_refit` (ours; off in GPTQConfig, options.py sets the CLI's defaults from BENCHMARKS.md):
+  once the codes are chosen, each row's group scales are re-fitted by least squares against
+  the same damped Hessian (`refit_scales`); with n > 1 rounds the column loop runs again under
+  the re-fitted scales. The codes of round 1 are plain GPTQ's; the format and the kernels are
+  unchanged.
+- `gptaq` (asymmetric calibration, Li et al. 2025 "GPTAQ"; off in GPTQConfig, as above): the layer's
   inputs in the rounded model, X̃, differ from the unrounded model's, X, by the error of the
   layers before. Fitting Ŵ X̃ to the unrounded model's outputs W X instead of to W X̃ moves the
   target: with D = 2 (X - X̃) X̃ᵀ / T beside H = 2 X̃ X̃ᵀ / T,
@@ -62,8 +63,9 @@ unless it says otherwise:
 
   (Hd = H + λ I, the damped Hessian GPTQ factors; the cross terms vanish because W* solves the
   ridge problem). So GPTQ's column loop run on W* minimises the asymmetric error; the group
-  scales stay those of W (static groups, what verify checks), W* being a small step from it; `gptaq` = a in W + a · W D Hd⁻¹ takes a fraction of the step
-  (the GPTAQ authors' code scales their term by 0.25). D = 0 gives plain GPTQ exactly.
+  scales stay those of W (static groups, what verify checks), W* being a small step from it;
+  `gptaq` = a in W + a · W D Hd⁻¹ takes a fraction of the step (the GPTAQ authors' code scales
+  their term by 0.25). D = 0 gives plain GPTQ exactly.
 """
 
 from __future__ import annotations
@@ -123,10 +125,10 @@ class GPTQConfig:
     # Rounds of re-fitting: each row's group scales fitted by least squares to the codes GPTQ
     # chose, against the same damped Hessian (`refit_scales`). 1: the codes stay, the scales
     # are re-fitted; n > 1: the column loop is run again with the re-fitted scales, and they are
-    # re-fitted to its codes, n times in all. 0: off (the default; an option while measured).
+    # re-fitted to its codes, n times in all. 0: off (options.py: the CLI's defaults).
     scale_refit: int = 0
     # Asymmetric calibration: GPTQ fits W* = W + gptaq · W D Hd⁻¹ (the module docstring) when the
-    # caller passes D; 0: off (the default; an option while measured), 1: the whole step.
+    # caller passes D; 0: off (options.py: the CLI's default), 1: the whole step.
     gptaq: float = 0.0
     # CUDA: run the MSE clip search as one Triton kernel (bit-identical scales), each block's
     # column loop as one Triton kernel (same arithmetic; the update may be fused into an FMA),
@@ -580,8 +582,9 @@ def gptaq_target(W: torch.Tensor, H: torch.Tensor, D: torch.Tensor, percdamp: fl
     L, info = torch.linalg.cholesky_ex(Hd)
     Z = torch.cholesky_solve(Dt, L) if not bool(info.any()) else torch.linalg.solve(Hd, Dt)
     # Z = Hd⁻¹ Dᵀ, so W D Hd⁻¹ = (Z Wᵀ)ᵀ = W Zᵀ
-    step = W.double() @ Z.mT if Z.shape[0] == W.shape[0] else W.double() @ Z[0].mT
-    return (W.double() + a * step).to(W.dtype)
+    Wd = W.double()
+    step = Wd @ (Z.mT if Z.shape[0] == W.shape[0] else Z[0].mT)
+    return (Wd + a * step).to(W.dtype)
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig(),
