@@ -118,6 +118,10 @@ class ConvertOptions:
             raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.mse_clip is None:  # frozen: resolve the per-method default once, here
             object.__setattr__(self, "mse_clip", "gptq" in self.method)
+        if "gptq" not in self.method and (self.scale_refit or self.scale_refit_routed):
+            # (verify would accept re-fitted scales from a method that never re-fits them)
+            raise ValueError("--scale-refit re-fits GPTQ's scales: use it with --method gptq or "
+                             "awq+gptq")
         routed = self.scale_refit_routed
         if routed is None:
             routed = 0 if self.scale_refit is None else self.scale_refit

@@ -487,6 +487,9 @@ def test_scale_refit_reaches_gptq_and_verifies(tmp_path):
     d = ConvertOptions(method="gptq")  # the default: 3 rounds on dense / shared, none on routed
     assert (d.scale_refit, d.scale_refit_routed) == (3, 0)
     assert (ConvertOptions(method="rtn").scale_refit, ConvertOptions(method="awq").scale_refit) == (0, 0)
+    for m in ("rtn", "awq"):  # (verify would accept re-fitted scales in their output)
+        with pytest.raises(ValueError, match="--scale-refit re-fits GPTQ's scales"):
+            ConvertOptions(method=m, scale_refit=2)
     one = ConvertOptions(method="gptq", scale_refit=1)  # a number given: every target
     assert (one.scale_refit, one.scale_refit_routed) == (1, 1)
     cfg = tiny_config("glm4_moe")
