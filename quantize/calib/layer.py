@@ -375,33 +375,7 @@ class LayerRunner:
         if not ok:
             self.log(f"layer {L}: its forward is not attention + MLP on one residual, bit for "
                      "bit: whole-layer forwards in both passes")
-            # the statistics of the MLP's input, captured by a pre-hook as the class's own
-            # forward runs (the layer's output is not kept: pass 2 computes it after rounding);
-            # --gptaq: the unrounded stream's chunk first, its MLP input kept for the pair
-            x_fp: list[torch.Tensor] = []
-
-            def pre(m, args):
-                if x_fp and x_fp[-1] is None:  # the unrounded stream's forward
-                    x_fp[-1] = args[0]
-                else:
-                    fwd(m, args[0], stats, outputs=False, x_fp=x_fp.pop() if x_fp else None)
-
-            hook = mlp.register_forward_pre_hook(pre)
-            if fp is not None:
-                self.before_overwrite()  # (the unrounded stream's chunks are replaced here)
-            try:
-                for i in range(len(self.carry.hidden)):
-                    self.check_stop()
-                    if fp is not None:
-                        x_fp.append(None)
-                        out_f, self.carry.fp_topk[i] = run_layer(
-                            self.skeleton, layer, self.inputs, fp.on_device(i), self.carry.fp_topk[i])
-                        fp0 = (out_f, fp0[1]) if i == 0 else fp0
-                        fp.put(i, out_f)
-                    run_layer(self.skeleton, layer, self.inputs, self.carry.hidden.on_device(i), self.carry.topk[i])
-            finally:
-                hook.remove()
-            return ref0, h0, None, fp0
+            return ref0, h0, None, self._pass1_whole(layer, fwd, stats, fp0)
         # several chunks per statistics call (all-expert mode: one, its (e, T, I) activations
         # grow with T); the routed Hessians recompute a call's MLP inputs from the hidden
         # states (h1 after this pass) instead of keeping a copy of them
@@ -451,6 +425,40 @@ class LayerRunner:
                 flush(i)
         flush(len(self.carry.hidden) - 1)
         return ref0, h0, halves, fp0
+
+    def _pass1_whole(self, layer, fwd, stats: MLPStats,
+                     fp0: tuple[torch.Tensor | None, torch.Tensor] | None
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Pass 1 in whole-layer forwards (a layer `SplitLayer.check` refused): the statistics
+        of the MLP's input, captured by a pre-hook as the class's own forward runs (the layer's
+        output is not kept: pass 2 computes it after rounding); --gptaq: each unrounded-stream
+        chunk first, its MLP input kept for the pair, its output replacing it. Returns `fp0`
+        with the unrounded stream's chunk-0 output filled in (None without --gptaq)."""
+        fp = self.carry.fp
+        x_fp: list[torch.Tensor] = []
+
+        def pre(m, args):
+            if x_fp and x_fp[-1] is None:  # the unrounded stream's forward
+                x_fp[-1] = args[0]
+            else:
+                fwd(m, args[0], stats, outputs=False, x_fp=x_fp.pop() if x_fp else None)
+
+        hook = layer.mlp.register_forward_pre_hook(pre)
+        if fp is not None:
+            self.before_overwrite()  # (the unrounded stream's chunks are replaced here)
+        try:
+            for i in range(len(self.carry.hidden)):
+                self.check_stop()
+                if fp is not None:
+                    x_fp.append(None)
+                    out_f, self.carry.fp_topk[i] = run_layer(
+                        self.skeleton, layer, self.inputs, fp.on_device(i), self.carry.fp_topk[i])
+                    fp0 = (out_f, fp0[1]) if i == 0 else fp0
+                    fp.put(i, out_f)
+                run_layer(self.skeleton, layer, self.inputs, self.carry.hidden.on_device(i), self.carry.topk[i])
+        finally:
+            hook.remove()
+        return fp0
 
     def _pass2(self, layer, halves: SplitLayer | None) -> torch.Tensor:
         """Pass 2: every chunk through the rounded layer, replaced by the output (the next
