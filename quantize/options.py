@@ -102,6 +102,11 @@ class ConvertOptions:
     # 128 (3 seeds; 0.5 next, 0.75 worse than none, 1 broke the model: BENCHMARKS.md), 0
     # (not applicable) for rtn and awq.
     gptaq: float | None = None
+    # GPTQ in order within a dense / shared-expert MLP: down_proj's Hessian (and with GPTAQ its
+    # D term) from the intermediate activations of the rounded gate/up, as the next Linear sees
+    # them, instead of the unrounded ones (the GPTQ authors' "true sequential";
+    # round_layer.LayerRounding `_sequential_down`). Routed experts keep pass 1's statistics.
+    sequential_mlp: bool = False
     # the serving scheme the config declares (SCHEMES); the INT4 integers are the same
     scheme: str = "w4a16"
     mtp: str = "int4"
@@ -160,6 +165,9 @@ class ConvertOptions:
         if self.mse_clip and "gptq" not in self.method:
             raise ValueError("--mse-clip chooses GPTQ's group scales: use it with --method gptq "
                              "or awq+gptq")
+        if self.sequential_mlp and "gptq" not in self.method:
+            raise ValueError("--sequential-mlp orders GPTQ's solves: use it with --method gptq or "
+                             "awq+gptq")
         if self.rtn_fallback and self.method == "rtn":
             raise ValueError("--rtn-fallback applies to calibrated methods (gptq, awq, awq+gptq)")
         if self.num_bits != 4:
@@ -187,8 +195,9 @@ class ConvertOptions:
         manifest is published; the calibration tokens' sha256 pins the content for resume)."""
         d = asdict(self)
         d["targets"] = sorted(self.targets)
-        if not d["rtn_fallback"]:  # (off: not recorded, so manifests stay readable by the
-            del d["rtn_fallback"]  # versions before it; a missing key reads back as off)
+        for k in ("rtn_fallback", "sequential_mlp"):
+            if not d[k]:  # (off: not recorded, so manifests stay readable by the versions
+                del d[k]  # before it; a missing key reads back as off)
         from quantize.source.hub import is_dataset_spec
 
         if d["calib"] is not None and not is_dataset_spec(d["calib"]):  # a Hub id is no path

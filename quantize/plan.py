@@ -38,7 +38,7 @@ from quantize.source.layout import (
     natural_key,
 )
 
-__all__ = ["Check", "OutTensor", "Plan", "Shard", "Unit", "make_plan", "shard_header"]
+__all__ = ["Check", "OutTensor", "Plan", "Shard", "Unit", "gptq_extras", "make_plan", "shard_header"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,18 @@ class Plan:
         if o.scale_refit_routed and self.quantizes("routed"):
             out["routed"] = o.scale_refit_routed
         return out
+
+    @property
+    def sequential_active(self) -> bool:
+        """Whether --sequential-mlp changes anything: it orders the solves of dense and
+        shared-expert MLPs (routed experts keep pass 1's statistics)."""
+        return bool(self.options.sequential_mlp) and self.quantizes("dense", "shared")
+
+    def gptq_extras(self) -> list[str]:
+        """What GPTQ does beyond the column loop in this plan, in words (`gptq_extras`)."""
+        o = self.options
+        return gptq_extras(o.gptaq if self.gptaq_active else 0, self.scale_refits,
+                           self.sequential_active)
 
     @property
     def output_bytes(self) -> int:
@@ -382,3 +394,18 @@ def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
         fp8_targets=tuple(fp8),
         block_size=tuple(ckpt.block_size) if ckpt.block_size else None,
     )
+
+
+def gptq_extras(gptaq: float, scale_refits: dict[str, int], sequential: bool) -> list[str]:
+    """GPTQ's steps beyond the column loop in words, as convert's start line, plan's table and
+    the model card say them: GPTAQ's fraction, the scale re-fit's rounds per kind of target
+    ({"dense/shared": n, "routed": m}, rounds > 0), --sequential-mlp."""
+    words = [f"GPTAQ {gptaq:g} on dense and shared-expert Linears"] if gptaq else []
+    names = {"dense/shared": "dense and shared-expert", "routed": "routed experts'"}
+    if len(scale_refits) == 2 and len(set(scale_refits.values())) == 1:
+        words.append(f"scales re-fitted x{next(iter(scale_refits.values()))}")
+    else:
+        words += [f"{names.get(k, k)} scales re-fitted x{v}" for k, v in scale_refits.items()]
+    if sequential:
+        words.append("down_proj fitted after the rounded gate/up (dense and shared-expert MLPs)")
+    return words

@@ -694,15 +694,16 @@ def test_split_layer_reproduces_the_whole_forward_or_says_not(model_type):
         torch.testing.assert_close(both[2:], ref.flip(0), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("targets", [None, frozenset({"routed", "shared", "dense"})])
-def test_whole_layer_fallback_gives_the_split_result(ckpt_dir, monkeypatch, targets):
+@pytest.mark.parametrize("targets,seq", [(None, False), (frozenset({"routed", "shared", "dense"}), False),
+                                         (frozenset({"routed", "shared", "dense"}), True)])
+def test_whole_layer_fallback_gives_the_split_result(ckpt_dir, monkeypatch, targets, seq):
     """A layer whose halves do not check out runs whole-layer forwards in both passes; on a
     layer where they do, both ways give the same calibration (same statistics, same
     rounding, the same pass-2 output bit for bit); with dense and shared targets, GPTAQ's
-    second stream and its D terms too."""
+    second stream and its D terms too, and --sequential-mlp's pass over the MLP inputs."""
     from quantize.calib.decoder import SplitLayer
 
-    kw = {"method": "gptq", **({"targets": targets} if targets else {})}
+    kw = {"method": "gptq", "sequential_mlp": seq, **({"targets": targets} if targets else {})}
     split = _calibrate(ckpt_dir, **kw)
     real = SplitLayer.check
 
@@ -712,6 +713,7 @@ def test_whole_layer_fallback_gives_the_split_result(ckpt_dir, monkeypatch, targ
     monkeypatch.setattr(SplitLayer, "check", refuse)
     whole = _calibrate(ckpt_dir, **kw)
     assert (targets is not None) == any("gptaq" in lay for lay in whole["layers"])
+    assert seq == any("sequential_mlp" in lay for lay in whole["layers"])
     strip = (*TIMING_KEYS, "attention_once")
     assert all(lay.get("attention_once") is True for lay in split["layers"] if lay.get("quantized"))
     assert all(lay.get("attention_once") is False for lay in whole["layers"] if lay.get("quantized"))
@@ -965,6 +967,69 @@ def test_gptaq_statistics_are_running_means_over_the_batches():
     stats.asym(xfs[0], xs[0], itf[0], it[0])  # without mlp_input: C and H over other tokens
     with pytest.raises(RuntimeError, match="not fed together"):
         stats.D_in  # noqa: B018
+
+
+def test_sequential_mlp_fits_down_proj_to_the_rounded_gate_and_up(tmp_path):
+    """--sequential-mlp: down_proj's Hessian comes from the activations of the rounded gate/up
+    (and with GPTAQ its D term gains 2 (Xu - Xq)ᵀ Xq / n). Checked independently on layer 0 of a
+    tiny Llama, whose MLP inputs are the source's: Xq from transformers' own forward of the
+    source with layer 0's gate/up replaced by the written INT4 weights, Xu from the source's;
+    the report's |D_within| / |H| equals that float64 figure (1e-3 of it), and the written
+    down_proj equals GPTQ's solve against 2 XqᵀXq / n in float64 (codes: at most 1 % move at
+    rounding ties), not the run without the option's (more than 5 % of codes differ); rtn
+    refuses the option."""
+    from transformers import AutoModelForCausalLM
+
+    from quantize.calib.data import checkpoint_calibration
+    from quantize.rounding.gptq import GPTQConfig, gptq_quantize
+    from quantize.rounding.int4 import Int4Weight, dequantize, unpack_int4
+
+    with pytest.raises(ValueError, match="--sequential-mlp"):
+        ConvertOptions(method="rtn", sequential_mlp=True)
+    assert "sequential_mlp" not in ConvertOptions(method="gptq").to_json()
+    src = _tiny_llama(tmp_path / "src")
+    base = {"targets": frozenset({"dense"}), "scale_refit": 0, **CALIB}
+    runs = {"seq": {"sequential_mlp": True, "gptaq": 0.0}, "plain": {"gptaq": 0.0},
+            "seq-gptaq": {"sequential_mlp": True, "gptaq": 0.25}}
+    w, rep = {}, {}
+    for k, kw in runs.items():
+        convert(src, tmp_path / k, ConvertOptions(method="gptq", **base, **kw), device="cpu")
+        w[k] = load_file(tmp_path / k / "model-00001-of-00001.safetensors")
+        rep[k] = {e["layer"]: e for e in json.loads((tmp_path / k / CALIB_REPORT).read_text())["layers"]}
+
+    def weight(k: str, n: str) -> Int4Weight:
+        p = f"model.layers.0.mlp.{n}."
+        K = int(w[k][p + "weight_shape"][1])
+        return Int4Weight(unpack_int4(w[k][p + "weight_packed"], K).to(torch.int8),
+                          w[k][p + "weight_scale"], None)
+
+    tokens = checkpoint_calibration(src, ConvertOptions(method="gptq", **base)).tokens
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    mlp = model.model.layers[0].mlp
+    x = _mlp_inputs(model, tokens, 0).float()
+    with torch.no_grad():
+        Xu = (mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)).double()
+        for n in ("gate_proj", "up_proj"):
+            mlp.get_submodule(n).weight.copy_(dequantize(weight("seq", n), torch.float32))
+        Xq = (mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)).double()
+    H = 2 * Xq.T @ Xq / len(Xq)
+    assert rep["seq"][0]["sequential_mlp"]["tokens"] == len(Xq)
+    want = GPTQConfig(group_size=base.get("group_size", 32), percdamp=0.1, mse_clip=True, mse_norm=3)
+    ref = gptq_quantize(mlp.down_proj.weight.double(), H, want).weight
+    got, plain = weight("seq", "down_proj"), weight("plain", "down_proj")
+    assert (got.q != ref.q.to(torch.int8)).float().mean() <= 0.01
+    assert (got.q != plain.q).float().mean() > 0.05
+    for n in ("gate_proj", "up_proj"):  # what down_proj sees changed, not gate/up themselves
+        assert torch.equal(weight("seq", n).q, weight("plain", n).q)
+    # with GPTAQ: the within-layer term, measured from the seq-gptaq run's own gate/up
+    with torch.no_grad():
+        for n in ("gate_proj", "up_proj"):
+            mlp.get_submodule(n).weight.copy_(dequantize(weight("seq-gptaq", n), torch.float32))
+        Xq = (mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)).double()
+    D, H = 2 * (Xu - Xq).T @ Xq / len(Xq), 2 * Xq.T @ Xq / len(Xq)
+    fig = rep["seq-gptaq"][0]["sequential_mlp"]["D_within_rel"]
+    assert abs(float(D.norm() / H.norm()) - fig) <= 1e-3 * fig
+    assert verify(src, tmp_path / "seq-gptaq").ok
 
 
 def test_default_scale_refit_is_for_dense_and_shared_linears(tmp_path):

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from quantize.rounding.gptq import accumulate_hessian, xtx
 
-__all__ = ["EXPERT_BATCH", "SAMPLE_EXPERT_TOKENS", "SAMPLE_TOKENS", "MLPStats", "dense_forward",
+__all__ = ["EXPERT_BATCH", "SAMPLE_EXPERT_TOKENS", "SAMPLE_TOKENS", "MLPStats", "cross_mean", "dense_forward",
            "expert_inter", "moe_forward"]
 
 SAMPLE_TOKENS = 2048  # all-token MLP inputs kept for AWQ's search and expert fallbacks
@@ -150,8 +150,8 @@ class MLPStats:
             raise ValueError(f"MLPStats.asym: the streams' shapes differ ({tuple(xf.shape)} vs "
                              f"{tuple(x.shape)}, {tuple(interf.shape)} vs {tuple(inter.shape)})")
         n_old, self.n_asym = self.n_asym, self.n_asym + x.shape[0]
-        self.C_in = _cross_mean(self.C_in, xf, x, n_old, self.n_asym)
-        self.C_down = _cross_mean(self.C_down, interf, inter, n_old, self.n_asym)
+        self.C_in = cross_mean(self.C_in, xf, x, n_old, self.n_asym)
+        self.C_down = cross_mean(self.C_down, interf, inter, n_old, self.n_asym)
 
     @property
     def D_in(self) -> torch.Tensor | None:
@@ -261,7 +261,7 @@ class MLPStats:
         return H if H is not None else torch.zeros(K, K, device=like.device)
 
 
-def _cross_mean(C: torch.Tensor | None, xf: torch.Tensor, x: torch.Tensor, n_old: int,
+def cross_mean(C: torch.Tensor | None, xf: torch.Tensor, x: torch.Tensor, n_old: int,
                 n: int) -> torch.Tensor:
     """The running mean 2 Xfᵀ X / n, float32, updated with one batch of rows, as
     `accumulate_hessian` updates H (the same GEMM: `xtx`)."""

@@ -51,6 +51,7 @@ __all__ = [
     "limit_gpu_memory",
     "load_layer",
     "mlp_group_tokens",
+    "mlp_input_whole",
     "mlp_kind",
     "mlp_target",
     "round_in_place",
@@ -463,6 +464,22 @@ def _answer_zero(sink: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor
         sink(x)
         return torch.zeros_like(x)
     return forward
+
+
+def mlp_input_whole(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Tensor,
+                    topk: torch.Tensor | None) -> torch.Tensor:
+    """The MLP's input on the layer input h, by the layer's own forward with its MLP answering
+    0 (for a layer `SplitLayer` cannot split; the attention runs again)."""
+    xs: list[torch.Tensor] = []
+    mlp = layer.mlp
+    mlp.forward = _answer_zero(xs.append)
+    try:
+        run_layer(skeleton, layer, inputs, h, topk)
+    finally:
+        del mlp.forward
+    if len(xs) != 1:
+        raise RuntimeError(f"the layer's forward called its MLP {len(xs)} times, not once")
+    return xs[0]
 
 
 class SplitLayer:

@@ -36,6 +36,7 @@ from quantize.calib.decoder import (
     layer_weight,
     load_layer,
     mlp_group_tokens,
+    mlp_input_whole,
     mlp_kind,
     round_in_place,
     run_layer,
@@ -243,7 +244,8 @@ class LayerRunner:
         rounding = LayerRounding(L, mlp, kind, targets, stats, self.ckpt, self.units, o,
                                  self.device, self.dtype, self.dist, self.check_stop, fold,
                                  # (this module's clock, read when called: as _Clock's)
-                                 Sections(self.device, lambda: time.perf_counter()))
+                                 Sections(self.device, lambda: time.perf_counter()),
+                                 mlp_inputs=lambda sink: self._mlp_inputs(layer, halves, sink))
         nq = 0
 
         def done(n: str, w: Int4Weight) -> None:
@@ -459,6 +461,26 @@ class LayerRunner:
         finally:
             hook.remove()
         return fp0
+
+    def _mlp_inputs(self, layer, halves: SplitLayer | None,
+                    sink: Callable[[torch.Tensor], None]) -> None:
+        """Every chunk's MLP input in the rounded stream to `sink` (between the passes: the
+        carried chunks hold h1 where the layer splits, several chunks at once through its norm;
+        else the layer's inputs, through whole forwards whose MLP answers 0)."""
+        hs = self.carry.hidden
+        if halves is None:
+            for i in range(len(hs)):
+                self.check_stop()
+                sink(mlp_input_whole(self.skeleton, layer, self.inputs, hs.on_device(i), self.carry.topk[i]))
+            return
+        group, start = mlp_group_tokens(self.device), 0
+        while start < len(hs):
+            self.check_stop()
+            part = [hs.on_device(start)]
+            while start + len(part) < len(hs) and sum(h.shape[0] * h.shape[1] for h in part) < group:
+                part.append(hs.on_device(start + len(part)))
+            sink(halves.mlp_input(part[0] if len(part) == 1 else torch.cat(part)))
+            start += len(part)
 
     def _pass2(self, layer, halves: SplitLayer | None) -> torch.Tensor:
         """Pass 2: every chunk through the rounded layer, replaced by the output (the next

@@ -281,6 +281,7 @@ class Calibrator:
                 "mse_clip": o.mse_clip, "mse_norm": o.mse_norm, "scale_refit": o.scale_refit,
                 "scale_refit_routed": o.scale_refit_routed,
                 "gptaq": o.gptaq, "gptaq_active": self.plan.gptaq_active,
+                "sequential_mlp_active": self.plan.sequential_active,
                 "scale_refits": self.plan.scale_refits, "group_size": o.group_size, "calibration": self.calib.summary(),
                 "device": str(self.device), "compute_dtype": str(self.dtype).replace("torch.", ""),
                 "layers": self.carry.layers + rtn_entries(self.plan, self.num_layers, self.carry)}

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from quantize.calib.capture import EXPERT_BATCH, MLPStats
+from quantize.calib.capture import EXPERT_BATCH, MLPStats, cross_mean
 from quantize.calib.decoder import ReadAhead, device_free
 from quantize.calib.distributed import Dist, owned
 from quantize.calib.folds import NormFold, awq_expected
@@ -51,7 +51,7 @@ from quantize.options import ConvertOptions
 from quantize.plan import Unit
 from quantize.rounding.awq import AWQConfig, awq_search, fold_into_linear_rows, scale_linear_inputs
 from quantize.rounding.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
-from quantize.rounding.int4 import Int4Weight, quantize_rtn
+from quantize.rounding.int4 import Int4Weight, dequantize, quantize_rtn
 from quantize.source.checkpoint import Checkpoint, torch_dtype
 
 __all__ = ["AWQ_SEARCH_EXPERTS", "GPTQ_BATCH", "LayerRounding", "LayerWeights", "Target",
@@ -173,10 +173,13 @@ class LayerRounding:
                  stats: MLPStats, ckpt: Checkpoint, units: dict[str, Unit], opts: ConvertOptions,
                  device: torch.device, dtype: torch.dtype, dist: Dist | None = None,
                  check_stop: Callable[[], None] = lambda: None,
-                 norm_fold: NormFold | None = None, sections: Sections | None = None) -> None:
+                 norm_fold: NormFold | None = None, sections: Sections | None = None,
+                 mlp_inputs: Callable[[Callable[[torch.Tensor], None]], None] | None = None) -> None:
         """`norm_fold`: where the MLP input's AWQ scale goes (folds.find_norm_fold on this
-        layer); needed when AWQ rounds gate/up targets."""
-        self.norm_fold = norm_fold
+        layer); needed when AWQ rounds gate/up targets. `mlp_inputs(sink)`: hands every
+        calibration token's MLP input (rounded stream, (T, H) at a time) to `sink` again, for
+        `--sequential-mlp` (None: not available; pass 1's statistics are used)."""
+        self.norm_fold, self.mlp_inputs = norm_fold, mlp_inputs
         self.L, self.mlp, self.kind, self.targets, self.stats = L, mlp, kind, targets, stats
         self.ckpt, self.opts, self.device, self.dtype, self.dist = ckpt, opts, device, dtype, dist
         self.check_stop = check_stop
@@ -337,19 +340,76 @@ class LayerRounding:
         with self.sections("gptq_shared_or_dense"):
             # (--gptaq: the asymmetric terms, scaled as their Hessians; None without it)
             D_in = None if stats.D_in is None else _H_scaled(stats.D_in, self.s_in)
+            rounded: dict[str, Int4Weight] = {}
             if gu:
                 w = self._solve(torch.cat([W[n] for n in gu]), H_in, D_in)  # (len(gu) * I, H)
                 rows = w.q.shape[0] // len(gu)
                 for i, n in enumerate(gu):
-                    done(n, _split(w, slice(i * rows, (i + 1) * rows)))
+                    rounded[n] = _split(w, slice(i * rows, (i + 1) * rows))
+                    done(n, rounded[n])
             for n in rest:
                 if n.endswith("down_proj.weight"):
                     sc = W.col.get(n)
-                    done(n, self._solve(W[n], _H_scaled(stats.H_down, sc),
-                                        None if stats.D_down is None else _H_scaled(stats.D_down, sc)))
+                    H_dn = _H_scaled(stats.H_down, sc)
+                    D_dn = None if stats.D_down is None else _H_scaled(stats.D_down, sc)
+                    if self.opts.sequential_mlp and rounded and self.mlp_inputs is not None:
+                        H_dn, D_dn, report["sequential_mlp"] = self._sequential_down(n, rounded, D_dn)
+                    done(n, self._solve(W[n], H_dn, D_dn))
         report["gptq"] = {"damp_max": float(torch.stack(self._damps).max()) if self._damps else None,
                           "retries": self._retries}
         return report
+
+    def _sequential_down(self, down: str, rounded: dict[str, Int4Weight],
+                         D_pass1: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+        """--sequential-mlp: down_proj's Hessian H = 2 XqᵀXq / n from the intermediate
+        activations Xq = act(gate_q x) * up_q x of the rounded gate/up on every calibration
+        token's MLP input x (the rounded stream's, again through `mlp_inputs`), in the scaled
+        space its weight is rounded in (AWQ: x / s_in, and up's rows / s already in up_q); with
+        GPTAQ its D term gains what the rounding of gate/up moved: 2 (Xu - Xq)ᵀ Xq / n, Xu the
+        unrounded gate/up's activations on the same x, beside pass 1's D (the streams' drift,
+        measured through the unrounded gate/up). Returns (H, D, the report's figures)."""
+        stem = down[: -len("down_proj.weight")]
+        act = (self.mlp.shared_experts if self.kind == "moe" else self.mlp).act_fn
+        dt = self.dtype
+
+        def pair(proj: str) -> tuple[torch.Tensor, torch.Tensor]:  # (unrounded, as rounded), dt
+            n = stem + proj + ".weight"
+            u = self.W[n].to(dt)
+            return u, (dequantize(rounded[n], dt) if n in rounded else u)
+
+        (gu_, gq), (uu, uq) = pair("gate_proj"), pair("up_proj")
+        asym = D_pass1 is not None
+        H: torch.Tensor | None = None
+        C: torch.Tensor | None = None
+        n_seen = 0
+
+        def sink(x: torch.Tensor) -> None:
+            nonlocal H, C, n_seen
+            x = x.reshape(-1, x.shape[-1]).to(dt)
+            if self.s_in is not None:
+                x = (x / self.s_in.to(dt))
+            xq = act(F.linear(x, gq)) * F.linear(x, uq)
+            H0 = torch.zeros(xq.shape[-1], xq.shape[-1], device=xq.device) if H is None else H
+            if asym:
+                C = cross_mean(C, act(F.linear(x, gu_)) * F.linear(x, uu), xq, n_seen,
+                                n_seen + xq.shape[0])
+            H, n_seen = accumulate_hessian(H0, xq, n_seen)
+
+        self.mlp_inputs(sink)
+        if self.dist is not None:  # each rank's tokens: means over every rank's
+            n_all = int(self.dist.all_reduce(torch.tensor([n_seen], dtype=torch.int64)).item())
+            H = self.dist.all_reduce(H * (n_seen / n_all))
+            if asym:
+                C = self.dist.all_reduce(C * (n_seen / n_all))
+            n_seen = n_all
+        D = None
+        fig = {"tokens": n_seen}
+        if asym:
+            D_within = C - H
+            D = D_pass1 + D_within
+            fig["D_within_rel"] = float(D_within.norm() / H.norm().clamp(min=1e-30))
+        return H, D, fig
 
     def _gptq_routed(self, routed: list[int], nb: int, H_in: torch.Tensor,
                      done: Callable[[str, Int4Weight], None]) -> None:

@@ -29,6 +29,7 @@ from quantize.cli.params import (
     ScaleRefitOpt,
     Scheme,
     SchemeOpt,
+    SequentialOpt,
     Targets,
     Tp,
     convert_options,
@@ -98,6 +99,7 @@ def convert(
         min=2, max=3, rich_help_panel=CALIB)] = 3,
     scale_refit: ScaleRefitOpt = None,
     gptaq: GptaqOpt = None,
+    sequential_mlp: SequentialOpt = None,
     rtn_fallback: Annotated[bool, typer.Option(
         help="A calibrated layer whose output error on the calibration tokens exceeds "
              "round-to-nearest's by 1.5x stops the run by default; with this flag that layer is "
@@ -240,7 +242,8 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
                            expert_calibration=a["expert_calibration"],
                            min_expert_tokens=a["min_expert_tokens"], percdamp=a["percdamp"],
                            mse_clip=a["mse_clip"], mse_norm=a["mse_norm"],
-                           scale_refit=a["scale_refit"], gptaq=a["gptaq"], scheme=a["scheme"],
+                           scale_refit=a["scale_refit"], gptaq=a["gptaq"],
+                           sequential_mlp=bool(a["sequential_mlp"]), scheme=a["scheme"],
                            mtp=a["mtp"],
                            keep_fp8=a["keep_fp8"], rtn_fallback=a["rtn_fallback"])
     gpu_bytes = _checked_numbers(a["checkpoint_interval"], a["max_gpu_memory"])
@@ -266,8 +269,7 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
              f"of {fmt_bytes(plan.output_bytes)}, method {opts.method}"
              + (f" (MSE clip {f'on, norm {opts.mse_norm}' if opts.mse_clip else 'off'}, "
                 f"dampening {opts.percdamp:g}"
-                + "".join(f", {k} scales re-fitted x{n}" for k, n in plan.scale_refits.items())
-                + (f", GPTAQ {opts.gptaq:g}" if plan.gptaq_active else "") + ")"
+                + "".join(f", {w}" for w in plan.gptq_extras()) + ")"
                 if "gptq" in opts.method else "") + f", device {a['device']}")
         res = run_convert(local, dst, opts, device=a["device"], resume=a["resume"],
                           overwrite=a["overwrite"], on_unit=step, command=command, log=line,

@@ -79,6 +79,14 @@ GptaqOpt = Annotated[float | None, typer.Option(
          "0.75 and 1 overshoot: BENCHMARKS.md).",
     min=0.0, max=1.0, show_default=False, rich_help_panel=CALIB)]
 
+SequentialOpt = Annotated[bool | None, typer.Option(
+    "--sequential-mlp/--no-sequential-mlp",
+    help="GPTQ: in a dense or shared-expert MLP, fit down_proj to the activations of the "
+         "rounded gate/up (one more pass of gate/up over the calibration tokens), instead of "
+         "the unrounded ones; with GPTAQ its correction then includes what rounding gate/up "
+         "moved. Routed experts keep the statistics of the first pass. Default: off.",
+    show_default=False, rich_help_panel=CALIB)]
+
 
 def convert_options(method: str, group_size: int, targets: str, asymmetric: bool,
                     max_shard_size: str = "5GB", **calibration):

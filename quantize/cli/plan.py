@@ -22,6 +22,7 @@ from quantize.cli.params import (
     ScaleRefitOpt,
     Scheme,
     SchemeOpt,
+    SequentialOpt,
     Src,
     Targets,
     Tp,
@@ -46,6 +47,7 @@ def plan(
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 2048,
     gptaq: GptaqOpt = None,
     scale_refit: ScaleRefitOpt = None,
+    sequential_mlp: SequentialOpt = None,
     json_: Json = False,
     strict: Annotated[bool, typer.Option(help="Exit 1 when a serving check fails.")] = False,
     revision: Revision = None,
@@ -88,7 +90,7 @@ def plan(
         d = plan_data(make_plan(ckpt, convert_options(
             method, group_size, targets, asymmetric, max_shard_size, num_samples=num_samples,
             seq_len=seq_len, scheme=scheme, mtp=mtp, keep_fp8=keep_fp8, gptaq=gptaq,
-            scale_refit=scale_refit), tp))
+            scale_refit=scale_refit, sequential_mlp=bool(sequential_mlp)), tp))
         checks, prefix = d["checks"], ""
         if json_:
             print_json(d)

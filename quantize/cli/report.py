@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from quantize.plan import Plan
+from quantize.plan import Plan, gptq_extras
 from quantize.sizes import fmt_bytes
 from quantize.source.checkpoint import Checkpoint
 from quantize.source.layout import layer_of, linear_role, module_of
@@ -199,7 +199,7 @@ def plan_data(plan: Plan) -> dict:
         # calibrated methods: what GPTQ does beyond the column loop, per kind of target
         "calibration": None if "gptq" not in plan.options.method else {
             "gptaq": plan.options.gptaq if plan.gptaq_active else 0,
-            "scale_refit": plan.scale_refits},
+            "scale_refit": plan.scale_refits, "sequential_mlp": plan.sequential_active},
     }
 
 
@@ -226,8 +226,7 @@ def plan_tables(d: dict) -> list[Table]:
     disk = d.get("disk") or {}
     cal = d.get("calibration")
     if cal:
-        extra = ([f"GPTAQ {cal['gptaq']:g}"] if cal["gptaq"] else []) + \
-            [f"{k} scales re-fitted x{n}" for k, n in cal["scale_refit"].items()]
+        extra = gptq_extras(cal["gptaq"], cal["scale_refit"], cal.get("sequential_mlp", False))
         t.add_row("GPTQ beyond the column loop", "", "; ".join(extra) or "none")
     if disk.get("checkpoint"):
         both = "; two streams: GPTAQ" if cal and cal["gptaq"] else ""

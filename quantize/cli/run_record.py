@@ -19,7 +19,7 @@ RUN_TYPES: dict[str, tuple[type, ...]] = {
     "keep_fp8": (bool,), "targets": (str, list), "asymmetric": (bool,), "max_shard_size": (str, int),
     "calib": (str,), "num_samples": (int,), "seq_len": (int,), "seed": (int,),
     "expert_calibration": (str,), "min_expert_tokens": (int,), "percdamp": (float, int),
-    "mse_clip": (bool,), "mse_norm": (int,), "scale_refit": (int,), "gptaq": (float, int),
+    "mse_clip": (bool,), "mse_norm": (int,), "scale_refit": (int,), "gptaq": (float, int), "sequential_mlp": (bool,),
     "rtn_fallback": (bool,), "checkpoint_interval": (float, int),
     "max_gpu_memory": (float, int), "device": (str,), "tp": (int,), "revision": (str,),
     "base_model": (str,)}

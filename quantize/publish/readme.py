@@ -27,7 +27,7 @@ from quantize.errors import QuantizeError
 from quantize.lint import needs_shared_fusion_off
 from quantize.names import CALIB_REPORT, CARD, EVAL_JSON, PICTURES, VERIFY_JSON
 from quantize.options import ConvertOptions
-from quantize.plan import Plan, make_plan, tp_checks
+from quantize.plan import Plan, gptq_extras, make_plan, tp_checks
 from quantize.publish.card import CalibrationFacts, CardFacts, Sizes, render_card
 from quantize.source.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from quantize.source.hub import hub_source, source_license, valid_repo_id
@@ -106,14 +106,9 @@ def _gptq_settings(r: dict) -> str:
         parts.append(f"MSE clip of error power {r.get('mse_norm', 2)}" if r["mse_clip"] else "no MSE clip")
     if "percdamp" in r:
         parts.append(f"dampening {r['percdamp']:g}")
-    if r.get("gptaq_active"):
-        parts.append(f"GPTAQ {r['gptaq']:g} on dense and shared-expert Linears")
-    names = {"dense/shared": "dense and shared-expert", "routed": "routed experts'"}
-    refits = r.get("scale_refits") or {}  # {kind of target present: rounds}
-    if len(set(refits.values())) == 1 and len(refits) == 2:
-        parts.append(f"scales re-fitted x{next(iter(refits.values()))}")
-    else:
-        parts += [f"{names.get(k, k)} scales re-fitted x{v}" for k, v in refits.items()]
+    # ({kind of target present: rounds} for the re-fit)
+    parts += gptq_extras(r["gptaq"] if r.get("gptaq_active") else 0, r.get("scale_refits") or {},
+                         bool(r.get("sequential_mlp_active")))
     return "; ".join(parts)
 
 
