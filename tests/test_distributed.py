@@ -143,14 +143,16 @@ def test_gptaq_under_torchrun_sums_its_statistics_over_the_ranks(src, tmp_path):
     both streams of its own samples and the D terms are summed over the ranks, so the report's
     |D| / |H| per layer is the one-process run's (0 on the first calibrated layer, whose two
     streams are the same tokens; within 3 % after it, where the ranks' other integers move the
-    streams a little); the output verifies."""
+    streams a little); the output verifies. With --sequential-mlp the shared experts' second
+    pass is summed over the ranks alike: the same token count, and its within-layer D term
+    within 3 % of one process's."""
     from quantize.check.verify import verify
 
     one, two = tmp_path / "one", tmp_path / "two"
     opts = ConvertOptions(method="gptq", num_samples=8, seq_len=64, max_shard_size=10**6,
-                          targets=frozenset({"routed", "shared"}))
+                          targets=frozenset({"routed", "shared"}), sequential_mlp=True)
     convert(src, one, opts, device="cpu", tp=1)
-    r = torchrun(src, two, "--method", "gptq", "--targets", "routed,shared", *CALIB)
+    r = torchrun(src, two, "--method", "gptq", "--targets", "routed,shared", "--sequential-mlp", *CALIB)
     assert r.returncode == 0, r.stderr[-3000:]
     assert verify(src, two).ok
     g1, g2 = ({lay["layer"]: lay["gptaq"] for lay in json.loads((o / "calibration-report.json").read_text())["layers"]
@@ -164,6 +166,13 @@ def test_gptaq_under_torchrun_sums_its_statistics_over_the_ranks(src, tmp_path):
         else:
             assert g1[L]["D_in_rel"] > 0
             assert abs(g2[L]["D_in_rel"] - g1[L]["D_in_rel"]) <= 0.03 * g1[L]["D_in_rel"], (L, g1[L], g2[L])
+    s1, s2 = ({lay["layer"]: lay["sequential_mlp"] for lay in json.loads((o / "calibration-report.json").read_text())["layers"]
+               if "sequential_mlp" in lay} for o in (one, two))
+    assert sorted(s1) == sorted(s2) == sorted(g1)
+    for L in s1:
+        assert s1[L]["tokens"] == s2[L]["tokens"] == g1[L]["tokens"]
+        assert s1[L]["D_within_rel"] > 0
+        assert abs(s2[L]["D_within_rel"] - s1[L]["D_within_rel"]) <= 0.03 * s1[L]["D_within_rel"], (L, s1[L], s2[L])
 
 
 def test_ranks_split_samples_and_experts_and_refuse_awq(src):
