@@ -288,9 +288,10 @@ class LayerRunner:
         # ---- pass 2: the next layer's inputs through the quantized layer
         out0 = self._pass2(layer, halves)
         report["output_rel_error"] = self._err(out0 - h0, want)
-        if stats.D_in is not None:  # how far the streams had drifted, relative to H
+        D_in = stats.D_in
+        if D_in is not None:  # how far the streams had drifted, relative to H
             report["gptaq"] = {"fraction": o.gptaq, "tokens": stats.n_asym,
-                               "D_in_rel": float(stats.D_in.norm() / stats.H_in.norm().clamp(min=1e-30)),
+                               "D_in_rel": float(D_in.norm() / stats.H_in.norm().clamp(min=1e-30)),
                                "D_down_rel": float(stats.D_down.norm() / stats.H_down.norm().clamp(min=1e-30))}
         report["attention_once"] = halves is not None
         clock.lap("pass2_forward")
