@@ -11,7 +11,7 @@ from quantize.source.layout import ROLES
 __all__ = ["ConvertOptions", "parse_size"]
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
-GPTAQ_DEFAULT = 0.25  # ConvertOptions.gptaq for gptq and awq+gptq
+GPTAQ_DEFAULT = 0.375  # ConvertOptions.gptaq for gptq and awq+gptq (with sequential_mlp)
 SCALE_REFIT_DEFAULT = 3  # ConvertOptions.scale_refit (dense and shared-expert Linears), the same
 EXPERT_CALIBRATION = ("routed", "routed-weighted", "all")
 GROUP_SIZES = (32, 64, 128)  # what vLLM's Marlin / SGLang WNA16 MoE kernels accept
@@ -98,15 +98,19 @@ class ConvertOptions:
     # unrounded model's outputs, not to the unrounded layer's on the rounded model's inputs;
     # the fraction of that step taken, 0 (off) to 1; a second stream of hidden states is
     # carried where such a Linear is a target (gptq.py `gptaq_target`, Plan.gptaq_active).
-    # None: 0.25 for gptq and awq+gptq, the validation choice on Gemma-3-270M at groups 32 and
-    # 128 (3 seeds; 0.5 next, 0.75 worse than none, 1 broke the model: BENCHMARKS.md), 0
-    # (not applicable) for rtn and awq.
+    # None: 0.375 for gptq and awq+gptq, with sequential_mlp the validation choice on
+    # Gemma-3-270M over groups 32 and 128 (3 seeds; 0.5 next, 0.25 and 0.125 behind it;
+    # without sequential_mlp 0.25 was best, and 0.75 worse than none, 1 broke the model:
+    # BENCHMARKS.md), 0 (not applicable) for rtn and awq.
     gptaq: float | None = None
     # GPTQ in order within a dense / shared-expert MLP: down_proj's Hessian (and with GPTAQ its
     # D term) from the intermediate activations of the rounded gate/up, as the next Linear sees
     # them, instead of the unrounded ones (the GPTQ authors' "true sequential";
     # round_layer.LayerRounding `_sequential_down`). Routed experts keep pass 1's statistics.
-    sequential_mlp: bool = False
+    # None: on for gptq and awq+gptq (Gemma-3-270M: lower validation KL at groups 32 and 128
+    # at every GPTAQ fraction but 0.125; a GLM-5.2 dense layer at 512 x 2048 +1.6 s), off
+    # (not applicable) for rtn and awq.
+    sequential_mlp: bool | None = None
     # the serving scheme the config declares (SCHEMES); the INT4 integers are the same
     scheme: str = "w4a16"
     mtp: str = "int4"
@@ -165,6 +169,8 @@ class ConvertOptions:
         if self.mse_clip and "gptq" not in self.method:
             raise ValueError("--mse-clip chooses GPTQ's group scales: use it with --method gptq "
                              "or awq+gptq")
+        if self.sequential_mlp is None:
+            object.__setattr__(self, "sequential_mlp", "gptq" in self.method)
         if self.sequential_mlp and "gptq" not in self.method:
             raise ValueError("--sequential-mlp orders GPTQ's solves: use it with --method gptq or "
                              "awq+gptq")
@@ -195,9 +201,10 @@ class ConvertOptions:
         manifest is published; the calibration tokens' sha256 pins the content for resume)."""
         d = asdict(self)
         d["targets"] = sorted(self.targets)
-        for k in ("rtn_fallback", "sequential_mlp"):
-            if not d[k]:  # (off: not recorded, so manifests stay readable by the versions
-                del d[k]  # before it; a missing key reads back as off)
+        if not d["rtn_fallback"]:  # (off: not recorded, so manifests stay readable by the
+            del d["rtn_fallback"]  # versions before it; a missing key reads back as off)
+        if "gptq" not in self.method:  # (off, not applicable: not recorded, as rtn_fallback;
+            del d["sequential_mlp"]  # a gptq manifest records it, on or off)
         from quantize.source.hub import is_dataset_spec
 
         if d["calib"] is not None and not is_dataset_spec(d["calib"]):  # a Hub id is no path

@@ -439,7 +439,7 @@ def test_ctrl_c_during_a_calibrated_run_stops_it_and_the_folder_resumes(src, tmp
 
 
 def test_a_gptaq_run_resumes_with_both_streams(src, tmp_path):
-    """--gptaq with dense and shared-expert targets: each checkpoint holds the unrounded
+    """--gptaq (and --sequential-mlp) with dense and shared-expert targets: each checkpoint holds the unrounded
     model's hidden states and DSA top-k beside the rounded ones ("fp", "fp_topk"), twice the
     bytes the disk check reserves; a run that dies in layer 2 resumes after layer 1 and its
     folder is byte-identical to an uninterrupted run's."""
@@ -447,7 +447,7 @@ def test_a_gptaq_run_resumes_with_both_streams(src, tmp_path):
 
     opts = ConvertOptions(method="awq+gptq", max_shard_size=200_000,
                           targets=frozenset({"routed", "shared", "dense"}), **CALIB)
-    assert opts.gptaq == 0.25
+    assert opts.gptaq == 0.375 and opts.sequential_mlp  # (the defaults: both resumed alike)
     plan = make_plan(open_checkpoint(src), opts)
     plain = make_plan(open_checkpoint(src), ConvertOptions(**{**opts.__dict__, "gptaq": 0.0}))
     assert plan.gptaq_active and not plain.gptaq_active

@@ -867,7 +867,8 @@ def _mlp_inputs(model, tokens: torch.Tensor, L: int) -> torch.Tensor:
 
 
 def test_gptaq_carries_the_unrounded_stream_and_verifies(tmp_path):
-    """--gptaq (default 0.25 for gptq): the calibration carries the unrounded model's hidden
+    """--gptaq (default 0.375 for gptq; 0.25 here, --sequential-mlp off, whose within-layer
+    term would move layer 0's down_proj too): the calibration carries the unrounded model's hidden
     states beside the rounded ones. Layer 0's two streams are the same tokens, so D = 0 there
     and its INT4 bytes equal plain GPTQ's; layer 1's D term is the one transformers' own
     forwards give: the source's MLP inputs against those of the source with layer 0's MLP
@@ -881,8 +882,8 @@ def test_gptaq_carries_the_unrounded_stream_and_verifies(tmp_path):
     from quantize.calib.data import checkpoint_calibration
     from quantize.rounding.int4 import Int4Weight, dequantize, unpack_int4
 
-    assert ConvertOptions(method="gptq").gptaq == 0.25
-    assert ConvertOptions(method="awq+gptq").gptaq == 0.25
+    assert ConvertOptions(method="gptq").gptaq == 0.375
+    assert ConvertOptions(method="awq+gptq").gptaq == 0.375
     assert ConvertOptions(method="rtn").gptaq == 0 and ConvertOptions(method="awq").gptaq == 0
     with pytest.raises(ValueError, match="--gptaq"):
         ConvertOptions(method="rtn", gptaq=0.25)
@@ -890,7 +891,7 @@ def test_gptaq_carries_the_unrounded_stream_and_verifies(tmp_path):
         ConvertOptions(method="gptq", gptaq=1.5)
 
     src = _tiny_llama(tmp_path / "src")
-    dense = {"targets": frozenset({"dense"}), **CALIB}
+    dense = {"targets": frozenset({"dense"}), "sequential_mlp": False, **CALIB}
     outs = {a: tmp_path / f"out-{a}" for a in (0.0, 0.25)}
     for a, out in outs.items():
         convert(src, out, ConvertOptions(method="gptq", gptaq=a, **dense), device="cpu")
@@ -986,10 +987,14 @@ def test_sequential_mlp_fits_down_proj_to_the_rounded_gate_and_up(tmp_path):
 
     with pytest.raises(ValueError, match="--sequential-mlp"):
         ConvertOptions(method="rtn", sequential_mlp=True)
-    assert "sequential_mlp" not in ConvertOptions(method="gptq").to_json()
+    assert ConvertOptions(method="gptq").sequential_mlp and ConvertOptions(method="awq+gptq").sequential_mlp
+    assert not ConvertOptions(method="rtn").sequential_mlp and not ConvertOptions(method="awq").sequential_mlp
+    assert ConvertOptions(method="gptq").to_json()["sequential_mlp"] is True
+    assert ConvertOptions(method="gptq", sequential_mlp=False).to_json()["sequential_mlp"] is False
+    assert "sequential_mlp" not in ConvertOptions(method="rtn").to_json()
     src = _tiny_llama(tmp_path / "src")
     base = {"targets": frozenset({"dense"}), "scale_refit": 0, **CALIB}
-    runs = {"seq": {"sequential_mlp": True, "gptaq": 0.0}, "plain": {"gptaq": 0.0},
+    runs = {"seq": {"sequential_mlp": True, "gptaq": 0.0}, "plain": {"sequential_mlp": False, "gptaq": 0.0},
             "seq-gptaq": {"sequential_mlp": True, "gptaq": 0.25}}
     w, rep = {}, {}
     for k, kw in runs.items():

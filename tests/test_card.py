@@ -228,7 +228,8 @@ def test_card_metadata_is_what_the_hub_understands(tmp_path):
 
 def test_card_names_gptqs_settings_as_the_report_records_them():
     """The card's "GPTQ settings" row from calibration-report.json: GPTAQ only where it was
-    active, the scale re-fit per kind of target present, keys an older report lacks left out."""
+    active, the scale re-fit per kind of target present, --sequential-mlp where active, keys an
+    older report lacks left out."""
     from quantize.publish.readme import _gptq_settings
 
     base = {"mse_clip": True, "mse_norm": 3, "percdamp": 0.1}
@@ -241,3 +242,5 @@ def test_card_names_gptqs_settings_as_the_report_records_them():
     assert _gptq_settings({**base, "scale_refits": {"dense/shared": 2, "routed": 2}}).endswith(
         "; scales re-fitted x2")
     assert _gptq_settings({"mse_clip": False, "percdamp": 0.01}) == "no MSE clip; dampening 0.01"
+    assert _gptq_settings({**base, "sequential_mlp_active": True, "scale_refits": {}}).endswith(
+        "; down_proj fitted after the rounded gate/up (dense and shared-expert MLPs)")

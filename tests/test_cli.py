@@ -90,22 +90,23 @@ def test_plan_json_and_strict(dsa_fp8):
     # stream doubles the calibration checkpoints
     plans = {}
     for k, extra in {"routed": [], "shared": ["--targets", "routed,shared"],
-                     "shared-plain": ["--targets", "routed,shared", "--gptaq", "0"],
+                     "shared-plain": ["--targets", "routed,shared", "--gptaq", "0", "--no-sequential-mlp"],
                      "routed-seq": ["--sequential-mlp"],
                      "shared-seq": ["--targets", "routed,shared", "--sequential-mlp"]}.items():
         r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "1", "--method", "gptq", "--json", *extra])
         assert r.exit_code == 0, r.output
         plans[k] = json.loads(r.stdout)
-    off = {"sequential_mlp": False}
-    assert plans["routed"]["calibration"] == {"gptaq": 0, "scale_refit": {}, **off}
-    assert plans["shared"]["calibration"] == {"gptaq": 0.25, "scale_refit": {"dense/shared": 3}, **off}
-    assert plans["shared-plain"]["calibration"] == {"gptaq": 0, "scale_refit": {"dense/shared": 3}, **off}
+    assert plans["routed"]["calibration"] == {"gptaq": 0, "scale_refit": {}, "sequential_mlp": False}
+    assert plans["shared"]["calibration"] == {"gptaq": 0.375, "scale_refit": {"dense/shared": 3},
+                                              "sequential_mlp": True}
+    assert plans["shared-plain"]["calibration"] == {"gptaq": 0, "scale_refit": {"dense/shared": 3},
+                                                    "sequential_mlp": False}
     # --sequential-mlp orders dense / shared MLPs: nothing to do with routed targets alone
     assert plans["routed-seq"]["calibration"] == plans["routed"]["calibration"]
-    assert plans["shared-seq"]["calibration"]["sequential_mlp"] is True
+    assert plans["shared-seq"]["calibration"] == plans["shared"]["calibration"]
     assert plans["shared"]["disk"]["checkpoint"] == 2 * plans["shared-plain"]["disk"]["checkpoint"] > 0
     r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "1", "--method", "gptq", "--targets", "routed,shared"])
-    assert "GPTQ beyond the column loop" in r.output and "GPTAQ 0.25 on dense" in r.output, r.output
+    assert "GPTQ beyond the column loop" in r.output and "GPTAQ 0.375 on dense" in r.output, r.output
     assert "re-fitted x3" in r.output and "streams: GPTAQ" in r.output, r.output
     # expert width 96 at TP 8 breaks the Marlin rule: warning, and exit 1 with --strict
     r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "8", "--strict"])

@@ -243,7 +243,7 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
                            min_expert_tokens=a["min_expert_tokens"], percdamp=a["percdamp"],
                            mse_clip=a["mse_clip"], mse_norm=a["mse_norm"],
                            scale_refit=a["scale_refit"], gptaq=a["gptaq"],
-                           sequential_mlp=bool(a["sequential_mlp"]), scheme=a["scheme"],
+                           sequential_mlp=a["sequential_mlp"], scheme=a["scheme"],
                            mtp=a["mtp"],
                            keep_fp8=a["keep_fp8"], rtn_fallback=a["rtn_fallback"])
     gpu_bytes = _checked_numbers(a["checkpoint_interval"], a["max_gpu_memory"])

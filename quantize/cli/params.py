@@ -75,8 +75,8 @@ GptaqOpt = Annotated[float | None, typer.Option(
          "inputs; the fraction of that correction taken, 0 (off) to 1. Where such a Linear is a "
          "target it carries a second copy of the calibration's hidden states (their memory and "
          "checkpoints x2) and runs each layer on it too; routed experts keep plain GPTQ. "
-         "Default: 0.25 for gptq and awq+gptq (Gemma-3-270M: lower KL at groups 32 and 128; "
-         "0.75 and 1 overshoot: BENCHMARKS.md).",
+         "Default: 0.375 for gptq and awq+gptq (with --sequential-mlp the lowest KL on "
+         "Gemma-3-270M over groups 32 and 128; 0.75 and 1 overshoot: BENCHMARKS.md).",
     min=0.0, max=1.0, show_default=False, rich_help_panel=CALIB)]
 
 SequentialOpt = Annotated[bool | None, typer.Option(
@@ -84,7 +84,8 @@ SequentialOpt = Annotated[bool | None, typer.Option(
     help="GPTQ: in a dense or shared-expert MLP, fit down_proj to the activations of the "
          "rounded gate/up (one more pass of gate/up over the calibration tokens), instead of "
          "the unrounded ones; with GPTAQ its correction then includes what rounding gate/up "
-         "moved. Routed experts keep the statistics of the first pass. Default: off.",
+         "moved. Routed experts keep the statistics of the first pass. Default: on for gptq "
+         "and awq+gptq (Gemma-3-270M: lower KL at groups 32 and 128; BENCHMARKS.md).",
     show_default=False, rich_help_panel=CALIB)]
 
 

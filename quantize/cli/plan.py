@@ -90,7 +90,7 @@ def plan(
         d = plan_data(make_plan(ckpt, convert_options(
             method, group_size, targets, asymmetric, max_shard_size, num_samples=num_samples,
             seq_len=seq_len, scheme=scheme, mtp=mtp, keep_fp8=keep_fp8, gptaq=gptaq,
-            scale_refit=scale_refit, sequential_mlp=bool(sequential_mlp)), tp))
+            scale_refit=scale_refit, sequential_mlp=sequential_mlp), tp))
         checks, prefix = d["checks"], ""
         if json_:
             print_json(d)
