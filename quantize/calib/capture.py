@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 from quantize.rounding.gptq import accumulate_hessian, xtx
 
-__all__ = ["EXPERT_BATCH", "SAMPLE_EXPERT_TOKENS", "SAMPLE_TOKENS", "MLPStats", "cross_mean", "dense_forward",
-           "expert_inter", "moe_forward"]
+__all__ = ["EXPERT_BATCH", "SAMPLE_EXPERT_TOKENS", "SAMPLE_TOKENS", "MLPStats", "dense_forward",
+           "expert_inter", "moe_forward", "rounded_down_stats"]
 
 SAMPLE_TOKENS = 2048  # all-token MLP inputs kept for AWQ's search and expert fallbacks
 SAMPLE_EXPERT_TOKENS = 256  # routed intermediate activations kept per expert for AWQ
@@ -150,8 +150,8 @@ class MLPStats:
             raise ValueError(f"MLPStats.asym: the streams' shapes differ ({tuple(xf.shape)} vs "
                              f"{tuple(x.shape)}, {tuple(interf.shape)} vs {tuple(inter.shape)})")
         n_old, self.n_asym = self.n_asym, self.n_asym + x.shape[0]
-        self.C_in = cross_mean(self.C_in, xf, x, n_old, self.n_asym)
-        self.C_down = cross_mean(self.C_down, interf, inter, n_old, self.n_asym)
+        self.C_in = _cross_mean(self.C_in, xf, x, n_old, self.n_asym)
+        self.C_down = _cross_mean(self.C_down, interf, inter, n_old, self.n_asym)
 
     @property
     def D_in(self) -> torch.Tensor | None:
@@ -261,13 +261,46 @@ class MLPStats:
         return H if H is not None else torch.zeros(K, K, device=like.device)
 
 
-def cross_mean(C: torch.Tensor | None, xf: torch.Tensor, x: torch.Tensor, n_old: int,
+def _cross_mean(C: torch.Tensor | None, xf: torch.Tensor, x: torch.Tensor, n_old: int,
                 n: int) -> torch.Tensor:
     """The running mean 2 Xfᵀ X / n, float32, updated with one batch of rows, as
     `accumulate_hessian` updates H (the same GEMM: `xtx`)."""
     step = xtx(xf.to(x.dtype), Y=x)
     # (the very arithmetic of accumulate_hessian: where the streams agree, C - H is exactly 0)
     return step * (2.0 / n) if C is None else C * (n_old / n) + step * (2.0 / n)
+
+
+def rounded_down_stats(mlp_inputs: Callable[[Callable[[torch.Tensor], None]], None],
+                       act: Callable[[torch.Tensor], torch.Tensor],
+                       gate: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor],
+                       dtype: torch.dtype, s_in: torch.Tensor | None = None, cross: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """--sequential-mlp: a gate/up/down MLP's down_proj statistics after its gate/up are
+    rounded. `mlp_inputs(sink)` hands every token's MLP input x (T, H) to sink; gate and up are
+    (unrounded, rounded) weights in `dtype`; s_in: AWQ's input scale (x / s_in, as the weights'
+    columns * s_in). Returns H = 2 XqᵀXq / n of Xq = act(gate_q x) * up_q x, with `cross` the
+    running mean C = 2 XuᵀXq / n of the unrounded Xu beside it (D = C - H: what rounding gate/up
+    moved, as `MLPStats.asym` keeps the streams' drift), and n."""
+    (g_u, g_q), (u_u, u_q) = gate, up
+    H: torch.Tensor | None = None
+    C: torch.Tensor | None = None
+    n = 0
+
+    def sink(x: torch.Tensor) -> None:
+        nonlocal H, C, n
+        x = x.reshape(-1, x.shape[-1]).to(dtype)
+        if s_in is not None:
+            x = x / s_in.to(dtype)
+        xq = act(F.linear(x, g_q)) * F.linear(x, u_q)
+        if cross:
+            C = _cross_mean(C, act(F.linear(x, g_u)) * F.linear(x, u_u), xq, n, n + xq.shape[0])
+        H0 = torch.zeros(xq.shape[-1], xq.shape[-1], device=xq.device) if H is None else H
+        H, n = accumulate_hessian(H0, xq, n)
+
+    mlp_inputs(sink)
+    if H is None:
+        raise RuntimeError("rounded_down_stats: no MLP inputs were handed over")
+    return H, C, n
 
 
 def _weighted(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from quantize.calib.capture import EXPERT_BATCH, MLPStats, cross_mean
+from quantize.calib.capture import EXPERT_BATCH, MLPStats, rounded_down_stats
 from quantize.calib.decoder import ReadAhead, device_free
 from quantize.calib.distributed import Dist, owned
 from quantize.calib.folds import NormFold, awq_expected
@@ -362,15 +362,12 @@ class LayerRounding:
     def _sequential_down(self, down: str, rounded: dict[str, Int4Weight],
                          D_pass1: torch.Tensor | None
                          ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
-        """--sequential-mlp: down_proj's Hessian H = 2 XqᵀXq / n from the intermediate
-        activations Xq = act(gate_q x) * up_q x of the rounded gate/up on every calibration
-        token's MLP input x (the rounded stream's, again through `mlp_inputs`), in the scaled
-        space its weight is rounded in (AWQ: x / s_in, and up's rows / s already in up_q); with
-        GPTAQ its D term gains what the rounding of gate/up moved: 2 (Xu - Xq)ᵀ Xq / n, Xu the
-        unrounded gate/up's activations on the same x, beside pass 1's D (the streams' drift,
-        measured through the unrounded gate/up). Returns (H, D, the report's figures)."""
+        """--sequential-mlp: down_proj's H (and with GPTAQ its D: pass 1's plus the within-layer
+        term) from the rounded gate/up's activations on every calibration token's MLP input
+        (`capture.rounded_down_stats`), in the scaled space its weight is rounded in (AWQ: the
+        inputs / s_in; up's rows / s are in its weight), summed over the ranks. Returns (H, D,
+        the report's figures)."""
         stem = down[: -len("down_proj.weight")]
-        act = (self.mlp.shared_experts if self.kind == "moe" else self.mlp).act_fn
         dt = self.dtype
 
         def pair(proj: str) -> tuple[torch.Tensor, torch.Tensor]:  # (unrounded, as rounded), dt
@@ -378,38 +375,20 @@ class LayerRounding:
             u = self.W[n].to(dt)
             return u, (dequantize(rounded[n], dt) if n in rounded else u)
 
-        (gu_, gq), (uu, uq) = pair("gate_proj"), pair("up_proj")
-        asym = D_pass1 is not None
-        H: torch.Tensor | None = None
-        C: torch.Tensor | None = None
-        n_seen = 0
-
-        def sink(x: torch.Tensor) -> None:
-            nonlocal H, C, n_seen
-            x = x.reshape(-1, x.shape[-1]).to(dt)
-            if self.s_in is not None:
-                x = (x / self.s_in.to(dt))
-            xq = act(F.linear(x, gq)) * F.linear(x, uq)
-            H0 = torch.zeros(xq.shape[-1], xq.shape[-1], device=xq.device) if H is None else H
-            if asym:
-                C = cross_mean(C, act(F.linear(x, gu_)) * F.linear(x, uu), xq, n_seen,
-                                n_seen + xq.shape[0])
-            H, n_seen = accumulate_hessian(H0, xq, n_seen)
-
-        self.mlp_inputs(sink)
+        act = (self.mlp.shared_experts if self.kind == "moe" else self.mlp).act_fn
+        H, C, n = rounded_down_stats(self.mlp_inputs, act, pair("gate_proj"), pair("up_proj"), dt,
+                                     self.s_in, cross=D_pass1 is not None)
         if self.dist is not None:  # each rank's tokens: means over every rank's
-            n_all = int(self.dist.all_reduce(torch.tensor([n_seen], dtype=torch.int64)).item())
-            H = self.dist.all_reduce(H * (n_seen / n_all))
-            if asym:
-                C = self.dist.all_reduce(C * (n_seen / n_all))
-            n_seen = n_all
-        D = None
-        fig = {"tokens": n_seen}
-        if asym:
-            D_within = C - H
-            D = D_pass1 + D_within
-            fig["D_within_rel"] = float(D_within.norm() / H.norm().clamp(min=1e-30))
-        return H, D, fig
+            n_all = int(self.dist.all_reduce(torch.tensor([n], dtype=torch.int64)).item())
+            H = self.dist.all_reduce(H * (n / n_all))
+            C = None if C is None else self.dist.all_reduce(C * (n / n_all))
+            n = n_all
+        fig: dict = {"tokens": n}
+        if C is None:
+            return H, None, fig
+        D_within = C - H
+        fig["D_within_rel"] = float(D_within.norm() / H.norm().clamp(min=1e-30))
+        return H, D_pass1 + D_within, fig
 
     def _gptq_routed(self, routed: list[int], nb: int, H_in: torch.Tensor,
                      done: Callable[[str, Int4Weight], None]) -> None:
