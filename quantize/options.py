@@ -89,7 +89,8 @@ class ConvertOptions:
     # Rounds of GPTQ's group scales re-fitted by least squares to the chosen codes against the
     # Hessian (gptq.py `refit_scales`, `GPTQConfig.scale_refit`), on dense and shared-expert
     # Linears; `scale_refit_routed` on routed experts. None: 3 and 0 for gptq and awq+gptq (with
-    # GPTAQ 0.25 the validation choice on Gemma-3-270M at groups 32 and 128; on a GLM-5.2 MoE
+    # GPTAQ 0.25, before sequential_mlp, the validation choice on Gemma-3-270M at groups 32 and
+    # 128; not measured again since; on a GLM-5.2 MoE
     # layer three rounds take 120 s instead of 14: BENCHMARKS.md), 0 for rtn and awq. An explicit
     # `scale_refit` with `scale_refit_routed` unset applies to every target.
     scale_refit: int | None = None
