@@ -81,10 +81,11 @@ demo: install ## tiny GLM-5 FP8 checkpoint: inspect -> plan -> convert (RTN, the
 	@echo "Which method? verify's SQNR compares weights: GPTQ and AWQ move each weight off its nearest"
 	@echo "INT4 level on purpose (to cancel the errors of the others on real activations), so their SQNR"
 	@echo "is lower while eval's output error (perplexity ratio, KL) is what they lower. Pick gptq (its"
-	@echo "defaults: MSE clip of error power 3, 10 % dampening; GPTAQ and re-fitted scales on dense and"
-	@echo "shared-expert targets) with calibration text like your traffic;"
-	@echo "awq+gptq can hold out-of-domain text better (SmolLM2) but stopped on 1 of 3 seeds of Gemma-3"
-	@echo "at the worse-than-RTN guard (--rtn-fallback); rtn when you have no data or want minutes."
+	@echo "defaults: MSE clip of error power 3, 10 % dampening; on dense and shared-expert targets GPTAQ,"
+	@echo "re-fitted scales and down_proj fitted after the rounded gate/up) with calibration text like"
+	@echo "your traffic; awq+gptq held SmolLM2's out-of-domain text better, but on Gemma-3 it trailed"
+	@echo "gptq on validation text and once stopped at the worse-than-RTN guard (--rtn-fallback);"
+	@echo "rtn when you have no data or want minutes."
 	@echo "(This demo model has random weights: its figures show the mechanics, not a ranking.)"
 
 test: install ## the whole behaviour on the newest set, without the expensive proofs (marker slow): minutes
