@@ -340,13 +340,15 @@ class LayerRounding:
         with self.sections("gptq_shared_or_dense"):
             # (--gptaq: the asymmetric terms, scaled as their Hessians; None without it)
             D_in = None if stats.D_in is None else _H_scaled(stats.D_in, self.s_in)
-            rounded: dict[str, Int4Weight] = {}
+            rounded: dict[str, tuple[torch.Tensor, Int4Weight]] = {}  # gate/up: (source, INT4)
             if gu:
-                w = self._solve(torch.cat([W[n] for n in gu]), H_in, D_in)  # (len(gu) * I, H)
+                W_gu = torch.cat([W[n] for n in gu])  # (len(gu) * I, H); the solve leaves it as is
+                w = self._solve(W_gu, H_in, D_in)
                 rows = w.q.shape[0] // len(gu)
                 for i, n in enumerate(gu):
-                    rounded[n] = _split(w, slice(i * rows, (i + 1) * rows))
-                    done(n, rounded[n])
+                    rows_i = slice(i * rows, (i + 1) * rows)
+                    rounded[n] = (W_gu[rows_i], _split(w, rows_i))
+                    done(n, rounded[n][1])
             for n in rest:
                 if n.endswith("down_proj.weight"):
                     sc = W.col.get(n)
@@ -359,21 +361,25 @@ class LayerRounding:
                           "retries": self._retries}
         return report
 
-    def _sequential_down(self, down: str, rounded: dict[str, Int4Weight],
+    def _sequential_down(self, down: str, rounded: dict[str, tuple[torch.Tensor, Int4Weight]],
                          D_pass1: torch.Tensor | None
                          ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
         """--sequential-mlp: down_proj's H (and with GPTAQ its D: pass 1's plus the within-layer
         term) from the rounded gate/up's activations on every calibration token's MLP input
         (`capture.rounded_down_stats`), in the scaled space its weight is rounded in (AWQ: the
         inputs / s_in; up's rows / s are in its weight), summed over the ranks. Returns (H, D,
-        the report's figures)."""
+        the report's figures). `rounded`: the rounded gate/up, each with the source weight (as
+        scaled) it was solved from, so that it is not read again."""
         stem = down[: -len("down_proj.weight")]
         dt = self.dtype
 
         def pair(proj: str) -> tuple[torch.Tensor, torch.Tensor]:  # (unrounded, as rounded), dt
             n = stem + proj + ".weight"
-            u = self.W[n].to(dt)
-            return u, (dequantize(rounded[n], dt) if n in rounded else u)
+            if n not in rounded:  # (not a target: the source on both sides)
+                u = self.W[n].to(dt)
+                return u, u
+            src, w = rounded[n]
+            return src.to(dt), dequantize(w, dt)
 
         act = (self.mlp.shared_experts if self.kind == "moe" else self.mlp).act_fn
         H, C, n = rounded_down_stats(self.mlp_inputs, act, pair("gate_proj"), pair("up_proj"), dt,
