@@ -474,14 +474,22 @@ class LayerRunner:
                 self.check_stop()
                 sink(mlp_input_whole(self.skeleton, layer, self.inputs, hs.on_device(i), self.carry.topk[i]))
             return
-        group, start = mlp_group_tokens(self.device), 0
+        for _, part in self._chunk_groups(mlp_group_tokens(self.device)):
+            sink(halves.mlp_input(part[0] if len(part) == 1 else torch.cat(part)))
+
+    def _chunk_groups(self, group: int):
+        """The carried chunks on the device in runs of consecutive chunks of about `group`
+        tokens (at least one chunk each): yields (index of the run's first chunk, its chunks;
+        a consumer done with them clears that list, so that they are not held here)."""
+        hs, start = self.carry.hidden, 0
         while start < len(hs):
             self.check_stop()
             part = [hs.on_device(start)]
             while start + len(part) < len(hs) and sum(h.shape[0] * h.shape[1] for h in part) < group:
                 part.append(hs.on_device(start + len(part)))
-            sink(halves.mlp_input(part[0] if len(part) == 1 else torch.cat(part)))
-            start += len(part)
+            n = len(part)
+            yield start, part
+            start += n
 
     def _pass2(self, layer, halves: SplitLayer | None) -> torch.Tensor:
         """Pass 2: every chunk through the rounded layer, replaced by the output (the next
@@ -497,21 +505,15 @@ class LayerRunner:
                 out0 = out if i == 0 else out0
                 self.carry.hidden.put(i, out)
             return out0
-        group, start = mlp_group_tokens(self.device, pass2=True), 0
-        while start < len(self.carry.hidden):
-            self.check_stop()
-            hs = [self.carry.hidden.on_device(start)]
-            while start + len(hs) < len(self.carry.hidden) and \
-                    sum(h.shape[0] * h.shape[1] for h in hs) < group:
-                hs.append(self.carry.hidden.on_device(start + len(hs)))
+        for start, hs in self._chunk_groups(mlp_group_tokens(self.device, pass2=True)):
             out = halves.mlp(hs[0] if len(hs) == 1 else torch.cat(hs))
             # a chunk of its own (a checkpoint saves each chunk: never a view of the group)
             parts = [out] if len(hs) == 1 else [o.clone() for o in out.split([h.shape[0] for h in hs])]
-            del out, hs
+            del out
+            hs.clear()  # (the group's inputs released before their chunks are replaced)
             for j, o in enumerate(parts):
                 self.carry.hidden.put(start + j, o)
             out0 = parts[0] if start == 0 else out0
-            start += len(parts)
         return out0
 
     def _set_weight(self, L: int, layer, name: str, t: torch.Tensor) -> None:
