@@ -95,25 +95,34 @@ def test_moe_forward_equals_module(ckpt_dir):
     assert set(stats.rows_e) == {e for e, n in enumerate(stats.expert_tokens) if n}
 
 
-@pytest.mark.parametrize("weighted", [False, True], ids=["routed", "routed-weighted"])
-def test_routed_hessians_are_the_routed_tokens(ckpt_dir, weighted):
+@pytest.mark.parametrize("weighted,block", [(False, None), (True, None), (False, 5)],
+                         ids=["routed", "routed-weighted", "5-row-blocks"])
+def test_routed_hessians_are_the_routed_tokens(ckpt_dir, monkeypatch, weighted, block):
     """Each expert's gate/up Hessian (built at solve time from the kept MLP inputs) and
     down_proj Hessian are 2 XᵀX / n of exactly the tokens the router sent it, over several
     chunks (float64 reference from the router's own top-k); the running-sum variant (used
-    when the hidden states spill) gives the same matrices. --expert-calibration
-    routed-weighted: 2 sum_t w_t^2 x_t x_tᵀ / n instead, w_t the router's weight for that
-    (token, expert) pair."""
+    when the hidden states spill) gives the same matrices, and the inputs recomputed per
+    batch (`x_of`) the kept inputs' very bits. --expert-calibration routed-weighted:
+    2 sum_t w_t^2 x_t x_tᵀ / n instead, w_t the router's weight for that (token, expert)
+    pair. `block`: an expert's rows summed in blocks of that many or more (ROWS_PER_XTX),
+    gathered across the chunks."""
+    from quantize.calib import capture
+
+    if block is not None:
+        monkeypatch.setattr(capture, "ROWS_PER_XTX", block)
     ck, layer = _moe_layer(ckpt_dir)
     H, E = ck.config["hidden_size"], ck.config["n_routed_experts"]
     chunks = _chunks(H, seed=2 if weighted else 1)
-    kept, sums = (MLPStats("moe", hessians=True, samples=False, all_experts=False, num_experts=E,
-                           store_tokens=st, router_weighted=weighted) for st in (True, False))
+    kept, sums, again = (MLPStats("moe", hessians=True, samples=False, all_experts=False, num_experts=E,
+                                  store_tokens=st, router_weighted=weighted) for st in (True, False, True))
+    again.x_of = lambda c: chunks[c].reshape(-1, H).clone()  # (a fresh tensor, as the layer's norm)
     xs, inters, ws = ([[] for _ in range(E)] for _ in range(3))
     experts = layer.mlp.experts
     with torch.no_grad():
         for x in chunks:
             moe_forward(layer.mlp, x, kept)
             moe_forward(layer.mlp, x, sums)
+            moe_forward(layer.mlp, x, again)
             xf = x.reshape(-1, H)
             _, topw, topk = layer.mlp.gate(x)  # (T, k) weights and experts of each token
             for e in range(E):
@@ -128,9 +137,11 @@ def test_routed_hessians_are_the_routed_tokens(ckpt_dir, weighted):
         X, Xd = torch.cat(xs[e]), torch.cat(inters[e])
         assert kept.expert_tokens[e] == sums.expert_tokens[e] == X.shape[0]
         Hk, Hs, Hd = kept.expert_H_in(e), sums.expert_H_in(e), kept.expert_H_down(e)
+        Ha = again.expert_H_in(e)
         if X.shape[0] == 0:
-            assert Hk is None and Hs is None and Hd is None
+            assert Hk is None and Hs is None and Hd is None and Ha is None
             continue
+        assert torch.equal(Ha, Hk), e
         hit += 1
         if weighted:
             w = torch.cat(ws[e])
@@ -143,6 +154,9 @@ def test_routed_hessians_are_the_routed_tokens(ckpt_dir, weighted):
         assert torch.allclose(Hs.double(), ref, rtol=1e-5, atol=tol), e
         assert torch.allclose(Hd.double(), ref_d, rtol=1e-4, atol=1e-4 * ref_d.abs().max().item()), e
     assert hit >= E // 2  # most experts were routed tokens: the comparison is not vacuous
+    assert all(x is None for x in again.x_store) and all(x is not None for x in kept.x_store)
+    if block is not None:  # some expert's rows span several chunks and several blocks
+        assert max(kept.expert_tokens) > 2 * block
     if weighted:
         assert varied  # the routing weights differ between tokens: the weighting is not vacuous
 
@@ -372,7 +386,12 @@ def test_spilled_hidden_states_give_the_same_result(ckpt_dir, monkeypatch):
     kept = _calibrate(ckpt_dir, method="gptq")
     monkeypatch.setattr(HiddenStates, "should_spill", staticmethod(lambda nbytes, device: True))
     spilled = _calibrate(ckpt_dir, method="gptq")
-    strip = TIMING_KEYS  # wall times differ between runs
+    moe = [lay for lay in kept["layers"] if lay.get("quantized") and lay.get("expert_tokens")]
+    assert moe and {lay["routed_inputs"] for lay in moe} == {"kept"}
+    # (spilled: the hidden states are not kept on the device, so neither is a copy of them)
+    assert {lay.get("routed_inputs") for lay in spilled["layers"] if lay.get("quantized")
+            and lay.get("expert_tokens")} == {"recomputed"}
+    strip = (*TIMING_KEYS, "routed_inputs")  # wall times differ between runs
     assert [{k: v for k, v in lay.items() if k not in strip} for lay in kept["layers"]] == \
         [{k: v for k, v in lay.items() if k not in strip} for lay in spilled["layers"]]
 
@@ -719,6 +738,66 @@ def test_whole_layer_fallback_gives_the_split_result(ckpt_dir, monkeypatch, targ
     assert all(lay.get("attention_once") is False for lay in whole["layers"] if lay.get("quantized"))
     assert [{k: v for k, v in lay.items() if k not in strip} for lay in split["layers"]] == \
         [{k: v for k, v in lay.items() if k not in strip} for lay in whole["layers"]]
+
+
+def test_kept_and_recomputed_mlp_inputs_give_the_same_calibration(ckpt_dir, monkeypatch):
+    """The routed Hessians keep the MoE layers' MLP inputs from pass 1 where they fit beside
+    full GPTQ batches (the CPU's memory here), else recompute them from the hidden states per
+    batch; both give the very same INT4 tensors and report, and the report says which ran."""
+    import quantize.calib.layer as layer_mod
+    from quantize.calib import capture
+
+    monkeypatch.setattr(capture, "ROWS_PER_XTX", 7)  # blocks across the statistics calls too
+    rep_k, out_k = _calibrate_results(ckpt_dir, method="gptq")
+    monkeypatch.setattr(layer_mod, "gptq_reserve", lambda shape, E: 1 << 62)  # "does not fit"
+    rep_r, out_r = _calibrate_results(ckpt_dir, method="gptq")
+    moe = [lay for lay in rep_k["layers"] if lay.get("quantized") and lay.get("expert_tokens")]
+    assert moe and all(lay["routed_inputs"] == "kept" for lay in moe)
+    moe_r = [lay for lay in rep_r["layers"] if lay.get("quantized") and lay.get("expert_tokens")]
+    assert len(moe_r) == len(moe) and all(lay["routed_inputs"] == "recomputed" for lay in moe_r)
+    assert sorted(out_k) == sorted(out_r) and out_k
+    for n in out_k:
+        assert all(torch.equal(a, b) for a, b in zip(out_k[n], out_r[n])), n
+    strip = (*TIMING_KEYS, "routed_inputs")
+    assert [{k: v for k, v in lay.items() if k not in strip} for lay in rep_k["layers"]] == \
+        [{k: v for k, v in lay.items() if k not in strip} for lay in rep_r["layers"]]
+
+
+def test_dsa_indexer_that_selects_every_key_is_not_computed(ckpt_dir, monkeypatch):
+    """Where a DSA indexer's top-k holds every key of a sample (index_topk 16 >= 16 tokens)
+    it answers "every key" without computing scores (once per layer it does, on chunk 0, as
+    the proof): the same calibration, INT4 tensors and report bit for bit as computing it in
+    every forward. Longer samples (64 tokens > 16) compute it."""
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
+
+    import quantize.calib.decoder as dec
+
+    if open_checkpoint(ckpt_dir).config["model_type"] != "glm_moe_dsa":
+        pytest.skip("no DSA indexer")
+    calls = [0]
+    real = m.GlmMoeDsaIndexer.forward
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(m.GlmMoeDsaIndexer, "forward", counted)
+    kw = {"method": "gptq", "num_samples": 16, "seq_len": 16}
+    rep_skip, out_skip = _calibrate_results(ckpt_dir, **kw)
+    skipped, calls[0] = calls[0], 0
+    assert dec.EVERY_KEY[0]  # (the proof held on every layer)
+    monkeypatch.setattr(dec, "EVERY_KEY", [False])
+    rep_all, out_all = _calibrate_results(ckpt_dir, **kw)
+    computed, calls[0] = calls[0], 0
+    assert 0 < skipped < computed / 2, (skipped, computed)
+    assert sorted(out_skip) == sorted(out_all) and out_skip
+    for n in out_skip:
+        assert all(torch.equal(a, b) for a, b in zip(out_skip[n], out_all[n])), n
+    assert [{k: v for k, v in lay.items() if k not in TIMING_KEYS} for lay in rep_skip["layers"]] == \
+        [{k: v for k, v in lay.items() if k not in TIMING_KEYS} for lay in rep_all["layers"]]
+    monkeypatch.setattr(dec, "EVERY_KEY", [True])
+    _calibrate_results(ckpt_dir, method="gptq", num_samples=4, seq_len=64)
+    assert calls[0] > skipped  # 64 > index_topk: every forward computes it
 
 
 def _calibrate_results(src, **kw) -> tuple[dict, dict]:

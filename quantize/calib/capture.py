@@ -42,6 +42,12 @@ __all__ = ["EXPERT_BATCH", "SAMPLE_EXPERT_TOKENS", "SAMPLE_TOKENS", "MLPStats", 
 SAMPLE_TOKENS = 2048  # all-token MLP inputs kept for AWQ's search and expert fallbacks
 SAMPLE_EXPERT_TOKENS = 256  # routed intermediate activations kept per expert for AWQ
 EXPERT_BATCH = 32  # experts per AWQ search / all-expert pass (bounds their GPU memory)
+# Rows per routed gate/up XᵀX GEMM: an expert's routed rows of several statistics calls are
+# gathered into one block first. GLM-5.2 (width 6144) on an H200: ~2,000 rows (what one
+# 64k-token call routes to an expert) run at 515 TFLOP/s, 8,192 at 773
+# (benchmarks/h200_profile_routed_hessians.json); a batch of 32 experts then holds at most
+# ~3.2 GB of pending rows.
+ROWS_PER_XTX = 8192
 
 
 
@@ -238,12 +244,25 @@ class MLPStats:
                     by_call.setdefault(c, []).append((want[e], r, w))
         for j in range(len(es)):
             out[j].zero_()
+        pending: dict[int, list[torch.Tensor]] = {}  # expert j's gathered rows, not yet summed
+        rows = [0] * len(es)
+
+        def flush(j: int) -> None:
+            block = pending.pop(j)
+            xtx(block[0] if len(block) == 1 else torch.cat(block), acc=out[j])
+            rows[j] = 0
+            have[j] = True
+
         for c in sorted(by_call):
             x = self.x_store[c] if self.x_store[c] is not None else self.x_of(c)
             for j, r, w in by_call[c]:
-                xtx(_weighted(x.index_select(0, r), w), acc=out[j])
-                have[j] = True
+                pending.setdefault(j, []).append(_weighted(x.index_select(0, r), w))
+                rows[j] += r.numel()
+                if rows[j] >= ROWS_PER_XTX:
+                    flush(j)
             del x
+        for j in list(pending):
+            flush(j)
         for e, j in want.items():
             if have[j]:
                 out[j].mul_(2.0 / self.expert_tokens[e])

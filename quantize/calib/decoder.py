@@ -32,6 +32,7 @@ from quantize.source.checkpoint import Checkpoint
 
 __all__ = [
     "CHUNK_TOKENS",
+    "EVERY_KEY",
     "MLP_GROUP_TOKENS",
     "MOE_CLASSES",
     "PASS2_GROUP_TOKENS",
@@ -44,6 +45,8 @@ __all__ = [
     "device_free",
     "embed",
     "embed_scale",
+    "every_key_indexer",
+    "free_bytes",
     "free_layer",
     "layer_inputs",
     "layer_type",
@@ -133,7 +136,7 @@ class HiddenStates:
     @staticmethod
     def should_spill(nbytes: int, device: torch.device) -> bool:
         """Whether `nbytes` more would take over half of the device's free memory."""
-        return nbytes > (device_free(device) if device.type == "cuda" else _host_free()) // 2
+        return nbytes > free_bytes(device) // 2
 
     @staticmethod
     def placement(nbytes: int, device: torch.device) -> str:
@@ -149,6 +152,12 @@ class HiddenStates:
 
 def _host_free() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def free_bytes(device: torch.device) -> int:
+    """Bytes still free where tensors on `device` live: the GPU's (`device_free`) or the
+    host's memory."""
+    return device_free(device) if device.type == "cuda" else _host_free()
 
 
 _GPU_LIMIT: dict[int, int] = {}  # device index -> bytes this process may hold (limit_gpu_memory)
@@ -435,11 +444,52 @@ def topk_dtype(seq_len: int) -> torch.dtype:
     return torch.int16 if topk_itemsize(seq_len) == 2 else torch.int32
 
 
+# Whether a DSA indexer whose top-k holds every key may answer "every key" without scoring them
+# (`run_layer`); cleared if a layer's forward ever differs with it (`SplitLayer.check`).
+EVERY_KEY = [True]
+
+
+def every_key_indexer(layer: torch.nn.Module, seq_len: int) -> torch.nn.Module | None:
+    """The layer's DSA indexer where its top-k selects every key of a `seq_len`-token sequence
+    (index_topk >= seq_len: GLM-5.2's 2048 at the recommended 2,048-token samples), under the
+    eager / SDPA attention that only scatters the indices into the attention mask; else None.
+    There the indexer's scores decide nothing: each query's top-k is all keys, in some order."""
+    attn = getattr(layer, "self_attn", None)
+    idx = getattr(attn, "indexer", None)
+    topk = getattr(idx, "index_topk", None)
+    impl = getattr(getattr(attn, "config", None), "_attn_implementation", None)
+    if idx is None or not isinstance(topk, int) or topk < seq_len or impl not in ("eager", "sdpa"):
+        return None
+    return idx
+
+
+def _every_key(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """What an indexer whose top-k holds every key returns, without its projections, scores
+    and sort: each query's key positions 0..S-1 (int32 (b, S, S), a broadcast view)."""
+    b, S = hidden_states.shape[:2]
+    return torch.arange(S, dtype=torch.int32, device=hidden_states.device).expand(b, S, S)
+
+
 def run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Tensor,
-              topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              topk: torch.Tensor | None, every_key: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decoder layer on (b, S, H); returns the output and the DSA top-k indices it carries
     (as `topk_dtype`: the layer gets them back as the int32 it returns, the same values).
-    The mask and rotary embedding are the ones the model's forward gives this layer's type."""
+    The mask and rotary embedding are the ones the model's forward gives this layer's type.
+    Where the layer's DSA indexer would select every key (`every_key_indexer`) it answers so
+    without computing (the same mask, the same output bit for bit; `every_key=False`: it
+    computes)."""
+    idx = every_key_indexer(layer, h.shape[1]) if every_key and EVERY_KEY[0] else None
+    if idx is None:
+        return _run_layer(skeleton, layer, inputs, h, topk)
+    idx.forward = _every_key
+    try:
+        return _run_layer(skeleton, layer, inputs, h, topk)
+    finally:
+        del idx.forward
+
+
+def _run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Tensor,
+               topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     kwargs = {}
     if "prev_topk_indices" in inspect.signature(layer.forward).parameters:
         kwargs["prev_topk_indices"] = None if topk is None else topk.to(torch.int32)
@@ -550,8 +600,15 @@ class SplitLayer:
     def check(self, h: torch.Tensor, topk: torch.Tensor | None
               ) -> tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Whether the halves give the whole forward bit for bit on h; returns (ok, the whole
-        forward's output, h1, top-k, the MLP's input)."""
+        forward's output, h1, top-k, the MLP's input). Where the DSA indexer answers "every
+        key" (`run_layer`), the whole forward with its computed answer must give the same
+        output and the same key sets, else it computes from here on (`EVERY_KEY`)."""
         whole, topk_w = run_layer(self.skeleton, self.layer, self.inputs, h, topk)
+        if EVERY_KEY[0] and every_key_indexer(self.layer, h.shape[1]) is not None:
+            ref, topk_r = run_layer(self.skeleton, self.layer, self.inputs, h, topk, every_key=False)
+            if not (torch.equal(ref, whole) and torch.equal(topk_r.sort(-1).values, topk_w.sort(-1).values)):
+                EVERY_KEY[0] = False
+                whole, topk_w = ref, topk_r
         xs: list[torch.Tensor] = []
         h1, topk_s = self.attention(h, topk, xs.append)
         ok = len(xs) == 1 and torch.equal(self.mlp(h1), whole) and \

@@ -32,6 +32,7 @@ from quantize.calib.decoder import (
     MOE_CLASSES,
     HiddenStates,
     SplitLayer,
+    free_bytes,
     free_layer,
     layer_weight,
     load_layer,
@@ -44,7 +45,7 @@ from quantize.calib.decoder import (
 from quantize.calib.distributed import Dist
 from quantize.calib.folds import NormFold, find_norm_fold
 from quantize.calib.handoff import LayerResult
-from quantize.calib.round_layer import LayerRounding, LayerWeights, Sections, Target
+from quantize.calib.round_layer import LayerRounding, LayerWeights, Sections, Target, gptq_reserve
 from quantize.errors import Problem, QuantizeError
 from quantize.options import ConvertOptions
 from quantize.plan import Unit
@@ -254,6 +255,10 @@ class LayerRunner:
             self._emit(L, layer, n, w)
 
         report = rounding.run(done, clock.lap)
+        if kind == "moe" and stats.routed_hessians:  # how the routed gate/up Hessians got their inputs
+            report["routed_inputs"] = "running sums" if not stats.store_tokens else \
+                "recomputed" if stats.x_of is not None else "kept"
+        stats.x_store.clear()  # (the kept MLP inputs: free before pass 2)
         mods = rounding.mods
         for n, t in mods.items():  # the BF16 tensors AWQ rescaled, as they will be written
             t = t.to(torch_dtype(self.units[n].outputs[0].dtype))
@@ -388,8 +393,9 @@ class LayerRunner:
         pending_fp: list[torch.Tensor] = []  # --gptaq: the same tokens' unrounded-stream inputs
         if stats.routed_hessians and kind == "moe":
             stats.store_tokens = True
-            stats.x_of = lambda c: torch.cat([halves.mlp_input(self.carry.hidden.on_device(i)).flatten(0, -2)
-                                              for i in calls[c]])
+            if not self._keep_mlp_inputs(mlp.experts):
+                stats.x_of = lambda c: torch.cat([halves.mlp_input(self.carry.hidden.on_device(i)).flatten(0, -2)
+                                                  for i in calls[c]])
 
         def flush(upto: int) -> None:
             if pending:
@@ -428,6 +434,20 @@ class LayerRunner:
                 flush(i)
         flush(len(self.carry.hidden) - 1)
         return ref0, h0, halves, fp0
+
+    def _keep_mlp_inputs(self, experts: torch.nn.Module) -> bool:
+        """Whether the routed Hessians keep the layer's MLP inputs from pass 1 (one more copy
+        of the hidden states: GLM-5.2 at 512 x 2048, 12.9 GB) instead of recomputing them from
+        the hidden states for every GPTQ batch (the layer's norm per chunk: ~1.5 s per MoE
+        layer on an H200, benchmarks/h200_profile_routed_hessians.json): where they fit
+        beside what full GPTQ batches want (`gptq_reserve`), so keeping them never shrinks
+        a batch."""
+        h = self.carry.hidden
+        if self.carry.spilled or not len(h):
+            return False
+        nbytes = sum(h.get(i).numel() for i in range(len(h))) * self.dtype.itemsize
+        E, two_i, K = experts.gate_up_proj.shape
+        return free_bytes(self.device) - nbytes >= gptq_reserve((two_i // 2, K), E)
 
     def _pass1_whole(self, layer, fwd, stats: MLPStats,
                      fp0: tuple[torch.Tensor | None, torch.Tensor] | None

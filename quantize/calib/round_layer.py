@@ -55,7 +55,7 @@ from quantize.rounding.int4 import Int4Weight, dequantize, quantize_rtn
 from quantize.source.checkpoint import Checkpoint, torch_dtype
 
 __all__ = ["AWQ_SEARCH_EXPERTS", "GPTQ_BATCH", "LayerRounding", "LayerWeights", "Target",
-           "awq_expected", "gptq_batch"]
+           "awq_expected", "gptq_batch", "gptq_reserve"]
 # Experts per batched GPTQ solve at most: 32 GLM-5.2 experts (6144^2 factorizations, 2 x 2048
 # rows each) already keep an H200 busy (measured: a batch of 32 takes 0.6 s, 19 ms/expert),
 # and a larger batch only adds memory (~0.5 GB per expert).
@@ -146,12 +146,18 @@ def gptq_batch(shape: tuple[int, ...], E: int, device: torch.device, dist: Dist 
     On the CPU: EXPERT_BATCH. The same on every rank (their collectives follow the batches)."""
     if device.type != "cuda":
         return min(EXPERT_BATCH, E)
-    I, K = shape
-    per_expert = (2 * K * K + 4 * I * K) * 4
-    nb = max(1, min(E, GPTQ_BATCH, device_free(device) // 4 // per_expert))
+    per_expert = gptq_reserve(shape, 1)
+    nb = max(1, min(E, GPTQ_BATCH, device_free(device) // per_expert))
     if dist is not None:
         nb = int(dist.all_reduce(torch.tensor([nb]), op="min").item())
     return nb
+
+
+def gptq_reserve(shape: tuple[int, ...], E: int) -> int:
+    """The free device memory `gptq_batch` wants for full batches of routed experts of
+    gate/up weight `shape` (I, K): four times their working set (GLM-5.2: 64 GB)."""
+    I, K = shape
+    return 4 * min(E, GPTQ_BATCH) * (2 * K * K + 4 * I * K) * 4
 
 
 def _split(w: Int4Weight, i, sl=slice(None)) -> Int4Weight:
