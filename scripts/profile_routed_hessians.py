@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
+from quantize.calib import decoder as dec
 from quantize.calib.capture import MLPStats, moe_forward
-from quantize.calib.decoder import SplitLayer, build_skeleton, layer_inputs
+from quantize.calib.decoder import SplitLayer, build_skeleton, every_key_indexer, layer_inputs
 from quantize.rounding.gptq import GPTQConfig, gptq_quantize, xtx
 from quantize.source.synth import GLM52_CONFIG, tiny_config
 
@@ -107,15 +108,18 @@ def x_of(c):
     return torch.cat([halves.mlp_input(h1[i]).flatten(0, -2) for i in calls[c]])
 
 
-timed("recompute_call", lambda: x_of(0), reps=3)
+timed("recompute_call", lambda: x_of(0), reps=3)  # (the norm alone, as check found it)
+res["recompute_by_norm_module"] = halves._norm is not None
+timed("recompute_call_by_layer_forward",
+      lambda: torch.cat([halves._mlp_input_by_forward(h1[i]).flatten(0, -2) for i in calls[0]]), reps=3)
 post = layer.post_attention_layernorm
 res["post_norm_equals_mlp_input"] = bool(torch.equal(
     torch.cat([post(h1[i]).flatten(0, -2) for i in calls[0]]), x_of(0)))
 timed("post_norm_call", lambda: torch.cat([post(h1[i]).flatten(0, -2) for i in calls[0]]), reps=3)
 
 
-# the attention half on 8 chunks (64k tokens), with the DSA indexer and with it answering
-# "every key" (exact where index_topk >= the sequence length: its top-k is then all of them)
+# the attention half on 8 chunks (64k tokens), the DSA indexer computed and answering "every
+# key" (`run_layer`, where index_topk >= the sequence length: its top-k is then all of them)
 n_att = min(8, n_chunks)
 
 
@@ -123,16 +127,11 @@ def attention_half():
     return [halves.attention(h1[i], None, lambda x: None) for i in range(n_att)]
 
 
-ref_att = timed("attention_8_chunks", attention_half)
-indexer = getattr(layer.self_attn, "indexer", None)
-if indexer is not None and S <= indexer.index_topk:
-    def all_keys(hidden_states, *a, **k):
-        B, T = hidden_states.shape[:2]
-        return torch.arange(T, device=hidden_states.device, dtype=torch.int32).expand(B, T, T)
-
-    indexer.forward = all_keys
-    got_att = timed("attention_8_chunks_indexer_all_keys", attention_half)
-    del indexer.forward
+dec.EVERY_KEY[0] = False
+ref_att = timed("attention_8_chunks_indexer_computed", attention_half)
+dec.EVERY_KEY[0] = True
+if every_key_indexer(layer, S) is not None:
+    got_att = timed("attention_8_chunks_indexer_every_key", attention_half)
     res["attention_all_keys_equal"] = all(torch.equal(a[0], b[0]) for a, b in zip(ref_att, got_att))
     res["attention_topk_same_sets"] = all(torch.equal(a[1].sort(-1).values.to(torch.int32),
                                                       b[1].sort(-1).values.to(torch.int32))

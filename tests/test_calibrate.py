@@ -676,16 +676,23 @@ def _random_layer(cfg: dict, L: int):
     return skeleton, layer.float().eval(), layer_inputs(skeleton, 32, torch.device("cpu"), torch.float32)
 
 
-@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "glm4_moe", "llama", "cohere"])
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "glm4_moe", "llama", "gemma3_text", "cohere"])
 def test_split_layer_reproduces_the_whole_forward_or_says_not(model_type):
     """The attention half then the MLP half equal the layer's own forward bit for bit on
-    pre-norm decoders (GLM-5 MoE with its DSA top-k, GLM-4 MoE, Llama); Cohere's parallel
-    block (attention and MLP both read the layer input) does not split, and `check` says so
-    instead of giving wrong hidden states."""
+    pre-norm decoders (GLM-5 MoE with its DSA top-k, GLM-4 MoE, Llama, Gemma 3 with its
+    post-norms); Cohere's parallel block (attention and MLP both read the layer input) does
+    not split, and `check` says so instead of giving wrong hidden states. Where it splits,
+    the MLP's input comes from its norm module alone (the layer's own name for it), the
+    same bits as the layer's forward gives on other inputs too."""
     from quantize.calib.decoder import SplitLayer, run_layer
 
     if model_type in ("glm_moe_dsa", "glm4_moe"):
         cfg, L = tiny_config(model_type), 1
+    elif model_type == "gemma3_text":
+        cfg, L = {"model_type": model_type, "vocab_size": 256, "hidden_size": 64,
+                  "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8,
+                  "layer_types": ["sliding_attention", "full_attention"]}, 0
     else:
         cfg, L = {"model_type": model_type, "vocab_size": 256, "hidden_size": 64,
                   "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -703,7 +710,11 @@ def test_split_layer_reproduces_the_whole_forward_or_says_not(model_type):
             assert not torch.equal(split.mlp(h1), ref)  # what a blind split would have given
             return
         assert ok
-        assert torch.equal(x, layer.post_attention_layernorm(h1))  # the MLP's real input
+        norm = layer.pre_feedforward_layernorm if model_type == "gemma3_text" else layer.post_attention_layernorm
+        assert torch.equal(x, norm(h1))  # the MLP's real input
+        assert split._norm is norm
+        h1b, _ = split.attention(torch.randn(h.shape, generator=gen), None, lambda x: None)
+        assert torch.equal(split.mlp_input(h1b), split._mlp_input_by_forward(h1b))
         assert (topk is None) == (ref_topk is None)
         if model_type == "glm_moe_dsa":
             assert topk is not None and torch.equal(topk, ref_topk)

@@ -185,12 +185,17 @@ def limit_gpu_memory(device: torch.device, nbytes: int) -> None:
 
 
 def device_free(device: torch.device) -> int:
-    """Bytes this process can still get on `device` (a GPU): the driver's free memory, and
-    at most what `limit_gpu_memory` leaves above what torch has reserved."""
+    """Bytes this process can still get on `device` (a GPU): the driver's free memory plus
+    what torch's caching allocator holds unused (it hands those blocks out again, and frees
+    them to the driver before it would fail), and at most what `limit_gpu_memory` leaves above
+    what is allocated. (The driver's figure alone misses the cache: after a GLM-5.2 MoE layer
+    peaked at 71 GB, the next layer saw ~66 GB free of an H200's 139.)"""
     free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    free += max(0, cached)
     limit = _GPU_LIMIT.get(_index(device))
     if limit is not None:
-        free = min(free, max(0, limit - torch.cuda.memory_reserved(device)))
+        free = min(free, max(0, limit - torch.cuda.memory_allocated(device)))
     return free
 
 # ---------------------------------------------------------------------------------------------
@@ -549,6 +554,7 @@ class SplitLayer:
     def __init__(self, skeleton, layer: torch.nn.Module, inputs: LayerInputs) -> None:
         self.skeleton, self.layer, self.inputs = skeleton, layer, inputs
         self._arity: int | None = None  # what the attention returns: a tuple of n, or a tensor (0)
+        self._norm: torch.nn.Module | None = None  # the MLP's norm, once `check` proved it alone
 
     def attention(self, h: torch.Tensor, topk: torch.Tensor | None,
                   mlp_input: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -584,10 +590,20 @@ class SplitLayer:
         finally:
             del attn.forward
 
+    # the layer's norm in front of its MLP, by the names transformers' decoders give it
+    MLP_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm")
+
     def mlp_input(self, h1: torch.Tensor) -> torch.Tensor:
-        """The MLP's input on h1 (the layer's own norm of it), nothing else computed."""
+        """The MLP's input on h1 (the layer's own norm of it), nothing else computed: the norm
+        module alone where `check` found it gives the very bits of the layer's forward, else
+        the layer's forward with its attention and MLP answering 0."""
         if self._arity is None:
             raise RuntimeError("SplitLayer.mlp_input before SplitLayer.attention")
+        if self._norm is not None:
+            return self._norm(h1)
+        return self._mlp_input_by_forward(h1)
+
+    def _mlp_input_by_forward(self, h1: torch.Tensor) -> torch.Tensor:
         xs: list[torch.Tensor] = []
         mlp, attn = self.layer.mlp, self.layer.self_attn
         mlp.forward, attn.forward = _answer_zero(xs.append), self._zero_attention
@@ -612,8 +628,12 @@ class SplitLayer:
         xs: list[torch.Tensor] = []
         h1, topk_s = self.attention(h, topk, xs.append)
         ok = len(xs) == 1 and torch.equal(self.mlp(h1), whole) and \
-            torch.equal(self.mlp_input(h1), xs[0]) and \
+            torch.equal(self._mlp_input_by_forward(h1), xs[0]) and \
             (topk_w is None) == (topk_s is None) and (topk_w is None or torch.equal(topk_w, topk_s))
+        if ok:  # the MLP's input by its norm alone (a pass over h1, not a layer forward)
+            norms = [getattr(self.layer, n, None) for n in self.MLP_NORMS]
+            self._norm = next((m for m in norms if isinstance(m, torch.nn.Module)
+                               and torch.equal(m(h1), xs[0])), None)
         return ok, whole, h1, topk_s, xs[0] if xs else None
 
 
