@@ -776,9 +776,10 @@ def test_kept_and_recomputed_mlp_inputs_give_the_same_calibration(ckpt_dir, monk
 
 def test_dsa_indexer_that_selects_every_key_is_not_computed(ckpt_dir, monkeypatch):
     """Where a DSA indexer's top-k holds every key of a sample (index_topk 16 >= 16 tokens)
-    it answers "every key" without computing scores (once per layer it does, on chunk 0, as
-    the proof): the same calibration, INT4 tensors and report bit for bit as computing it in
-    every forward. Longer samples (64 tokens > 16) compute it."""
+    it answers "every key" without computing scores (each layer's first forward computes it
+    too, as the proof): the same calibration, INT4 tensors and report bit for bit as
+    computing it in every forward. Longer samples (64 tokens > 16) compute it. A wrong
+    shortcut is caught by the proof and switched off."""
     from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
 
     import quantize.calib.decoder as dec
@@ -793,6 +794,7 @@ def test_dsa_indexer_that_selects_every_key_is_not_computed(ckpt_dir, monkeypatc
         return real(self, *a, **k)
 
     monkeypatch.setattr(m.GlmMoeDsaIndexer, "forward", counted)
+    monkeypatch.setitem(dec.CHUNK_TOKENS, "cpu", 64)  # 4 chunks of 4 samples
     kw = {"method": "gptq", "num_samples": 16, "seq_len": 16}
     rep_skip, out_skip = _calibrate_results(ckpt_dir, **kw)
     skipped, calls[0] = calls[0], 0
@@ -809,6 +811,16 @@ def test_dsa_indexer_that_selects_every_key_is_not_computed(ckpt_dir, monkeypatc
     monkeypatch.setattr(dec, "EVERY_KEY", [True])
     _calibrate_results(ckpt_dir, method="gptq", num_samples=4, seq_len=64)
     assert calls[0] > skipped  # 64 > index_topk: every forward computes it
+    # a wrong shortcut (only key 0 for every query) is caught by the proof on chunk 0 and
+    # switched off: the calibration is the computed one
+    monkeypatch.setattr(dec, "_every_key", lambda h, *a, **k: torch.zeros(
+        h.shape[0], h.shape[1], h.shape[1], dtype=torch.int32))
+    rep_bad, out_bad = _calibrate_results(ckpt_dir, **kw)
+    assert not dec.EVERY_KEY[0]
+    for n in out_all:
+        assert all(torch.equal(a, b) for a, b in zip(out_bad[n], out_all[n])), n
+    assert [{k: v for k, v in lay.items() if k not in TIMING_KEYS} for lay in rep_bad["layers"]] == \
+        [{k: v for k, v in lay.items() if k not in TIMING_KEYS} for lay in rep_all["layers"]]
 
 
 def _calibrate_results(src, **kw) -> tuple[dict, dict]:

@@ -61,7 +61,9 @@ class MLPStats:
     float32 (H, H) running sums held through the whole pass (GLM-5.2: 38.7 GB). The inputs are
     either kept (`x_store`: GLM-5.2 at 512 x 2048 tokens, 12.9 GB of bf16) or, with `x_of`,
     recomputed per statistics call c when a batch needs them (the calibration's hidden states
-    hold the layer's residual stream after the attention: x is its norm, a cheap pass). With
+    hold the layer's residual stream after the attention: x is its norm, a cheap pass; the
+    layer runner chooses, `LayerRunner._keep_mlp_inputs`). An expert's rows are summed in
+    blocks of at least ROWS_PER_XTX, gathered across the calls. With
     `store_tokens` off the sums are kept instead, a size that does not grow with the
     calibration set.
     """

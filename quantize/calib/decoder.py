@@ -32,7 +32,6 @@ from quantize.source.checkpoint import Checkpoint
 
 __all__ = [
     "CHUNK_TOKENS",
-    "EVERY_KEY",
     "MLP_GROUP_TOKENS",
     "MOE_CLASSES",
     "PASS2_GROUP_TOKENS",
@@ -46,6 +45,7 @@ __all__ = [
     "embed",
     "embed_scale",
     "every_key_indexer",
+    "every_key_on",
     "free_bytes",
     "free_layer",
     "layer_inputs",
@@ -450,8 +450,13 @@ def topk_dtype(seq_len: int) -> torch.dtype:
 
 
 # Whether a DSA indexer whose top-k holds every key may answer "every key" without scoring them
-# (`run_layer`); cleared if a layer's forward ever differs with it (`SplitLayer.check`).
+# (`run_layer`); cleared for the process if a layer's forward ever differs with it.
 EVERY_KEY = [True]
+
+
+def every_key_on() -> bool:
+    """Whether `run_layer` still skips indexers that select every key (see EVERY_KEY)."""
+    return EVERY_KEY[0]
 
 
 def every_key_indexer(layer: torch.nn.Module, seq_len: int) -> torch.nn.Module | None:
@@ -482,10 +487,28 @@ def run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Te
     The mask and rotary embedding are the ones the model's forward gives this layer's type.
     Where the layer's DSA indexer would select every key (`every_key_indexer`) it answers so
     without computing (the same mask, the same output bit for bit; `every_key=False`: it
-    computes)."""
+    computes). The first forward of each layer (module) runs both ways as the proof: if the
+    outputs or the key sets differ, that forward's computed result is returned and no
+    indexer is skipped again in this process (EVERY_KEY)."""
     idx = every_key_indexer(layer, h.shape[1]) if every_key and EVERY_KEY[0] else None
     if idx is None:
         return _run_layer(skeleton, layer, inputs, h, topk)
+    proved = idx.__dict__.get("_quantize_every_key")
+    if proved is None:  # this layer's first forward: both ways
+        ref = _run_layer(skeleton, layer, inputs, h, topk)
+        got = _run_skipping(idx, skeleton, layer, inputs, h, topk)
+        proved = torch.equal(ref[0], got[0]) and (ref[1] is None) == (got[1] is None) and \
+            (ref[1] is None or torch.equal(ref[1].sort(-1).values, got[1].sort(-1).values))
+        idx.__dict__["_quantize_every_key"] = proved
+        if not proved:
+            EVERY_KEY[0] = False
+        return got if proved else ref
+    return _run_skipping(idx, skeleton, layer, inputs, h, topk) if proved else \
+        _run_layer(skeleton, layer, inputs, h, topk)
+
+
+def _run_skipping(idx: torch.nn.Module, skeleton, layer: torch.nn.Module, inputs: LayerInputs,
+                  h: torch.Tensor, topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     idx.forward = _every_key
     try:
         return _run_layer(skeleton, layer, inputs, h, topk)
@@ -616,15 +639,8 @@ class SplitLayer:
     def check(self, h: torch.Tensor, topk: torch.Tensor | None
               ) -> tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Whether the halves give the whole forward bit for bit on h; returns (ok, the whole
-        forward's output, h1, top-k, the MLP's input). Where the DSA indexer answers "every
-        key" (`run_layer`), the whole forward with its computed answer must give the same
-        output and the same key sets, else it computes from here on (`EVERY_KEY`)."""
+        forward's output, h1, top-k, the MLP's input)."""
         whole, topk_w = run_layer(self.skeleton, self.layer, self.inputs, h, topk)
-        if EVERY_KEY[0] and every_key_indexer(self.layer, h.shape[1]) is not None:
-            ref, topk_r = run_layer(self.skeleton, self.layer, self.inputs, h, topk, every_key=False)
-            if not (torch.equal(ref, whole) and torch.equal(topk_r.sort(-1).values, topk_w.sort(-1).values)):
-                EVERY_KEY[0] = False
-                whole, topk_w = ref, topk_r
         xs: list[torch.Tensor] = []
         h1, topk_s = self.attention(h, topk, xs.append)
         ok = len(xs) == 1 and torch.equal(self.mlp(h1), whole) and \

@@ -32,6 +32,7 @@ from quantize.calib.decoder import (
     MOE_CLASSES,
     HiddenStates,
     SplitLayer,
+    every_key_on,
     free_bytes,
     free_layer,
     layer_weight,
@@ -177,6 +178,7 @@ class LayerRunner:
         layer); its report entry and its result for the writer."""
         t0 = time.perf_counter()
         self.results = LayerResult(L)
+        every_key = every_key_on()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         layer = load_layer(self.skeleton, self.ckpt, self.units, L, self.device, self.dtype)
@@ -199,6 +201,10 @@ class LayerRunner:
         else:
             with torch_profile(L, self.device, self._profiled):
                 entry.update(self._calibrate(L, layer, kind, targets))
+        if every_key and not every_key_on():
+            self.log(f"warning: layer {L}: its DSA indexer, which selects every key at this "
+                     "sequence length, gave another forward when skipped (run_layer's proof); "
+                     "it is computed from here on")
         free_layer(layer)
         self.results.on_host()  # the layer's outputs are all on the host
         if self.device.type == "cuda":
