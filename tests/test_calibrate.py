@@ -796,7 +796,19 @@ def test_dsa_indexer_that_selects_every_key_is_not_computed(ckpt_dir, monkeypatc
     monkeypatch.setattr(m.GlmMoeDsaIndexer, "forward", counted)
     monkeypatch.setitem(dec.CHUNK_TOKENS, "cpu", 64)  # 4 chunks of 4 samples
     kw = {"method": "gptq", "num_samples": 16, "seq_len": 16}
+    carried = []  # the top-k each calibrated layer passes on, as carried
+    real_check = dec.SplitLayer.check
+
+    def check(self, h, topk):
+        r = real_check(self, h, topk)
+        carried.append(r[3])
+        return r
+
+    monkeypatch.setattr(dec.SplitLayer, "check", check)
     rep_skip, out_skip = _calibrate_results(ckpt_dir, **kw)
+    # every key, as a broadcast view of one row (no (b, S, S) tensor on the device)
+    assert carried and all(t is not None and t.stride()[:2] == (0, 0) and
+                           torch.equal(t.long(), torch.arange(t.shape[-1]).expand(t.shape)) for t in carried)
     skipped, calls[0] = calls[0], 0
     assert dec.EVERY_KEY[0]  # (the proof held on every layer)
     monkeypatch.setattr(dec, "EVERY_KEY", [False])
@@ -821,6 +833,25 @@ def test_dsa_indexer_that_selects_every_key_is_not_computed(ckpt_dir, monkeypatc
         assert all(torch.equal(a, b) for a, b in zip(out_bad[n], out_all[n])), n
     assert [{k: v for k, v in lay.items() if k not in TIMING_KEYS} for lay in rep_bad["layers"]] == \
         [{k: v for k, v in lay.items() if k not in TIMING_KEYS} for lay in rep_all["layers"]]
+
+
+def test_shared_dsa_layer_passes_the_carried_top_k_on_as_given():
+    """A shared DSA layer (it reuses the last full layer's top-k) hands back the very tensor
+    it was given, so an every-key top-k carried as a broadcast view stays one (no (b, S, S)
+    copy per layer); its output is the one it gives on the materialized indices."""
+    from quantize.calib.decoder import every_key_indexer, layer_inputs, run_layer
+
+    cfg = tiny_config("glm_moe_dsa", index_topk_freq=2)  # layers: full, full, shared
+    skeleton, layer, _ = _random_layer(cfg, 2)
+    assert layer.self_attn.indexer is None and every_key_indexer(layer, 16) is None
+    inputs = layer_inputs(skeleton, 16, torch.device("cpu"), torch.float32)
+    h = torch.randn(2, 16, cfg["hidden_size"], generator=torch.Generator().manual_seed(3))
+    view = torch.arange(16, dtype=torch.int16).expand(2, 16, 16)
+    with torch.no_grad():
+        out, t = run_layer(skeleton, layer, inputs, h, view)
+        ref, t_ref = run_layer(skeleton, layer, inputs, h, view.contiguous())
+    assert t is view and torch.equal(t_ref, view)
+    assert torch.equal(out, ref)
 
 
 def _calibrate_results(src, **kw) -> tuple[dict, dict]:

@@ -509,11 +509,19 @@ def run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Te
 
 def _run_skipping(idx: torch.nn.Module, skeleton, layer: torch.nn.Module, inputs: LayerInputs,
                   h: torch.Tensor, topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer with its indexer answering every key. The top-k it passes on (every key of
+    each query; the proof compares its key sets with the computed ones) is kept as a
+    broadcast view of one row, not (b, S, S) of them (GLM-5.2 at 512 x 2048: 4.3 GB less on
+    the device; a checkpoint still writes it whole)."""
     idx.forward = _every_key
     try:
-        return _run_layer(skeleton, layer, inputs, h, topk)
+        out, t = _run_layer(skeleton, layer, inputs, h, topk)
     finally:
         del idx.forward
+    if t is not None:
+        b, S = h.shape[:2]
+        t = torch.arange(S, dtype=t.dtype, device=t.device).expand(b, S, S)
+    return out, t
 
 
 def _run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Tensor,
@@ -531,6 +539,8 @@ def _run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.T
     if isinstance(out, tuple):
         if len(out) > 1 and torch.is_tensor(out[1]):
             t = out[1]
+            if topk is not None and t is kwargs.get("prev_topk_indices"):
+                return out[0], topk  # passed on as given (a shared DSA layer): the carried one
             return out[0], t.to(topk_dtype(h.shape[1])) if not t.is_floating_point() else t
         return out[0], topk
     return out, topk
