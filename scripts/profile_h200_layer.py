@@ -16,20 +16,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from quantize.calib.capture import MLPStats, moe_forward
-from quantize.calib.decoder import _mask, build_skeleton, layer_inputs, run_layer
+from quantize.calib.decoder import _mask, layer_inputs, run_layer
 from quantize.rounding.gptq import (
     GPTQConfig,
     _factor_flipped_inplace,
     _factor_inplace,
     gptq_quantize,
 )
-from quantize.source.synth import GLM52_CONFIG, tiny_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from glm52_moe_layer import random_moe_layer, sync
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--chunks", type=int, default=4)
@@ -40,56 +43,32 @@ OUT.mkdir(parents=True, exist_ok=True)
 SMALL = bool(os.environ.get("SMALL"))
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 dt = torch.bfloat16
-cfg = {**tiny_config("glm_moe_dsa"), **({} if SMALL else GLM52_CONFIG)}
-cfg.update(num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=0,
-           vocab_size=4096, max_position_embeddings=4096)
-S = 256 if SMALL else 2048
+cfg, skeleton, layer, S = random_moe_layer(SMALL, dev, dt)
 b = 2 if SMALL else 8  # samples per chunk: 16k tokens, as CHUNK_TOKENS["cuda"]
 res: dict = {"config": {k: cfg[k] for k in ("hidden_size", "n_routed_experts", "moe_intermediate_size")},
              "chunk_tokens": b * S, "chunks": args.chunks, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
 
 
-def sync():
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(name, fn, reps=1, profile=True):
     fn()  # warm-up (kernels compiled, caches)
-    sync()
+    sync(dev)
     t = time.perf_counter()
     for _ in range(reps):
         out = fn()
-    sync()
+    sync(dev)
     res[name] = round((time.perf_counter() - t) / reps, 4)
     if profile and dev.type == "cuda":
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as prof
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             fn()
-            sync()
+            sync(dev)
         (OUT / f"profile_layer_{name}.txt").write_text(
             p.key_averages().table(sort_by="cuda_time_total", row_limit=25))
     print(f"{name}: {res[name]} s", flush=True)
     return out
 
 
-skeleton = build_skeleton(cfg)
-layer = skeleton.model.layers[1]
-layer.to(dt)
-layer.mlp.gate.float()
-layer.to_empty(device=dev)
-torch.manual_seed(0)
-with torch.no_grad():
-    for n, p in layer.named_parameters():
-        if "norm" in n:
-            p.fill_(1.0)
-        else:
-            p.normal_(0, 0.02)
-    for n, bf in layer.named_buffers():
-        if bf.is_floating_point():
-            bf.zero_()
-layer.eval()
 inputs = layer_inputs(skeleton, S, dev, dt)
 H = cfg["hidden_size"]
 hs = [torch.randn(b, S, H, device=dev, dtype=dt) for _ in range(args.chunks)]

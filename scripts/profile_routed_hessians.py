@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -32,9 +33,11 @@ import torch
 
 from quantize.calib import decoder as dec
 from quantize.calib.capture import MLPStats, moe_forward
-from quantize.calib.decoder import SplitLayer, build_skeleton, every_key_indexer, layer_inputs
+from quantize.calib.decoder import SplitLayer, every_key_indexer, layer_inputs
 from quantize.rounding.gptq import GPTQConfig, gptq_quantize, xtx
-from quantize.source.synth import GLM52_CONFIG, tiny_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from glm52_moe_layer import random_moe_layer, sync
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--tokens", type=int, default=512 * 2048)
@@ -46,10 +49,7 @@ OUT.mkdir(parents=True, exist_ok=True)
 SMALL = bool(os.environ.get("SMALL"))
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 dt = torch.bfloat16
-cfg = {**tiny_config("glm_moe_dsa"), **({} if SMALL else GLM52_CONFIG)}
-cfg.update(num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=0,
-           vocab_size=4096, max_position_embeddings=4096)
-S = 256 if SMALL else 2048
+cfg, skeleton, layer, S = random_moe_layer(SMALL, dev, dt, norm_std=0.1)
 CHUNK = 4 * S  # tokens per chunk (8192 on the GPU, as CHUNK_TOKENS)
 CALL = 8 * CHUNK  # tokens per statistics call (65536, as MLP_GROUP_TOKENS["cuda"])
 tokens = min(args.tokens, 16 * CALL) if SMALL else args.tokens
@@ -63,39 +63,19 @@ res: dict = {"tokens": n_chunks * CHUNK, "chunk_tokens": CHUNK, "call_tokens": C
 torch.set_grad_enabled(False)
 
 
-def sync():
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(name, fn, reps=1, warm=True):
     if warm:
         fn()
-    sync()
+    sync(dev)
     t = time.perf_counter()
     for _ in range(reps):
         out = fn()
-    sync()
+    sync(dev)
     res[name] = round((time.perf_counter() - t) / reps, 4)
     print(f"{name}: {res[name]} s", flush=True)
     return out
 
 
-skeleton = build_skeleton(cfg)
-layer = skeleton.model.layers[1]
-layer.to(dt)
-layer.mlp.gate.float()
-layer.to_empty(device=dev)
-torch.manual_seed(0)
-for n, p in layer.named_parameters():
-    if "norm" in n:
-        p.normal_(1.0, 0.1)
-    else:
-        p.normal_(0, 0.02)
-for n, bf in layer.named_buffers():
-    if bf.is_floating_point():
-        bf.zero_()
-layer.eval()
 inputs = layer_inputs(skeleton, S, dev, dt)
 halves = SplitLayer(skeleton, layer, inputs)
 ok, _, _, _, _ = halves.check(torch.randn(CHUNK // S, S, H, device=dev, dtype=dt), None)
