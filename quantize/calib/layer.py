@@ -227,8 +227,7 @@ class LayerRunner:
         fold = self._norm_fold(L, layer, targets) if "awq" in method else None
         # the routed Hessians keep the layer's MLP inputs (one more copy of the hidden states)
         # where they fit in a quarter of the free memory; else running sums (bounded size)
-        kept = 0 if self.carry.spilled else \
-            sum(self.carry.hidden.get(i).numel() for i in range(len(self.carry.hidden))) * self.dtype.itemsize
+        kept = self._inputs_nbytes()
         stats = MLPStats(kind, hessians="gptq" in method, samples="awq" in method,
                          all_experts=o.expert_calibration == "all", num_experts=E,
                          router_weighted=o.expert_calibration == "routed-weighted",
@@ -448,12 +447,17 @@ class LayerRunner:
         layer on an H200, benchmarks/h200_profile_routed_hessians.json): where they fit
         beside what full GPTQ batches want (`gptq_reserve`), so keeping them never shrinks
         a batch."""
-        h = self.carry.hidden
-        if self.carry.spilled or not len(h):
+        nbytes = self._inputs_nbytes()
+        if not nbytes:
             return False
-        nbytes = sum(h.get(i).numel() for i in range(len(h))) * self.dtype.itemsize
         E, two_i, K = experts.gate_up_proj.shape
         return free_bytes(self.device) - nbytes >= gptq_reserve((two_i // 2, K), E)
+
+    def _inputs_nbytes(self) -> int:
+        """Bytes of one copy of the layer's MLP inputs (the hidden states' size); 0 when the
+        hidden states are spilled off the device (no copy of them is kept there)."""
+        h = self.carry.hidden
+        return 0 if self.carry.spilled else sum(h.get(i).numel() for i in range(len(h))) * self.dtype.itemsize
 
     def _pass1_whole(self, layer, fwd, stats: MLPStats,
                      fp0: tuple[torch.Tensor | None, torch.Tensor] | None

@@ -146,8 +146,7 @@ def gptq_batch(shape: tuple[int, ...], E: int, device: torch.device, dist: Dist 
     On the CPU: EXPERT_BATCH. The same on every rank (their collectives follow the batches)."""
     if device.type != "cuda":
         return min(EXPERT_BATCH, E)
-    per_expert = gptq_reserve(shape, 1)
-    nb = max(1, min(E, GPTQ_BATCH, device_free(device) // per_expert))
+    nb = max(1, min(E, GPTQ_BATCH, device_free(device) // gptq_reserve(shape, 1)))
     if dist is not None:
         nb = int(dist.all_reduce(torch.tensor([nb]), op="min").item())
     return nb
