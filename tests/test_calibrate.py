@@ -66,6 +66,18 @@ def _calibrate(src, **kw) -> dict:
     return c.report()
 
 
+def _layers(report: dict, strip=TIMING_KEYS) -> list[dict]:
+    """The report's layer entries without the keys in `strip` (wall times differ between runs)."""
+    return [{k: v for k, v in lay.items() if k not in strip} for lay in report["layers"]]
+
+
+def _assert_same_tensors(a: dict, b: dict) -> None:
+    """Two runs' written tensors (name -> list of tensors) equal bit for bit, name by name."""
+    assert sorted(a) == sorted(b) and a
+    for n, ts in a.items():
+        assert all(torch.equal(x, y) for x, y in zip(ts, b[n])), n
+
+
 def _moe_layer(ckpt_dir):
     """The checkpoint and its MoE layer 1, float32 on the CPU."""
     ck = open_checkpoint(ckpt_dir)
@@ -392,8 +404,7 @@ def test_spilled_hidden_states_give_the_same_result(ckpt_dir, monkeypatch):
     assert {lay.get("routed_inputs") for lay in spilled["layers"] if lay.get("quantized")
             and lay.get("expert_tokens")} == {"recomputed"}
     strip = (*TIMING_KEYS, "routed_inputs")  # wall times differ between runs
-    assert [{k: v for k, v in lay.items() if k not in strip} for lay in kept["layers"]] == \
-        [{k: v for k, v in lay.items() if k not in strip} for lay in spilled["layers"]]
+    assert _layers(kept, strip) == _layers(spilled, strip)
 
 
 def test_bad_calibration_file_fails_before_any_output(tmp_path):
@@ -747,8 +758,7 @@ def test_whole_layer_fallback_gives_the_split_result(ckpt_dir, monkeypatch, targ
     strip = (*TIMING_KEYS, "attention_once")
     assert all(lay.get("attention_once") is True for lay in split["layers"] if lay.get("quantized"))
     assert all(lay.get("attention_once") is False for lay in whole["layers"] if lay.get("quantized"))
-    assert [{k: v for k, v in lay.items() if k not in strip} for lay in split["layers"]] == \
-        [{k: v for k, v in lay.items() if k not in strip} for lay in whole["layers"]]
+    assert _layers(split, strip) == _layers(whole, strip)
 
 
 def test_kept_and_recomputed_mlp_inputs_give_the_same_calibration(ckpt_dir, monkeypatch):
@@ -766,12 +776,9 @@ def test_kept_and_recomputed_mlp_inputs_give_the_same_calibration(ckpt_dir, monk
     assert moe and all(lay["routed_inputs"] == "kept" for lay in moe)
     moe_r = [lay for lay in rep_r["layers"] if lay.get("quantized") and lay.get("expert_tokens")]
     assert len(moe_r) == len(moe) and all(lay["routed_inputs"] == "recomputed" for lay in moe_r)
-    assert sorted(out_k) == sorted(out_r) and out_k
-    for n in out_k:
-        assert all(torch.equal(a, b) for a, b in zip(out_k[n], out_r[n])), n
+    _assert_same_tensors(out_k, out_r)
     strip = (*TIMING_KEYS, "routed_inputs")
-    assert [{k: v for k, v in lay.items() if k not in strip} for lay in rep_k["layers"]] == \
-        [{k: v for k, v in lay.items() if k not in strip} for lay in rep_r["layers"]]
+    assert _layers(rep_k, strip) == _layers(rep_r, strip)
 
 
 def test_dsa_indexer_that_selects_every_key_is_not_computed(ckpt_dir, monkeypatch):
@@ -815,11 +822,8 @@ def test_dsa_indexer_that_selects_every_key_is_not_computed(ckpt_dir, monkeypatc
     rep_all, out_all = _calibrate_results(ckpt_dir, **kw)
     computed, calls[0] = calls[0], 0
     assert 0 < skipped < computed / 2, (skipped, computed)
-    assert sorted(out_skip) == sorted(out_all) and out_skip
-    for n in out_skip:
-        assert all(torch.equal(a, b) for a, b in zip(out_skip[n], out_all[n])), n
-    assert [{k: v for k, v in lay.items() if k not in TIMING_KEYS} for lay in rep_skip["layers"]] == \
-        [{k: v for k, v in lay.items() if k not in TIMING_KEYS} for lay in rep_all["layers"]]
+    _assert_same_tensors(out_skip, out_all)
+    assert _layers(rep_skip) == _layers(rep_all)
     monkeypatch.setattr(dec, "EVERY_KEY", [True])
     _calibrate_results(ckpt_dir, method="gptq", num_samples=4, seq_len=64)
     assert calls[0] > skipped  # 64 > index_topk: every forward computes it
@@ -829,10 +833,8 @@ def test_dsa_indexer_that_selects_every_key_is_not_computed(ckpt_dir, monkeypatc
         h.shape[0], h.shape[1], h.shape[1], dtype=torch.int32))
     rep_bad, out_bad = _calibrate_results(ckpt_dir, **kw)
     assert not dec.EVERY_KEY[0]
-    for n in out_all:
-        assert all(torch.equal(a, b) for a, b in zip(out_bad[n], out_all[n])), n
-    assert [{k: v for k, v in lay.items() if k not in TIMING_KEYS} for lay in rep_bad["layers"]] == \
-        [{k: v for k, v in lay.items() if k not in TIMING_KEYS} for lay in rep_all["layers"]]
+    _assert_same_tensors(out_bad, out_all)
+    assert _layers(rep_bad) == _layers(rep_all)
 
 
 def test_shared_dsa_layer_passes_the_carried_top_k_on_as_given():
