@@ -16,7 +16,8 @@ from quantize.sizes import fmt_bytes
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MAX_CHECKPOINTS", "check_disk", "checkpoint_bytes", "disk_needed", "topk_itemsize"]
+__all__ = ["MAX_CHECKPOINTS", "check_disk", "checkpoint_bytes", "disk_needed", "plan_checkpoint_bytes",
+           "topk_bytes", "topk_itemsize"]
 
 MAX_CHECKPOINTS = 3  # calibration checkpoints on disk at once, at most
 
@@ -25,11 +26,32 @@ def checkpoint_bytes(num_samples: int, seq_len: int, hidden: int, itemsize: int,
                      index_topk: int = 0) -> int:
     """Bytes of one checkpoint: the hidden states, and a DSA model's top-k key indices
     (min(index_topk, seq_len) per token, kept as `layers.topk_dtype` says: int16 up to 32,768
-    positions); the rest is a few KB. GLM-5.2 at 512 x 2048 on a GPU: 12.9 GB of hidden states
-    + 4.3 GB of top-k = 17.2 GB."""
-    k = min(index_topk, seq_len) * topk_itemsize(seq_len)
-    return num_samples * seq_len * (hidden * itemsize + k)
+    positions); the rest is a few KB. Where the top-k holds every key (index_topk >= seq_len:
+    GLM-5.2's 2048 at the recommended 2,048-token samples) the calibration carries it as one
+    row per chunk (decoder.run_layer) and a checkpoint writes that row (state.py): a few KB
+    too. GLM-5.2 at 512 x 2048 on a GPU: 12.9 GB (it was 12.9 + 4.3 GB of top-k written whole);
+    at 256 x 4096 (2,048 of 4,096 keys), 12.9 + 4.3 GB."""
+    return num_samples * seq_len * hidden * itemsize + topk_bytes(num_samples, seq_len, index_topk)
 
+
+def topk_bytes(num_samples: int, seq_len: int, index_topk: int) -> int:
+    """Bytes of a checkpoint's DSA top-k indices (`checkpoint_bytes`): 0 where they hold
+    every key (one row per chunk is written, a few KB)."""
+    if index_topk >= seq_len:
+        return 0
+    return num_samples * seq_len * index_topk * topk_itemsize(seq_len)
+
+
+def plan_checkpoint_bytes(plan: Plan, device: torch.device | str) -> int:
+    """Bytes of one calibration checkpoint of `plan` computed on `device` (bf16 hidden states
+    on a GPU, float32 on the CPU; twice that with `--gptaq`, which carries the unrounded
+    model's stream too); 0 for round-to-nearest."""
+    o = plan.options
+    if o.method == "rtn":
+        return 0
+    itemsize = 2 if str(device).startswith("cuda") else 4
+    one = checkpoint_bytes(o.num_samples, o.seq_len, plan.hidden_size, itemsize, plan.index_topk)
+    return 2 * one if plan.gptaq_active else one
 
 
 def topk_itemsize(seq_len: int) -> int:
@@ -49,14 +71,7 @@ def disk_needed(plan: Plan, device: torch.device | str, previous: dict | None = 
     `total` is then the least the run needs)."""
     held = set((previous or {}).get("files", {}))
     shards = sum(s.file_bytes for s in plan.shards if s.file not in held)
-    o = plan.options
-    one = 0
-    if o.method != "rtn" and not math.isinf(checkpoint_interval):
-        itemsize = 2 if str(device).startswith("cuda") else 4
-        one = checkpoint_bytes(o.num_samples, o.seq_len, plan.hidden_size, itemsize,
-                               plan.index_topk)
-        if plan.gptaq_active:  # the unrounded model's stream is carried (and checkpointed) too
-            one *= 2
+    one = 0 if math.isinf(checkpoint_interval) else plan_checkpoint_bytes(plan, device)
     at_once = MAX_CHECKPOINTS if one else 0
     if one and free is not None:
         at_once = max(1, min(MAX_CHECKPOINTS, (free - shards) // one))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from quantize.calib.data import checkpoint_calibration
 from quantize.calib.state import CALIB_STATE, StateDir
@@ -469,3 +470,79 @@ def test_a_gptaq_run_resumes_with_both_streams(src, tmp_path):
     assert f"resuming calibration at layer 2 from {out / CALIB_STATE}/layer-1" in log, log
     assert computed_layers(log) == [2, 3], log
     assert_identical(out, ref)
+
+
+@pytest.fixture(scope="module")
+def every_key_src(tmp_path_factory) -> Path:
+    """Tiny glm_moe_dsa whose DSA top-k holds every key of the 64-token samples (index_topk 64,
+    as GLM-5.2's 2048 at 2,048-token samples); layer 2 shares layer 1's top-k."""
+    cfg = tiny_config("glm_moe_dsa", index_topk_freq=2)
+    cfg["index_topk"] = 64
+    d = write_checkpoint(tmp_path_factory.mktemp("src-every-key"), cfg, "fp8-block", seed=5)
+    write_tokenizer(d, cfg["vocab_size"])
+    return d
+
+
+def test_an_every_key_top_k_is_checkpointed_as_one_row_and_resumed(every_key_src, tmp_path):
+    """Where the top-k holds every key the calibration carries it as a broadcast view of one
+    row; a checkpoint writes that row and its shape (not (b, S, S) indices), the disk check
+    counts no top-k bytes, and the resumed run's folder is byte-identical to an uninterrupted
+    one's."""
+    from quantize.disk import disk_needed
+
+    src = every_key_src
+    opts = ConvertOptions(method="gptq", max_shard_size=200_000, **CALIB)
+    plan = make_plan(open_checkpoint(src), opts)
+    assert plan.index_topk == 64
+    n, S, H = CALIB["num_samples"], CALIB["seq_len"], plan.hidden_size
+    assert disk_needed(plan, "cpu")["checkpoint"] == n * S * H * 4  # float32 hidden states only
+    ref = tmp_path / "ref"
+    convert(src, ref, opts, device="cpu")
+    out = tmp_path / "out"
+    starts = [s.units[0] for s in plan.shards if layer_of(s.units[0].source) == 2]
+    with pytest.raises(Stop):
+        convert(src, out, opts, device="cpu", on_unit=stop_at(lambda u: u == starts[1]))
+    saved = StateDir(out / CALIB_STATE, "").read(1)
+    raw = load_file(saved.path / "hidden-000000.safetensors")
+    b = raw["hidden"].shape[0]
+    assert raw["topk"].shape == (1, 1, S) and raw["topk@shape"].tolist() == [b, S, S]
+    k = saved.parts(0)["topk"]
+    assert k.shape == (b, S, S) and k.stride()[:2] == (0, 0)
+    assert torch.equal(k, torch.arange(S, dtype=k.dtype).expand(b, S, S))
+    hidden_file = (saved.path / "hidden-000000.safetensors").stat().st_size
+    assert hidden_file < raw["hidden"].nbytes + 4096  # no (b, S, S) indices beside it
+    log: list[str] = []
+    convert(src, out, opts, device="cpu", resume=True, log=log.append)
+    assert f"resuming calibration at layer 2 from {out / CALIB_STATE}/layer-1" in log, log
+    assert computed_layers(log) == [2, 3], log
+    ref_files, got = folder_bytes(ref), folder_bytes(out)
+    assert sorted(got) == sorted(ref_files)
+    assert all(got[f] == ref_files[f] for f in ref_files)
+
+
+def test_checkpoints_stop_where_the_top_k_outgrows_the_disk_check(every_key_src, tmp_path,
+                                                                  monkeypatch):
+    """With the every-key shortcut switched off (as run_layer's proof does when it fails) the
+    top-k is carried whole, more than the disk check counted: no checkpoint with hidden states
+    is written, the log says so once, and the output is the same."""
+    src = every_key_src
+    opts = ConvertOptions(method="gptq", max_shard_size=200_000, **CALIB)
+    ref = tmp_path / "ref"
+    convert(src, ref, opts, device="cpu")
+    monkeypatch.setattr("quantize.calib.decoder.EVERY_KEY", [False])
+    out = tmp_path / "out"
+    plan = make_plan(open_checkpoint(src), opts)
+    starts = [s.units[0] for s in plan.shards if layer_of(s.units[0].source) == 3]
+    log: list[str] = []
+    with pytest.raises(Stop):
+        convert(src, out, opts, device="cpu", log=log.append,
+                on_unit=stop_at(lambda u: u == starts[1]))
+    assert StateDir(out / CALIB_STATE, "").layers() in ([], [3]), log  # 3: the last, no hidden
+    warned = [line for line in log if "no calibration checkpoints from layer 0 on" in line]
+    assert len(warned) == 1 and "the disk check counted" in warned[0], log
+    log.clear()
+    convert(src, out, opts, device="cpu", resume=True, log=log.append)
+    assert computed_layers(log)[0] == 0, log
+    ref_files, got = folder_bytes(ref), folder_bytes(out)
+    assert sorted(got) == sorted(ref_files)
+    assert all(got[f] == ref_files[f] for f in ref_files)

@@ -10,7 +10,8 @@ The model's own classes give the attention (GQA, MLA, the DSA indexer and its sh
 for free. The activations between layers are `HiddenStates`: chunks of CHUNK_TOKENS tokens,
 kept on the compute device while twice their size fits in half its free memory, else in host
 memory, else in files (GLM-5.2 at 512 x 2048 tokens: 12.9 GB of bf16 hidden states, plus the
-DSA top-k indices, 4.3 GB as int16, which the layers pass on).
+DSA top-k indices which the layers pass on: one broadcast row per chunk where the top-k holds
+every key, as GLM-5.2's at 2,048-token samples, else up to 4.3 GB as int16).
 """
 
 from __future__ import annotations
@@ -512,7 +513,7 @@ def _run_skipping(idx: torch.nn.Module, skeleton, layer: torch.nn.Module, inputs
     """The layer with its indexer answering every key. The top-k it passes on (every key of
     each query; the proof compares its key sets with the computed ones) is kept as a
     broadcast view of one row, not (b, S, S) of them (GLM-5.2 at 512 x 2048: 4.3 GB less on
-    the device; a checkpoint still writes it whole)."""
+    the device; a checkpoint writes the row, state.py)."""
     idx.forward = _every_key
     try:
         out, t = _run_layer(skeleton, layer, inputs, h, topk)

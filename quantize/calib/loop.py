@@ -23,8 +23,8 @@ checkpoints for resume; `distributed.py` the ranks under torchrun.
 
 The rounding of a layer's MLP from its statistics (AWQ folds, GPTQ batched over experts and
 across ranks, RTN; the starved-expert fallback) is `round_layer.LayerRounding`. GLM-5.2 worked
-number, routed statistics at 512 x 2048 tokens: hidden states 12.9 GB (bf16) + DSA top-k 4.3 GB
-(int16), down Hessians 4.3 GB, the layer's BF16 experts 19.3 GB, a batch of 32 solves ~16 GB;
+number, routed statistics at 512 x 2048 tokens: hidden states 12.9 GB (bf16) (+ DSA top-k 4.3 GB
+of int16 where the indexer's is computed), down Hessians 4.3 GB, the layer's BF16 experts 19.3 GB, a batch of 32 solves ~16 GB;
 256 gate/up Hessians held at once would be 6144^2 float32 x 256 = 38.6 GB, hence batches whose
 routed gate/up Hessians are built from the layer's MLP inputs, recomputed per batch from the
 hidden states (a norm of the residual stream after the attention, which pass 1 leaves there).

@@ -26,9 +26,10 @@ import torch
 from quantize.calib.decoder import HiddenStates
 from quantize.calib.distributed import Dist
 from quantize.calib.layer import Carry
-from quantize.calib.state import Checkpointer, StateDir
-from quantize.disk import MAX_CHECKPOINTS
+from quantize.calib.state import Checkpointer, StateDir, moved, stored
+from quantize.disk import MAX_CHECKPOINTS, topk_bytes
 from quantize.plan import Plan, Shard
+from quantize.sizes import fmt_bytes
 from quantize.source.layout import layer_of
 
 __all__ = ["Resume"]
@@ -49,6 +50,10 @@ class Resume:
         self.save_after.add(last_layer)
         self.state: StateDir | None = None
         self.saver: Checkpointer | None = None
+        o = plan.options  # the DSA top-k bytes the disk check counted per checkpoint
+        self.topk_budget = topk_bytes(o.num_samples, o.seq_len, plan.index_topk) * \
+            (2 if plan.gptaq_active else 1)
+        self.oversize = False  # a checkpoint outgrew that: no more are written
         self.jump_to = -1  # several ranks: the layer rank 0's writer may resume after
         self.keep_after = -1  # the last layer a resume can start after (older: deletable)
 
@@ -158,7 +163,7 @@ class Resume:
                         ([(carry.fp, carry.fp_topk, "fp", "fp_topk")] if fp else []):
                     hs.append(t[hk])
                     k = t.get(kk)
-                    topk.append(None if k is None else k.to(self.device))
+                    topk.append(None if k is None else moved(k, self.device))
             del t
         return c + 1
 
@@ -166,7 +171,7 @@ class Resume:
         """The state after layer M saved, where a resume can start and one is due."""
         if self.state is None or M not in self.save_after:
             return
-        save = M == self.last_layer or self.saver.due()
+        save = M == self.last_layer or (self.saver.due() and not self._oversize(M))
         if self.dist is not None:  # rank 0's clock and writer decide for every rank
             save, self.keep_after = self.dist.broadcast_object(
                 (save, self.keep_after) if self.dist.leader else None)
@@ -180,6 +185,25 @@ class Resume:
         self.saver.save(M, [carry.hidden.get(i) for i in range(n)], carry.topk[:n], carry.layers,
                         carry.mtp_skip, carry.awq_scales, background=background, fp=fp,
                         fp_topk=None if fp is None else carry.fp_topk[:n])
+
+    def _oversize(self, M: int) -> bool:
+        """Whether the state after layer M holds more DSA top-k bytes than the disk check
+        counted (the top-k holds every key and is carried as one row, unless run_layer's
+        proof switched that off: then it is stored whole); such a checkpoint and all later ones
+        are skipped, so that the output's disk is never overrun (said once in the log)."""
+        if not self.oversize:
+            n = len(self.carry.hidden)
+            top = [k for k in self.carry.topk[:n] + self.carry.fp_topk[:n] if k is not None]
+            nbytes = sum(stored(k).numel() * k.element_size() for k in top)
+            rows = sum(k.shape[-1] * k.element_size() for k in top)  # (one row per chunk)
+            if nbytes > self.topk_budget + rows:
+                self.oversize = True
+                self.log(f"warning: no calibration checkpoints from layer {M} on: the DSA "
+                         f"top-k the state after layer {M} carries takes {fmt_bytes(nbytes)}, "
+                         f"beyond the {fmt_bytes(self.topk_budget)} the disk check counted (the "
+                         "every-key indexer shortcut was switched off, see the warning above); "
+                         "a crash resumes from the last checkpoint written")
+        return self.oversize
 
     def wait(self) -> None:
         """Until a checkpoint being written is on disk (its errors raised)."""

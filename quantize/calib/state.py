@@ -8,6 +8,8 @@ finished checkpoint (never in the manifest, so `verify` and `push` never see the
     DST/calibration/state/layer-<L>/        the state after layer L: a resume starts at L+1
         hidden-000000.safetensors ...       chunk i: "hidden" (b, S, H) in the compute dtype
                                             (bf16 on CUDA, float32 on the CPU), "topk" if any
+                                            (a broadcast view, the every-key top-k, as the
+                                            one row it repeats and "topk@shape")
         awq-scales.safetensors              AWQ scales so far (AWQ methods)
         state.json                          fingerprint, layer, report entries, every file's
                                             bytes and sha256 (a truncated or altered file is
@@ -63,12 +65,13 @@ from quantize.disk import MAX_CHECKPOINTS, checkpoint_bytes
 from quantize.names import CALIB_STATE
 from quantize.write.shards import PARTIAL, fsync_dir, sha256_file, stall_point, write_failed
 
-__all__ = ["CALIB_STATE", "Checkpointer", "Saved", "StateDir", "checkpoint_bytes"]
+__all__ = ["CALIB_STATE", "Checkpointer", "Saved", "StateDir", "checkpoint_bytes", "moved", "stored"]
 
 
 _NAME = re.compile(r"layer-(\d+)")
 _META = "state.json"
 _SCALES = "awq-scales.safetensors"
+_SHAPE = "@shape"  # beside a tensor saved from a broadcast view: the shape it expands to
 
 
 @dataclass
@@ -88,8 +91,33 @@ class Saved:
         return t["hidden"], t.get("topk")
 
     def parts(self, i: int) -> dict[str, torch.Tensor]:
-        """Chunk i's file: "hidden", and where saved "topk", --gptaq's "fp" and "fp_topk"."""
-        return load((self.path / _chunk_name(i)).read_bytes())
+        """Chunk i's file: "hidden", and where saved "topk", --gptaq's "fp" and "fp_topk" (a
+        tensor saved from a broadcast view comes back as that view of its one stored copy)."""
+        t = load((self.path / _chunk_name(i)).read_bytes())
+        for k in [k for k in t if k.endswith(_SHAPE)]:
+            shape = t.pop(k).tolist()
+            t[k[:-len(_SHAPE)]] = t[k[:-len(_SHAPE)]].expand(shape)
+        return t
+
+
+def stored(t: torch.Tensor) -> torch.Tensor:
+    """The values a broadcast view repeats: `t` with each dimension of stride 0 (and size > 1)
+    cut to size 1, so that `stored(t).expand(t.shape)` is `t`; `t` itself when it repeats
+    nothing. (The every-key DSA top-k, (b, S, S) of one row: GLM-5.2 at 512 x 2048, 4.3 GB
+    as a whole tensor, 4 KB stored.)"""
+    cut = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
+                for st, n in zip(t.stride(), t.shape))
+    return t[cut] if any(c.stop == 1 for c in cut) else t
+
+
+def moved(t: torch.Tensor, to) -> torch.Tensor:
+    """`t` on `to` (a device, or the host through `staging.to_host`), a broadcast view as a
+    view of its stored values moved (`stored`), not a whole copy."""
+    from quantize.source.staging import to_host
+
+    s = stored(t)
+    s = to_host(s) if to == "host" else s.to(to)
+    return s if s.shape == t.shape else s.expand(t.shape)
 
 
 def _chunk_name(i: int) -> str:
@@ -134,8 +162,14 @@ class StateDir:
             tmp.mkdir(parents=True)
             files = {}
             for i, parts in enumerate(chunks):
-                t = {k: v.detach().cpu().contiguous()
-                     for k, v in zip(("hidden", "topk", "fp", "fp_topk"), parts) if v is not None}
+                t = {}
+                for k, v in zip(("hidden", "topk", "fp", "fp_topk"), parts):
+                    if v is None:
+                        continue
+                    one = stored(v)
+                    t[k] = one.detach().cpu().contiguous()
+                    if one.shape != v.shape:  # a broadcast view: its one copy and its shape
+                        t[k + _SHAPE] = torch.tensor(v.shape, dtype=torch.int64)
                 files[_chunk_name(i)] = _write_bytes(tmp / _chunk_name(i), save(t))
             if awq_scales:
                 files[_SCALES] = _write_bytes(tmp / _SCALES, save(awq_scales))
@@ -309,13 +343,11 @@ class Checkpointer:
                wait_for_writer: bool = True) -> None:
         """`wait_for_writer`: on the checkpoint's own thread (room for one: it may wait for the
         writer there); False on the layer thread, which the writer waits for."""
-        from quantize.source.staging import to_host
-
-        host = [to_host(h) for h in chunks]  # (b, S, H) each, through pinned chunks
-        top = [None if k is None else to_host(k) for k in topk]
-        host_fp = [None] * len(host) if fp is None else [to_host(h) for h in fp]
+        host = [moved(h, "host") for h in chunks]  # (b, S, H) each, through pinned chunks
+        top = [None if k is None else moved(k, "host") for k in topk]
+        host_fp = [None] * len(host) if fp is None else [moved(h, "host") for h in fp]
         top_fp = [None] * len(host) if fp_topk is None else \
-            [None if k is None else to_host(k) for k in fp_topk]
+            [None if k is None else moved(k, "host") for k in fp_topk]
         del chunks, topk, fp, fp_topk  # the device copies may go now
         self._copied.set()
         self.state.prune(self.keep_after())  # room first: an older checkpoint no resume needs
