@@ -8,7 +8,8 @@ Hessians: H = 2 XᵀX / T of bf16 inputs X (T, K) with log-normal channel scales
 channels (x20) and correlated columns (a random mixing), damped by percdamp x mean(diag H) as
 GPTQ does (percdamp 0.1, the CLI's default, and 0.01). For each variant of
 `quantize.rounding.gptq`'s settings (fp32: the recursive halves in float32; tf32: their matmuls
-in TF32 (FACTOR_TF32); "+prop": the block update in TF32 (PROPAGATE_TF32)):
+in TF32 (FACTOR_TF32); "+prop": the block update in TF32 (PROPAGATE_TF32); `--layouts`: other
+experts per factorization call (FACTOR_BATCH) and leaf sizes (CHOL_LEAF), in TF32):
 - the factorization of a batch of E experts (`_factor_flipped_inplace`), CUDA-event time, and
   the worst relative Frobenius error of the upper factor against float64 (`_factor_inplace` in
   float64) over the first 4 experts;
@@ -35,6 +36,9 @@ from quantize.rounding.gptq import (
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--experts", type=int, default=32)
+ap.add_argument("--layouts", default="",
+                help="more factorization layouts to time in TF32, e.g. '16:256,8:128' "
+                     "(gptq.FACTOR_BATCH:gptq.CHOL_LEAF; the defaults are run as 'tf32')")
 ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")) / "factor.json")
 args = ap.parse_args()
 SMALL = bool(os.environ.get("SMALL"))
@@ -86,8 +90,12 @@ for percdamp in (0.1, 0.01):
     H = hessians(percdamp)  # processing order = identity here
     ref = H[:4].double().clone()
     _factor_inplace(ref)  # float64 upper factor of H⁻¹
-    for name in ("fp32", "tf32"):
+    default = (gptq.FACTOR_BATCH, gptq.CHOL_LEAF)
+    layouts = [tuple(int(v) for v in x.split(":")) for x in args.layouts.split(",") if x]
+    for name, (fb, leaf) in [("fp32", default), ("tf32", default)] + \
+            [(f"tf32 batch {fb} leaf {leaf}", (fb, leaf)) for fb, leaf in layouts]:
         mode(name)
+        gptq.FACTOR_BATCH, gptq.CHOL_LEAF = fb, leaf
         A = H.flip(-2, -1).contiguous()
         def factor(A=A):
             B = A.clone()
@@ -99,11 +107,14 @@ for percdamp in (0.1, 0.01):
         res["factor"][f"{name} damp {percdamp}"] = {"seconds": round(sec, 4), "rel_err_vs_f64": err}
         print(f"factor {name} damp {percdamp}: {sec:.4f} s, rel err {err:.2e}", flush=True)
         del U, A
+        gptq.FACTOR_BATCH, gptq.CHOL_LEAF = default
     del ref
     W = torch.randn(E, 2 * I, K, device=dev) * 0.02
     base = None
-    for name in ("fp32", "fp32+prop", "tf32+prop"):
+    for name, (fb, leaf) in [("fp32", default), ("fp32+prop", default), ("tf32+prop", default)] + \
+            [(f"tf32+prop batch {fb} leaf {leaf}", (fb, leaf)) for fb, leaf in layouts]:
         mode(name)
+        gptq.FACTOR_BATCH, gptq.CHOL_LEAF = fb, leaf
         cfg = GPTQConfig(group_size=32, percdamp=percdamp, mse_clip=True)
         r, sec = timed(lambda W=W, H=H, cfg=cfg: gptq_quantize(W, H, cfg), reps=1)
         w = r.weight
@@ -120,6 +131,7 @@ for percdamp in (0.1, 0.01):
             row["codes_differ"] = float((w.q != base).float().mean())
         res["gptq"][f"{name} damp {percdamp}"] = row
         print(f"gptq {name} damp {percdamp}: {row}", flush=True)
+        gptq.FACTOR_BATCH, gptq.CHOL_LEAF = default
     del H, W
 mode("tf32+prop")  # (the defaults back)
 args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,14 @@ each token count is
 
     calibration  = start-up (until layer 0's line) + 3 x dense wall + 76 x MoE wall
                    (the MoE wall time divided by --scaling on --gpus GPUs, unmeasured here)
+
+where a slice with two MoE decoder layers or more (`bench_pipeline.py --layers 3`) gives the
+76 MoE layers as they run: the first MoE layer as measured (the kernels' compilation and the
+cold read it cannot hide behind a 4 s dense layer: paid once), 74 x the later MoE decoder
+layers' median (2,048-token samples, their reads ahead of them) and the MTP layer as measured
+(its 2,047-token samples; `"rule": "per kind"`); a slice with one MoE decoder layer takes the
+median over the MoE layers, the MTP layer included, with the compilation counted once
+(`"rule": "median"`).
     disk         = 704 GiB / read rate + 420 GiB / write rate (the benchmark's cold read
                    and fsynced write of this machine's disk)
     total        = max(calibration, disk) + the last layer's write-out
@@ -43,16 +51,28 @@ def project(run: dict, disk: dict, gpus: int, scaling: float) -> dict:
     if dense is None or not moe:
         return {"tokens": run["tokens"], "error": "the run has no dense and MoE layer lines"}
     once = first_call_cost(moe)
-    walls = [lay["wall_s"] - (once if i == 0 else 0) for i, lay in enumerate(moe)]
-    moe_wall = statistics.median(walls)
-    moe_compute = statistics.median(lay["compute_s"] - (once if i == 0 else 0) for i, lay in enumerate(moe))
     start = dense["at"]  # process start to layer 0's line: start-up, tokenization, layer 0
     tail = max(run["wall_s"] - (layers[-1]["at"] or 0), 0)  # after the last layer line
-    calib = start + (DENSE - 1) * dense["compute_s"] + MOE * moe_wall / (scaling if gpus > 1 else 1) + once
+    speed = scaling if gpus > 1 else 1
+    decoder = [lay for lay in moe if not lay.get("mtp")]
+    mtp = [lay for lay in moe if lay.get("mtp")]
+    if len(decoder) >= 2:  # a steady MoE decoder layer measured: each kind as it runs
+        rule = "per kind"
+        moe_wall = statistics.median(lay["wall_s"] for lay in decoder[1:])
+        moe_compute = statistics.median(lay["compute_s"] for lay in decoder[1:])
+        last = mtp[0]["wall_s"] if mtp else moe_wall
+        moe_total = (decoder[0]["wall_s"] + (MOE - 2) * moe_wall + last) / speed
+    else:
+        rule = "median"
+        walls = [lay["wall_s"] - (once if i == 0 else 0) for i, lay in enumerate(moe)]
+        moe_wall = statistics.median(walls)
+        moe_compute = statistics.median(lay["compute_s"] - (once if i == 0 else 0) for i, lay in enumerate(moe))
+        moe_total = MOE * moe_wall / speed + once
+    calib = start + (DENSE - 1) * dense["compute_s"] + moe_total
     io = READ_BYTES / (disk["read_MBps"] * 1e6) + WRITE_BYTES / (disk["write_MBps"] * 1e6)
     total = max(calib, io) + tail
     return {"tokens": run["tokens"], "gpus": gpus, "scaling": scaling if gpus > 1 else 1.0,
-            "moe_wall_s": round(moe_wall, 3), "moe_compute_s": round(moe_compute, 3),
+            "rule": rule, "moe_wall_s": round(moe_wall, 3), "moe_compute_s": round(moe_compute, 3),
             "moe_wall_over_compute": round(moe_wall / moe_compute, 3),
             "first_call_compile_s": round(once, 2),
             "startup_s": round(start, 1), "tail_s": round(tail, 1),
