@@ -33,7 +33,7 @@ import torch
 
 from quantize.calib import decoder as dec
 from quantize.calib.capture import MLPStats, moe_forward
-from quantize.calib.decoder import SplitLayer, every_key_layer, layer_inputs
+from quantize.calib.decoder import SplitLayer, every_key_indexer, layer_inputs
 from quantize.rounding.gptq import GPTQConfig, gptq_quantize, xtx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -110,7 +110,7 @@ def attention_half():
 dec.EVERY_KEY[0] = False
 ref_att = timed("attention_8_chunks_indexer_computed", attention_half)
 dec.EVERY_KEY[0] = True
-if every_key_layer(layer, S):
+if every_key_indexer(layer, S) is not None:
     got_att = timed("attention_8_chunks_indexer_every_key", attention_half)
     res["attention_all_keys_equal"] = all(torch.equal(a[0], b[0]) for a, b in zip(ref_att, got_att))
     res["attention_topk_same_sets"] = all(torch.equal(a[1].sort(-1).values.to(torch.int32),

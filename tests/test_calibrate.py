@@ -783,11 +783,10 @@ def test_kept_and_recomputed_mlp_inputs_give_the_same_calibration(ckpt_dir, monk
 
 def test_dsa_indexer_that_selects_every_key_is_not_computed(ckpt_dir, monkeypatch):
     """Where a DSA indexer's top-k holds every key of a sample (index_topk 16 >= 16 tokens)
-    it answers "every key" without computing scores, and the attention skips the mask it
-    would build from it (each layer's first forward computes both too, as the proof): the
-    same calibration, INT4 tensors and report bit for bit as computing them in every forward.
-    Longer samples (64 tokens > 16) compute them. A wrong shortcut is caught by the proof and
-    switched off."""
+    it answers "every key" without computing scores (each layer's first forward computes it
+    too, as the proof): the same calibration, INT4 tensors and report bit for bit as
+    computing it in every forward. Longer samples (64 tokens > 16) compute it. A wrong
+    shortcut is caught by the proof and switched off."""
     from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
 
     import quantize.calib.decoder as dec
@@ -826,56 +825,35 @@ def test_dsa_indexer_that_selects_every_key_is_not_computed(ckpt_dir, monkeypatc
     _assert_same_tensors(out_skip, out_all)
     assert _layers(rep_skip) == _layers(rep_all)
     monkeypatch.setattr(dec, "EVERY_KEY", [True])
-    long = {"method": "gptq", "num_samples": 4, "seq_len": 64}
-    rep_64, out_64 = _calibrate_results(ckpt_dir, **long)
+    _calibrate_results(ckpt_dir, method="gptq", num_samples=4, seq_len=64)
     assert calls[0] > skipped  # 64 > index_topk: every forward computes it
-    # a wrong shortcut (every key claimed where the indexer keeps 16 of 64: the indexer and
-    # its mask skipped) is caught by the proof on chunk 0 of the first DSA layer and switched
-    # off: the calibration is the computed one
-    real_layer = dec.every_key_layer
-    monkeypatch.setattr(dec, "every_key_layer", lambda layer, S, topk=None: real_layer(layer, 16, topk))
-    rep_bad, out_bad = _calibrate_results(ckpt_dir, **long)
+    # a wrong shortcut (only key 0 for every query) is caught by the proof on chunk 0 and
+    # switched off: the calibration is the computed one
+    monkeypatch.setattr(dec, "_every_key", lambda h, *a, **k: torch.zeros(
+        h.shape[0], h.shape[1], h.shape[1], dtype=torch.int32))
+    rep_bad, out_bad = _calibrate_results(ckpt_dir, **kw)
     assert not dec.EVERY_KEY[0]
-    _assert_same_tensors(out_bad, out_64)
-    assert _layers(rep_bad) == _layers(rep_64)
+    _assert_same_tensors(out_bad, out_all)
+    assert _layers(rep_bad) == _layers(rep_all)
 
 
-def test_shared_dsa_layer_passes_the_carried_top_k_on_as_given(monkeypatch):
-    """A shared DSA layer (it reuses the last full layer's top-k) handed the every-key top-k
-    (a broadcast view) skips the mask it would scatter from it and hands back the very tensor
-    it was given (no (b, S, S) copy per layer); its output is the one it gives on the
-    materialized indices, which build the mask. A computed top-k builds it."""
-    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
-
-    import quantize.calib.decoder as dec
+def test_shared_dsa_layer_passes_the_carried_top_k_on_as_given():
+    """A shared DSA layer (it reuses the last full layer's top-k) hands back the very tensor
+    it was given, so an every-key top-k carried as a broadcast view stays one (no (b, S, S)
+    copy per layer); its output is the one it gives on the materialized indices."""
+    from quantize.calib.decoder import every_key_indexer, layer_inputs, run_layer
 
     cfg = tiny_config("glm_moe_dsa", index_topk_freq=2)  # layers: full, full, shared
     skeleton, layer, _ = _random_layer(cfg, 2)
-    view = torch.arange(16, dtype=torch.int16).expand(2, 16, 16)
-    assert layer.self_attn.indexer is None and not dec.every_key_layer(layer, 16)
-    assert dec.every_key_layer(layer, 16, view) and not dec.every_key_layer(layer, 16, view.contiguous())
-    inputs = dec.layer_inputs(skeleton, 16, torch.device("cpu"), torch.float32)
+    assert layer.self_attn.indexer is None and every_key_indexer(layer, 16) is None
+    inputs = layer_inputs(skeleton, 16, torch.device("cpu"), torch.float32)
     h = torch.randn(2, 16, cfg["hidden_size"], generator=torch.Generator().manual_seed(3))
-    scatters = [0]  # the attention's mask of its top-k: a bool (b, S, S) of ones, scattered
-    real = torch.Tensor.new_ones
-
-    def counted(self, *a, **k):
-        scatters[0] += k.get("dtype") is torch.bool
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(torch.Tensor, "new_ones", counted)
+    view = torch.arange(16, dtype=torch.int16).expand(2, 16, 16)
     with torch.no_grad():
-        out, t = dec.run_layer(skeleton, layer, inputs, h, view)  # the proof: both ways
-        assert scatters[0] == 1 and layer.self_attn.__dict__["_quantize_every_key"]
-        out2, t2 = dec.run_layer(skeleton, layer, inputs, h, view)
-        assert scatters[0] == 1  # proved: the mask is not built again
-        ref, t_ref = dec.run_layer(skeleton, layer, inputs, h, view.contiguous())
-        assert scatters[0] == 2  # a top-k of its own (computed): the mask is built
-    assert t is view and t2 is view and torch.equal(t_ref, view)
-    assert torch.equal(out, ref) and torch.equal(out2, ref)
-    assert layer.self_attn.config is skeleton.config or \
-        layer.self_attn.config._attn_implementation == "sdpa"  # the alias only inside the call
-    assert m.GlmMoeDsaAttention is type(layer.self_attn)
+        out, t = run_layer(skeleton, layer, inputs, h, view)
+        ref, t_ref = run_layer(skeleton, layer, inputs, h, view.contiguous())
+    assert t is view and torch.equal(t_ref, view)
+    assert torch.equal(out, ref)
 
 
 def _calibrate_results(src, **kw) -> tuple[dict, dict]:

@@ -16,8 +16,6 @@ every key, as GLM-5.2's at 2,048-token samples, else up to 4.3 GB as int16).
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import inspect
 import os
 import tempfile
@@ -47,12 +45,10 @@ __all__ = [
     "device_free",
     "embed",
     "embed_scale",
-    "every_key",
-    "every_key_layer",
+    "every_key_indexer",
     "every_key_on",
     "free_bytes",
     "free_layer",
-    "is_every_key",
     "layer_inputs",
     "layer_type",
     "layer_weight",
@@ -454,54 +450,35 @@ def topk_dtype(seq_len: int) -> torch.dtype:
     return torch.int16 if topk_itemsize(seq_len) == 2 else torch.int32
 
 
-# Whether a DSA layer whose top-k holds every key may skip its indexer and its mask (`run_layer`);
-# cleared for the process if a layer's forward ever differs with it.
+# Whether a DSA indexer whose top-k holds every key may answer "every key" without scoring them
+# (`run_layer`); cleared for the process if a layer's forward ever differs with it.
 EVERY_KEY = [True]
-# the prefix of the attention implementations registered as the layer's own ("sdpa", "eager")
-# under another name, so that a DSA attention passes its mask on as given (`_mask_as_given`)
-MASK_AS_GIVEN = "quantize_dsa_mask_as_given_"
 
 
 def every_key_on() -> bool:
-    """Whether `run_layer` still skips the indexers and masks of every-key layers (EVERY_KEY)."""
+    """Whether `run_layer` still skips indexers that select every key (see EVERY_KEY)."""
     return EVERY_KEY[0]
 
 
-def every_key_layer(layer: torch.nn.Module, seq_len: int, topk: torch.Tensor | None = None) -> bool:
-    """Whether the layer is a DSA layer whose top-k selects every key of a `seq_len`-token
-    sequence, under the eager / SDPA attention that only turns the top-k into a mask: a full
-    layer whose indexer's index_topk >= seq_len (GLM-5.2's 2048 at the recommended 2,048-token
-    samples), or a shared layer (no indexer of its own) handed the every-key top-k a full one
-    passed on (`is_every_key`). There the indexer's scores decide nothing and the mask it
-    scatters is the causal mask the layer gets."""
+def every_key_indexer(layer: torch.nn.Module, seq_len: int) -> torch.nn.Module | None:
+    """The layer's DSA indexer where its top-k selects every key of a `seq_len`-token sequence
+    (index_topk >= seq_len: GLM-5.2's 2048 at the recommended 2,048-token samples), under the
+    eager / SDPA attention that only scatters the indices into the attention mask; else None.
+    There the indexer's scores decide nothing: each query's top-k is all keys, in some order."""
     attn = getattr(layer, "self_attn", None)
+    idx = getattr(attn, "indexer", None)
+    topk = getattr(idx, "index_topk", None)
     impl = getattr(getattr(attn, "config", None), "_attn_implementation", None)
-    if attn is None or not hasattr(attn, "indexer") or impl not in ("eager", "sdpa"):
-        return False
-    idx = attn.indexer
-    if idx is None:
-        return topk is not None and is_every_key(topk, seq_len)
-    k = getattr(idx, "index_topk", None)
-    return isinstance(k, int) and k >= seq_len
-
-
-def every_key(b: int, S: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Every key of each query, (b, S, S) positions 0..S-1: a broadcast view of one row."""
-    return torch.arange(S, dtype=dtype, device=device).expand(b, S, S)
-
-
-def is_every_key(t: torch.Tensor, S: int) -> bool:
-    """Whether `t` is a top-k `every_key` made (a broadcast view of one row of S positions;
-    a computed top-k is a tensor of its own), as a checkpoint gives it back (state.moved)."""
-    return t.dim() == 3 and tuple(t.shape[1:]) == (S, S) and t.stride() == (0, 0, 1)
+    if idx is None or not isinstance(topk, int) or topk < seq_len or impl not in ("eager", "sdpa"):
+        return None
+    return idx
 
 
 def _every_key(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """What an indexer whose top-k holds every key returns, without its projections, scores
-    and sort (as `topk_dtype`, the carried dtype: under `_mask_as_given` only the layer's
-    return value reads it)."""
+    and sort: each query's key positions 0..S-1 (int32 (b, S, S), a broadcast view)."""
     b, S = hidden_states.shape[:2]
-    return every_key(b, S, topk_dtype(S), hidden_states.device)
+    return torch.arange(S, dtype=torch.int32, device=hidden_states.device).expand(b, S, S)
 
 
 def run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Tensor,
@@ -509,106 +486,50 @@ def run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Te
     """One decoder layer on (b, S, H); returns the output and the DSA top-k indices it carries
     (as `topk_dtype`: the layer gets them back as the int32 it returns, the same values).
     The mask and rotary embedding are the ones the model's forward gives this layer's type.
-    Where the layer's top-k selects every key (`every_key_layer`) it skips the indexer and the
-    mask built from the top-k (the causal mask it is given is that mask) and passes on every
-    key as a broadcast view (the same output bit for bit; `every_key=False`: it computes).
-    The first forward of each layer (module) runs both ways as the proof: if the outputs or
-    the key sets differ, that forward's computed result is returned and no layer skips them
-    again in this process (EVERY_KEY)."""
-    if not (every_key and EVERY_KEY[0] and every_key_layer(layer, h.shape[1], topk)):
+    Where the layer's DSA indexer would select every key (`every_key_indexer`) it answers so
+    without computing (the same mask, the same output bit for bit; `every_key=False`: it
+    computes). The first forward of each layer (module) runs both ways as the proof: if the
+    outputs or the key sets differ, that forward's computed result is returned and no
+    indexer is skipped again in this process (EVERY_KEY)."""
+    idx = every_key_indexer(layer, h.shape[1]) if every_key and EVERY_KEY[0] else None
+    if idx is None:
         return _run_layer(skeleton, layer, inputs, h, topk)
-    attn = layer.self_attn
-    proved = attn.__dict__.get("_quantize_every_key")
+    proved = idx.__dict__.get("_quantize_every_key")
     if proved is None:  # this layer's first forward: both ways
         ref = _run_layer(skeleton, layer, inputs, h, topk)
-        try:
-            got = _run_skipping(skeleton, layer, inputs, h, topk)
-        except Exception:  # noqa: BLE001 - (a transformers whose attention takes it otherwise)
-            got = None
-        proved = got is not None and torch.equal(ref[0], got[0]) and \
-            (ref[1] is None) == (got[1] is None) and \
+        got = _run_skipping(idx, skeleton, layer, inputs, h, topk)
+        proved = torch.equal(ref[0], got[0]) and (ref[1] is None) == (got[1] is None) and \
             (ref[1] is None or torch.equal(ref[1].sort(-1).values, got[1].sort(-1).values))
-        attn.__dict__["_quantize_every_key"] = proved
+        idx.__dict__["_quantize_every_key"] = proved
         if not proved:
             EVERY_KEY[0] = False
         return got if proved else ref
-    return _run_skipping(skeleton, layer, inputs, h, topk) if proved else \
+    return _run_skipping(idx, skeleton, layer, inputs, h, topk) if proved else \
         _run_layer(skeleton, layer, inputs, h, topk)
 
 
-def _run_skipping(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Tensor,
-                  topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layer with its indexer answering every key and its mask passed on as given. The
-    top-k it passes on (every key of each query; the proof compares its key sets with the
-    computed ones) is a broadcast view of one row, not (b, S, S) of them (GLM-5.2 at 512 x
-    2048: 4.3 GB less on the device; a checkpoint writes the row, state.py); a shared layer
-    hands back the view it was given."""
-    attn = layer.self_attn
-    idx = attn.indexer
-    if idx is not None:
-        idx.forward = _every_key
+def _run_skipping(idx: torch.nn.Module, skeleton, layer: torch.nn.Module, inputs: LayerInputs,
+                  h: torch.Tensor, topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer with its indexer answering every key. The top-k it passes on (every key of
+    each query; the proof compares its key sets with the computed ones) is kept as a
+    broadcast view of one row, not (b, S, S) of them (GLM-5.2 at 512 x 2048: 4.3 GB less on
+    the device; a checkpoint writes the row, state.py)."""
+    idx.forward = _every_key
     try:
-        with _mask_as_given(attn):
-            out, t = _run_layer(skeleton, layer, inputs, h, topk, as_given=True)
+        out, t = _run_layer(skeleton, layer, inputs, h, topk)
     finally:
-        if idx is not None:
-            del idx.forward
-    if t is not None and t is not topk and not is_every_key(t, h.shape[1]):
-        t = every_key(h.shape[0], h.shape[1], t.dtype, t.device)  # (an attention that copied it)
+        del idx.forward
+    if t is not None:
+        b, S = h.shape[:2]
+        t = torch.arange(S, dtype=t.dtype, device=t.device).expand(b, S, S)
     return out, t
 
 
-@contextlib.contextmanager
-def _mask_as_given(attn: torch.nn.Module):
-    """The DSA attention `attn` under its own attention function registered under another name
-    (MASK_AS_GIVEN + "sdpa" / "eager"): transformers' GlmMoeDsaAttention builds the mask of
-    its top-k (a (b, S, S) scatter of int64 indices and a masked fill of the float mask) only
-    under the names "eager" and "sdpa"; under another it hands the indices to the function,
-    which SDPA and eager ignore. With every key selected that mask is the one given, so the
-    layer's output is the same (`run_layer`'s proof compares); where the function is not
-    found, the layer runs as it is."""
-    cfg = attn.config
-    alias = attn.__dict__.get("_quantize_mask_as_given")
-    if alias is None:
-        alias = cfg
-        name = _register_mask_as_given(attn, cfg._attn_implementation)
-        if name is not None:
-            alias = copy.copy(cfg)  # (this attention's own: the model's config is left as is)
-            alias.__dict__["_attn_implementation_internal"] = name
-        attn.__dict__["_quantize_mask_as_given"] = alias
-    attn.config = alias
-    try:
-        yield
-    finally:
-        attn.config = cfg
-
-
-def _register_mask_as_given(attn: torch.nn.Module, impl: str) -> str | None:
-    """MASK_AS_GIVEN + impl registered with transformers' AttentionInterface as the function
-    the layer's module uses under `impl` ("sdpa": the interface's; "eager": the modeling
-    module's `eager_attention_forward`); None where there is none."""
-    import sys
-
-    from transformers import AttentionInterface
-
-    name = MASK_AS_GIVEN + impl
-    mapping = AttentionInterface._global_mapping
-    if name not in mapping:
-        fn = mapping.get(impl) if impl != "eager" else \
-            getattr(sys.modules.get(type(attn).__module__), "eager_attention_forward", None)
-        if fn is None:
-            return None
-        AttentionInterface.register(name, fn)
-    return name
-
-
 def _run_layer(skeleton, layer: torch.nn.Module, inputs: LayerInputs, h: torch.Tensor,
-               topk: torch.Tensor | None, as_given: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`as_given`: a shared DSA layer gets the carried top-k itself, not an int32 copy (under
-    `_mask_as_given` nothing reads its values)."""
+               topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     kwargs = {}
     if "prev_topk_indices" in inspect.signature(layer.forward).parameters:
-        kwargs["prev_topk_indices"] = None if topk is None else topk if as_given else topk.to(torch.int32)
+        kwargs["prev_topk_indices"] = None if topk is None else topk.to(torch.int32)
     b = h.shape[0]
     kind = layer_type(skeleton, layer)
     pe = inputs.position_embeddings
