@@ -87,13 +87,27 @@ def folder_bytes(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-def assert_identical(out: Path, reference: Path) -> None:
+def assert_same_files(out: Path, reference: Path) -> dict[str, bytes]:
+    """Every file of `reference` in `out` with the same bytes, and no other; the files."""
     got, want = folder_bytes(out), folder_bytes(reference)
     assert sorted(got) == sorted(want)
-    assert "calibration-report.json" in want and "calibration/awq-scales.safetensors" in want
-    for name in want:
+    for name in want:  # every file, the report and the manifest included
         assert got[name] == want[name], f"{name} differs from the uninterrupted run"
+    return want
+
+
+def assert_identical(out: Path, reference: Path) -> None:
+    want = assert_same_files(out, reference)
+    assert "calibration-report.json" in want and "calibration/awq-scales.safetensors" in want
     assert not (out / CALIB_STATE).exists() and not list(out.rglob("*.partial"))
+
+
+def die_in_layer(src: Path, out: Path, opts: ConvertOptions, layer: int, **kw) -> None:
+    """A run that dies at the second shard starting inside `layer` (the first one recorded)."""
+    plan = make_plan(open_checkpoint(src), opts)
+    starts = [s.units[0] for s in plan.shards if layer_of(s.units[0].source) == layer]
+    with pytest.raises(Stop):
+        convert(src, out, opts, device="cpu", on_unit=stop_at(lambda u: u == starts[1]), **kw)
 
 
 def stop_at(pred):
@@ -109,11 +123,7 @@ def computed_layers(log: list[str]) -> list[int]:
 
 def test_interrupted_run_resumes_from_a_checkpoint(src, reference, tmp_path):
     out = tmp_path / "out"
-    plan = make_plan(open_checkpoint(src), OPTS)
-    # the second shard that starts inside layer 2: dies with the first one recorded
-    starts = [s.units[0] for s in plan.shards if layer_of(s.units[0].source) == 2]
-    with pytest.raises(Stop):
-        convert(src, out, OPTS, device="cpu", on_unit=stop_at(lambda u: u == starts[1]))
+    die_in_layer(src, out, OPTS, 2)  # at the second shard inside layer 2, the first recorded
     # a resume starts at layer 2 (after layer 1); layer 2 is done too (and layer 3 may be:
     # the layer thread runs one layer ahead of the writer); 0 can go
     layers = StateDir(out / CALIB_STATE, "").layers()
@@ -321,10 +331,7 @@ def test_killed_while_checkpointing_then_resumed_is_byte_identical(src, tmp_path
     assert rc == 0, err
     assert re.search(r"resuming calibration at layer [1-9]", err), err
     assert re.search(LAYER0, err, re.MULTILINE) is None, err  # ran only in the first run
-    got, want = folder_bytes(out), folder_bytes(ref)
-    assert sorted(got) == sorted(want)
-    for name in want:  # every file, the report and the manifest included
-        assert got[name] == want[name], f"{name} differs from the uninterrupted run"
+    assert_same_files(out, ref)
     assert not (out / CALIB_STATE).exists()
 
 
@@ -433,10 +440,7 @@ def test_ctrl_c_during_a_calibrated_run_stops_it_and_the_folder_resumes(src, tmp
     assert "interrupted:" in err and "rerun the same command to resume" in err, err
     rc, err = run_cli(src, out)
     assert rc == 0, err
-    got, want = folder_bytes(out), folder_bytes(ref)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name] == want[name], f"{name} differs from the uninterrupted run"
+    assert_same_files(out, ref)
 
 
 def test_a_gptaq_run_resumes_with_both_streams(src, tmp_path):
@@ -456,9 +460,7 @@ def test_a_gptaq_run_resumes_with_both_streams(src, tmp_path):
     ref = tmp_path / "ref"
     convert(src, ref, opts, device="cpu")
     out = tmp_path / "out"
-    starts = [s.units[0] for s in plan.shards if layer_of(s.units[0].source) == 2]
-    with pytest.raises(Stop):
-        convert(src, out, opts, device="cpu", on_unit=stop_at(lambda u: u == starts[1]))
+    die_in_layer(src, out, opts, 2)
     state = StateDir(out / CALIB_STATE, "")
     assert 1 in state.layers()
     saved = state.read(1)
@@ -499,9 +501,7 @@ def test_an_every_key_top_k_is_checkpointed_as_one_row_and_resumed(every_key_src
     ref = tmp_path / "ref"
     convert(src, ref, opts, device="cpu")
     out = tmp_path / "out"
-    starts = [s.units[0] for s in plan.shards if layer_of(s.units[0].source) == 2]
-    with pytest.raises(Stop):
-        convert(src, out, opts, device="cpu", on_unit=stop_at(lambda u: u == starts[1]))
+    die_in_layer(src, out, opts, 2)
     saved = StateDir(out / CALIB_STATE, "").read(1)
     raw = load_file(saved.path / "hidden-000000.safetensors")
     b = raw["hidden"].shape[0]
@@ -515,9 +515,7 @@ def test_an_every_key_top_k_is_checkpointed_as_one_row_and_resumed(every_key_src
     convert(src, out, opts, device="cpu", resume=True, log=log.append)
     assert f"resuming calibration at layer 2 from {out / CALIB_STATE}/layer-1" in log, log
     assert computed_layers(log) == [2, 3], log
-    ref_files, got = folder_bytes(ref), folder_bytes(out)
-    assert sorted(got) == sorted(ref_files)
-    assert all(got[f] == ref_files[f] for f in ref_files)
+    assert_same_files(out, ref)
 
 
 def test_checkpoints_stop_where_the_top_k_outgrows_the_disk_check(every_key_src, tmp_path,
@@ -531,18 +529,12 @@ def test_checkpoints_stop_where_the_top_k_outgrows_the_disk_check(every_key_src,
     convert(src, ref, opts, device="cpu")
     monkeypatch.setattr("quantize.calib.decoder.EVERY_KEY", [False])
     out = tmp_path / "out"
-    plan = make_plan(open_checkpoint(src), opts)
-    starts = [s.units[0] for s in plan.shards if layer_of(s.units[0].source) == 3]
     log: list[str] = []
-    with pytest.raises(Stop):
-        convert(src, out, opts, device="cpu", log=log.append,
-                on_unit=stop_at(lambda u: u == starts[1]))
+    die_in_layer(src, out, opts, 3, log=log.append)
     assert StateDir(out / CALIB_STATE, "").layers() in ([], [3]), log  # 3: the last, no hidden
     warned = [line for line in log if "no calibration checkpoints from layer 0 on" in line]
     assert len(warned) == 1 and "the disk check counted" in warned[0], log
     log.clear()
     convert(src, out, opts, device="cpu", resume=True, log=log.append)
     assert computed_layers(log)[0] == 0, log
-    ref_files, got = folder_bytes(ref), folder_bytes(out)
-    assert sorted(got) == sorted(ref_files)
-    assert all(got[f] == ref_files[f] for f in ref_files)
+    assert_same_files(out, ref)
