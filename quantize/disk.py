@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["MAX_CHECKPOINTS", "check_disk", "checkpoint_bytes", "disk_needed", "plan_checkpoint_bytes",
-           "topk_bytes", "topk_itemsize"]
+           "plan_topk_bytes", "topk_bytes", "topk_itemsize"]
 
 MAX_CHECKPOINTS = 3  # calibration checkpoints on disk at once, at most
 
@@ -50,8 +50,20 @@ def plan_checkpoint_bytes(plan: Plan, device: torch.device | str) -> int:
     if o.method == "rtn":
         return 0
     itemsize = 2 if str(device).startswith("cuda") else 4
-    one = checkpoint_bytes(o.num_samples, o.seq_len, plan.hidden_size, itemsize, plan.index_topk)
-    return 2 * one if plan.gptaq_active else one
+    return _streams(plan) * checkpoint_bytes(o.num_samples, o.seq_len, plan.hidden_size, itemsize,
+                                             plan.index_topk)
+
+
+def plan_topk_bytes(plan: Plan) -> int:
+    """The DSA top-k bytes of one calibration checkpoint of `plan` (`topk_bytes`, both streams
+    with `--gptaq`): what `plan_checkpoint_bytes` counts for them."""
+    o = plan.options
+    return _streams(plan) * topk_bytes(o.num_samples, o.seq_len, plan.index_topk)
+
+
+def _streams(plan: Plan) -> int:
+    """Hidden-state streams a checkpoint holds: 2 with `--gptaq` (the unrounded model's too)."""
+    return 2 if plan.gptaq_active else 1
 
 
 def topk_itemsize(seq_len: int) -> int:

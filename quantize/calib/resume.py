@@ -27,7 +27,7 @@ from quantize.calib.decoder import HiddenStates
 from quantize.calib.distributed import Dist
 from quantize.calib.layer import Carry
 from quantize.calib.state import Checkpointer, StateDir, moved, stored
-from quantize.disk import MAX_CHECKPOINTS, topk_bytes
+from quantize.disk import MAX_CHECKPOINTS, plan_topk_bytes
 from quantize.plan import Plan, Shard
 from quantize.sizes import fmt_bytes
 from quantize.source.layout import layer_of
@@ -50,9 +50,7 @@ class Resume:
         self.save_after.add(last_layer)
         self.state: StateDir | None = None
         self.saver: Checkpointer | None = None
-        o = plan.options  # the DSA top-k bytes the disk check counted per checkpoint
-        self.topk_budget = topk_bytes(o.num_samples, o.seq_len, plan.index_topk) * \
-            (2 if plan.gptaq_active else 1)
+        self.topk_budget = plan_topk_bytes(plan)  # the top-k bytes the disk check counted
         self.oversize = False  # a checkpoint outgrew that: no more are written
         self.jump_to = -1  # several ranks: the layer rank 0's writer may resume after
         self.keep_after = -1  # the last layer a resume can start after (older: deletable)
