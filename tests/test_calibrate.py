@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantize.calib.capture import MLPStats, moe_forward
+from quantize.calib.capture import MLPStats, moe_forward, moe_output, moe_output_forward
 from quantize.calib.decoder import HiddenStates, build_skeleton, load_layer
 from quantize.calib.loop import Calibrator
 from quantize.calib.report import TIMING_KEYS
@@ -105,6 +105,44 @@ def test_moe_forward_equals_module(ckpt_dir):
     # every token reached exactly top-k experts, and every hit expert got a Hessian
     assert sum(stats.expert_tokens) == 32 * ck.config["num_experts_per_tok"]
     assert set(stats.rows_e) == {e for e, n in enumerate(stats.expert_tokens) if n}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_output_equals_module(ckpt_dir, monkeypatch, dtype):
+    """Pass 2's MoE output (`moe_output`: rows sorted once, the weighted sum in steps) is the
+    module's forward bit for bit, in float32 and bf16, over steps that do not divide the
+    tokens; both within bf16 / float32 rounding of a float64 forward of the same block; and
+    `moe_output_forward` makes the module answer with it, then restores its own forward."""
+    from quantize.calib import capture
+
+    monkeypatch.setattr(capture, "COMBINE_TOKENS", 7)
+    ck, layer = _moe_layer(ckpt_dir)
+    mlp = layer.mlp.to(dtype)
+    x = torch.randn(3, 20, ck.config["hidden_size"], generator=torch.Generator().manual_seed(5)).to(dtype)
+    with torch.no_grad():
+        ref = mlp(x)
+        ours = moe_output(mlp, x)
+        with moe_output_forward(mlp):
+            assert torch.equal(mlp(x), ours)
+        assert "forward" not in vars(mlp)  # the class's forward again
+        assert torch.equal(ours, ref)
+        # the same block in float64 (the router's choice and weights as computed in `dtype`)
+        _, w, idx = mlp.gate(x)
+        ex = mlp.experts
+        xf = x.reshape(-1, x.shape[-1]).double()
+        exact = torch.zeros_like(xf)
+        for t in range(xf.shape[0]):
+            for j in range(idx.shape[1]):
+                e = int(idx[t, j])
+                g, u = (ex.gate_up_proj[e].double() @ xf[t]).chunk(2)
+                exact[t] += float(w[t, j]) * (ex.down_proj[e].double() @ (ex.act_fn(g) * u))
+        sh = mlp.shared_experts
+        xs = x.double().reshape(-1, x.shape[-1])
+        exact += torch.nn.functional.linear(
+            sh.act_fn(xs @ sh.gate_proj.weight.double().t()) * (xs @ sh.up_proj.weight.double().t()),
+            sh.down_proj.weight.double())
+    err = (ours.double().reshape(exact.shape) - exact).norm() / exact.norm()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), float(err)
 
 
 @pytest.mark.parametrize("weighted,block", [(False, None), (True, None), (False, 5)],

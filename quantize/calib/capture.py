@@ -28,6 +28,8 @@ plain GPTQ: which tokens reach an expert differs between the two streams.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,7 +39,8 @@ import torch.nn.functional as F
 from quantize.rounding.gptq import accumulate_hessian, xtx
 
 __all__ = ["EXPERT_BATCH", "SAMPLE_EXPERT_TOKENS", "SAMPLE_TOKENS", "MLPStats", "dense_forward",
-           "expert_inter", "moe_forward", "rounded_down_stats"]
+           "expert_inter", "grouped_linear", "moe_forward", "moe_output",
+           "moe_output_forward", "rounded_down_stats"]
 
 SAMPLE_TOKENS = 2048  # all-token MLP inputs kept for AWQ's search and expert fallbacks
 SAMPLE_EXPERT_TOKENS = 256  # routed intermediate activations kept per expert for AWQ
@@ -337,31 +340,71 @@ def expert_inter(experts: torch.nn.Module, es: range, x: torch.Tensor) -> torch.
     return experts.act_fn(gate) * up
 
 
+def grouped_mm_available(x: torch.Tensor, W: torch.Tensor) -> bool:
+    """Whether `grouped_linear` runs as one grouped GEMM: bf16 on a CUDA device of compute
+    capability 8.0 or later, with a torch that has grouped_mm (2.9+; else a loop of GEMMs)."""
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    return (fn is not None and x.is_cuda and x.dtype == W.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (8, 0))
+
+
+def grouped_linear(x: torch.Tensor, W: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """x (S, K) whose rows come grouped by expert (counts[e] rows of expert e, in expert
+    order), W (E, N, K) -> (S, N): each group's rows times its expert's W[e]ᵀ. One grouped GEMM
+    where `grouped_mm_available` (the kernel transformers' fused experts run on CUDA), else
+    one F.linear per expert (the very ops of transformers' eager loop)."""
+    if grouped_mm_available(x, W):
+        fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
+        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32).to(x.device, non_blocking=True)
+        return fn(x, W.transpose(-2, -1), offs=offs)
+    out = x.new_empty(x.shape[0], W.shape[1])
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            out[start:start + n] = F.linear(x[start:start + n], W[e])
+        start += n
+    return out
+
+
+def _route(moe: torch.nn.Module, x: torch.Tensor, token_major: bool
+           ) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:
+    """The router on x (..., H) (T tokens), its (token, top-k slot) pairs grouped by expert with one
+    stable sort and one host read of the counts: (the pairs' flat positions in expert order,
+    the routing weights (T, k), each expert's pair count (E entries), the (T, k) expert ids).
+    `token_major`: positions p = token * k + slot (ascending within an expert), else
+    p = slot * T + token, the order transformers' eager loop visits an expert's pairs
+    (torch.where over its (k, T) one-hot mask). An id of E (expert parallelism's sentinel)
+    is dropped."""
+    _, topk_weights, topk_indices = moe.gate(x)  # (T, k) each
+    E = moe.experts.num_experts
+    with torch.no_grad():
+        flat = (topk_indices if token_major else topk_indices.t()).reshape(-1)
+        order = torch.argsort(flat, stable=True)  # grouped by expert, p ascending within one
+        counts = torch.bincount(flat, minlength=E + 1).tolist()[:E]
+    return order[:sum(counts)], topk_weights, counts, topk_indices
+
+
 def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = None,
                 outputs: bool = True, x_fp: torch.Tensor | None = None) -> torch.Tensor | None:
     """`GlmMoeDsaMoE.forward` / `Glm4MoeMoE.forward`, op for op, exposing each expert's routed
     tokens (and, with `stats.all_experts`, every expert's activations on every token).
     `outputs=False`: statistics only, returns None (no down projections, no sum). `x_fp`: the
-    same tokens in the unrounded model's stream (--gptaq: the shared experts' D terms)."""
+    same tokens in the unrounded model's stream (--gptaq: the shared experts' D terms).
+    (One GEMM per expert, as transformers' eager loop: on an H200 a grouped GEMM of every
+    expert's gate/up made this statistics forward no faster, 1.36 against 1.33 s per 1 M
+    GLM-5.2 tokens, and its gathered rows cost 12 GB more at 65k tokens a call:
+    benchmarks/h200_moe_forward.json.)"""
     shape = x.shape
-    _, topk_weights, topk_indices = moe.gate(x)  # (T, k) each
     xf = x.reshape(-1, shape[-1])  # (T, H)
     experts = moe.experts
     E = experts.num_experts
     out = torch.zeros_like(xf) if outputs else None
-    # Each expert's (top-k slot, token) pairs in the order transformers' loop visits them
-    # (torch.where over its (k, T) one-hot mask: slot-major), found with one stable sort of
-    # the (k, T) expert ids and one host read of the counts, instead of a mask of (E+1, k, T)
-    # and a device sync per expert (256 per chunk on GLM-5.2).
     T = xf.shape[0]
-    with torch.no_grad():
-        flat = topk_indices.t().reshape(-1)  # (k * T,): position p = slot * T + token
-        order = torch.argsort(flat, stable=True)  # grouped by expert, p ascending within one
-        counts = torch.bincount(flat, minlength=E + 1).tolist()
+    p_all, topk_weights, counts, _ = _route(moe, x, token_major=False)
     start = 0
     for e, n in enumerate(counts):
-        p, start = order[start:start + n], start + n
-        if n == 0 or e == E:
+        p, start = p_all[start:start + n], start + n
+        if n == 0:
             continue
         top_k_pos, token_idx = p // T, p % T
         current = xf[token_idx]
@@ -385,6 +428,60 @@ def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = 
                 es = range(s, min(s + EXPERT_BATCH, E))
                 stats.experts_down(es, expert_inter(experts, es, xf))  # (e, T, I)
     return out.view(*shape) + sh.down_proj(inter_s) if outputs else None
+
+
+# Tokens per step of `moe_output`'s weighted sum over the top-k outputs (its float32 scratch:
+# GLM-5.2, 8 x 6144 floats a token, 1.6 GB per 8,192 tokens)
+COMBINE_TOKENS = 8192
+
+
+def moe_output(moe: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MoE block's output on x (..., H), as `GlmMoeDsaMoE.forward` / `Glm4MoeMoE.forward`
+    compute it with transformers' grouped_mm experts (the router; each expert's rows through
+    gate/up, the activation and down, one grouped GEMM a projection; the top-k outputs times
+    their float32 routing weights summed in float32; + the shared experts), for pass 2: with
+    the routed rows sorted once (token-major, so the sum is deterministic) and the weighted
+    sum done in steps of COMBINE_TOKENS, its scratch is bf16 rows, not a float32 copy of
+    every routed row, so a call can take 4x the tokens."""
+    shape = x.shape
+    xf = x.reshape(-1, shape[-1])  # (T, H)
+    experts = moe.experts
+    p, topk_weights, counts, idx = _route(moe, x, token_major=True)
+    T, k = idx.shape
+    gate, up = grouped_linear(xf.index_select(0, p // k), experts.gate_up_proj, counts).chunk(2, dim=-1)
+    inter = experts.act_fn(gate) * up
+    del gate, up
+    y = grouped_linear(inter, experts.down_proj, counts)  # (S, H) in expert order
+    del inter
+    if y.shape[0] != T * k:  # (an expert-parallel module's sentinel id: never built here)
+        raise RuntimeError(f"moe_output: {T * k - y.shape[0]} of {T * k} routed pairs name no expert")
+    # back to token-major rows (T, k, H): a gather by the inverse permutation (an H200 gathers
+    # these rows ~3.5x faster than it scatters them)
+    inv = torch.empty_like(p)
+    inv[p] = torch.arange(p.numel(), device=p.device)
+    rows = y.index_select(0, inv).view(T, k, -1)
+    del y
+    out = torch.empty_like(xf)
+    for s in range(0, T, COMBINE_TOKENS):
+        t = slice(s, min(s + COMBINE_TOKENS, T))
+        out[t] = (rows[t] * topk_weights[t, :, None]).sum(dim=1).to(out.dtype)
+    return out.view(*shape) + moe.shared_experts(x)
+
+
+@contextlib.contextmanager
+def moe_output_forward(mlp: torch.nn.Module):
+    """Within it, a MoE block of MOE_CLASSES answers its forward with `moe_output` (pass 2:
+    the layer's own forward around it, its MLP half computed so); any other MLP as it is."""
+    from quantize.calib.decoder import MOE_CLASSES
+
+    if type(mlp).__name__ not in MOE_CLASSES:
+        yield
+        return
+    mlp.forward = lambda h: moe_output(mlp, h)
+    try:
+        yield
+    finally:
+        del mlp.forward
 
 
 def _asym(stats: MLPStats, mlp: torch.nn.Module, x_fp: torch.Tensor, x: torch.Tensor,

@@ -76,10 +76,12 @@ def chunk_tokens(device: torch.device) -> int:
 # Tokens per MLP forward once the attention is split off (`SplitLayer`): the MLP alone needs no
 # (b, heads, S, S) scratch, so several chunks go through it at once (GLM-5.2: ~2,000 routed
 # tokens per expert per call instead of ~500, a quarter of the per-expert launches).
-# Pass 2 runs the model's own MLP forward, whose fused-experts path (grouped_mm on CUDA) holds
-# (tokens x top-k, hidden) float32 scratch: ~3 GB per 16k GLM-5.2 tokens, so smaller groups.
+# Pass 2's MoE blocks run capture.moe_output: its scratch is ~6 GB per 32k GLM-5.2 tokens (bf16
+# routed rows), and on an H200 32k tokens a call ran 1 M tokens in 1.94 s, 16k in 2.05, 65k in
+# 1.96 (transformers' own grouped_mm forward at 16k: 2.38 s, 9 GB of float32 scratch):
+# benchmarks/h200_moe_forward.json.
 MLP_GROUP_TOKENS = {"cuda": 65536, "cpu": 16384}
-PASS2_GROUP_TOKENS = {"cuda": 16384, "cpu": 16384}
+PASS2_GROUP_TOKENS = {"cuda": 32768, "cpu": 16384}
 
 
 def mlp_group_tokens(device: torch.device, pass2: bool = False) -> int:

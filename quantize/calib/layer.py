@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from quantize.calib.capture import MLPStats, dense_forward, moe_forward
+from quantize.calib.capture import MLPStats, dense_forward, moe_forward, moe_output_forward
 from quantize.calib.decoder import (
     MOE_CLASSES,
     HiddenStates,
@@ -523,9 +523,13 @@ class LayerRunner:
 
     def _pass2(self, layer, halves: SplitLayer | None) -> torch.Tensor:
         """Pass 2: every chunk through the rounded layer, replaced by the output (the next
-        layer's input); from h1 through the MLP half, several chunks at once, when split.
-        Returns chunk 0's output."""
+        layer's input); from h1 through the MLP half, several chunks at once, when split; a
+        MoE block's output by `capture.moe_output`. Returns chunk 0's output."""
         self.before_overwrite()
+        with moe_output_forward(layer.mlp):
+            return self._pass2_chunks(layer, halves)
+
+    def _pass2_chunks(self, layer, halves: SplitLayer | None) -> torch.Tensor:
         out0 = None
         if halves is None:
             for i in range(len(self.carry.hidden)):
