@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from quantize.calib import moe_triton
 from quantize.rounding.gptq import accumulate_hessian, xtx
 
 __all__ = ["EXPERT_BATCH", "SAMPLE_EXPERT_TOKENS", "SAMPLE_TOKENS", "MLPStats", "dense_forward",
@@ -441,8 +442,9 @@ def moe_output(moe: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate/up, the activation and down, one grouped GEMM a projection; the top-k outputs times
     their float32 routing weights summed in float32; + the shared experts), for pass 2: with
     the routed rows sorted once (token-major, so the sum is deterministic) and the weighted
-    sum done in steps of COMBINE_TOKENS, its scratch is bf16 rows, not a float32 copy of
-    every routed row, so a call can take 4x the tokens."""
+    sum one kernel on CUDA (`moe_triton.combine_topk`), else done in steps of COMBINE_TOKENS,
+    its scratch is bf16 rows, not a float32 copy of every routed row, so a call can take
+    more tokens."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])  # (T, H)
     experts = moe.experts
@@ -459,12 +461,16 @@ def moe_output(moe: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     # these rows ~3.5x faster than it scatters them)
     inv = torch.empty_like(p)
     inv[p] = torch.arange(p.numel(), device=p.device)
-    rows = y.index_select(0, inv).view(T, k, -1)
+    if moe_triton.available(y) and topk_weights.dtype == torch.float32:
+        out = moe_triton.combine_topk(y, inv, topk_weights, xf.dtype)  # the same sum, one kernel
+    else:
+        rows = y.index_select(0, inv).view(T, k, -1)
+        out = torch.empty_like(xf)
+        for s in range(0, T, COMBINE_TOKENS):
+            t = slice(s, min(s + COMBINE_TOKENS, T))
+            out[t] = (rows[t] * topk_weights[t, :, None]).sum(dim=1).to(out.dtype)
+        del rows
     del y
-    out = torch.empty_like(xf)
-    for s in range(0, T, COMBINE_TOKENS):
-        t = slice(s, min(s + COMBINE_TOKENS, T))
-        out[t] = (rows[t] * topk_weights[t, :, None]).sum(dim=1).to(out.dtype)
     return out.view(*shape) + moe.shared_experts(x)
 
 
