@@ -342,11 +342,19 @@ def expert_inter(experts: torch.nn.Module, es: range, x: torch.Tensor) -> torch.
 
 
 def grouped_mm_available(x: torch.Tensor, W: torch.Tensor) -> bool:
-    """Whether `grouped_linear` runs as one grouped GEMM: bf16 on a CUDA device of compute
-    capability 8.0 or later, with a torch that has grouped_mm (2.9+; else a loop of GEMMs)."""
-    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    return (fn is not None and x.is_cuda and x.dtype == W.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (8, 0))
+    """Whether `grouped_linear` runs as one grouped GEMM: bf16 on CUDA where torch's grouped_mm
+    runs (F.grouped_mm, torch >= 2.10, or torch._grouped_mm >= 2.9: compute capability 8.0 and
+    later; torch._grouped_mm before 2.9: Hopper only, as transformers' own check says); else
+    a loop of GEMMs."""
+    if not (x.is_cuda and x.dtype == W.dtype == torch.bfloat16):
+        return False
+    cc = torch.cuda.get_device_capability(x.device)
+    if hasattr(F, "grouped_mm"):
+        return cc >= (8, 0)
+    if hasattr(torch, "_grouped_mm"):
+        major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+        return cc >= (8, 0) if (major, minor) >= (2, 9) else cc[0] == 9
+    return False
 
 
 def grouped_linear(x: torch.Tensor, W: torch.Tensor, counts: list[int]) -> torch.Tensor:
