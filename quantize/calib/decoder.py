@@ -76,10 +76,10 @@ def chunk_tokens(device: torch.device) -> int:
 # Tokens per MLP forward once the attention is split off (`SplitLayer`): the MLP alone needs no
 # (b, heads, S, S) scratch, so several chunks go through it at once (GLM-5.2: ~2,000 routed
 # tokens per expert per call instead of ~500, a quarter of the per-expert launches).
-# Pass 2's MoE blocks run capture.moe_output: its scratch is ~6 GB per 32k GLM-5.2 tokens (bf16
-# routed rows), and on an H200 32k tokens a call ran 1 M tokens in 1.94 s, 16k in 2.05, 65k in
-# 1.96 (transformers' own grouped_mm forward at 16k: 2.38 s, 9 GB of float32 scratch):
-# benchmarks/h200_moe_forward.json.
+# Pass 2's MoE blocks run capture.moe_output: its scratch is ~5 GB per 32k GLM-5.2 tokens (bf16
+# routed rows), and on an H200 1 M tokens took 1.47 s at 32k tokens a call, 1.46 s at 65k (10 GB
+# of scratch); transformers' own grouped_mm forward 2.30 s at 16k with 9 GB of float32 scratch
+# (benchmarks/h200_moe_forward.json).
 MLP_GROUP_TOKENS = {"cuda": 65536, "cpu": 16384}
 PASS2_GROUP_TOKENS = {"cuda": 32768, "cpu": 16384}
 
