@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -104,8 +105,7 @@ def main() -> None:
     x_all = torch.randn(args.tokens, H, generator=torch.Generator(device=device).manual_seed(1),
                         device=device).to(torch.bfloat16)
     flops = 2 * args.tokens * k * 3 * H * moe.experts.intermediate_dim
-    res = {"command": "python3 scripts/bench_moe_forward.py " + " ".join(
-        a for a in __import__("sys").argv[1:]), "tokens": args.tokens, "hidden": H, "experts": E,
+    res = {"command": "python3 scripts/bench_moe_forward.py " + " ".join(sys.argv[1:]), "tokens": args.tokens, "hidden": H, "experts": E,
         "top_k": k, "routed_gflop": round(flops / 1e9, 1), "pass2": [], "pass1": []}
     try:
         res["code"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
