@@ -7,16 +7,12 @@ set before triton is imported, hence the subprocess). Skipped where triton is no
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from triton_script import needs_triton, run_script
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton not installed (CPU torch): the eager loop is used")
+pytestmark = needs_triton("the eager loop is used")
 
 SCRIPT = textwrap.dedent("""
     import torch
@@ -80,19 +76,12 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_fused_block_loop_matches_the_eager_loop():
-    env = dict(os.environ)
-    import torch
-
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=False,
-                       timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    dev, worst, worst_path = r.stdout.split()
+    out = run_script(SCRIPT, timeout=900)
+    dev, worst, worst_path = out.split()
     # The kernel on the same Hinv: bit-identical arithmetic under the interpreter; on a GPU the
     # update may be contracted to an FMA, which can flip a code at an exact rounding tie: allow
     # 1 in 10^4. The whole fused path (its own factorization, equal up to float rounding):
     # near-tie codes flip and each flip moves the rest of its row (measured 99.74 % in one run
     # of random inputs): at least 99 %.
-    assert float(worst) >= (1.0 if dev == "cpu" else 0.9999), r.stdout
-    assert float(worst_path) >= 0.99, r.stdout
+    assert float(worst) >= (1.0 if dev == "cpu" else 0.9999), out
+    assert float(worst_path) >= 0.99, out

@@ -8,16 +8,11 @@ set before triton is imported, hence the subprocess). Skipped where triton is no
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
+from triton_script import needs_triton, run_script
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton not installed (CPU torch): the torch expression is used")
+pytestmark = needs_triton("the torch expression is used")
 
 SCRIPT = textwrap.dedent("""
     import os
@@ -50,16 +45,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_combine_topk_matches_the_torch_sum():
-    env = dict(os.environ)
-    import torch
-
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                       check=False, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    dev, same_f32, same_bf16 = r.stdout.split()
+    out = run_script(SCRIPT, timeout=600)
+    dev, same_f32, same_bf16 = out.split()
     if dev == "cpu":  # the interpreter against torch's CPU sum: the same order, bit for bit
-        assert float(same_f32) == float(same_bf16) == 1.0, r.stdout
+        assert float(same_f32) == float(same_bf16) == 1.0, out
     else:  # a GPU reduction may group the k terms otherwise: float32 ulps, rare bf16 flips
-        assert float(same_bf16) >= 0.999 and float(same_f32) >= 0.9, r.stdout
+        assert float(same_bf16) >= 0.999 and float(same_f32) >= 0.9, out

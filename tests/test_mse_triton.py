@@ -14,16 +14,11 @@ on small shapes. Skipped where triton is not installed: the eager loop is what t
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
+from triton_script import needs_triton, run_script
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton not installed (CPU torch): the eager loop is used")
+pytestmark = needs_triton("the eager loop is used")
 
 SCRIPT = textwrap.dedent("""
     import itertools
@@ -75,11 +70,4 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_mse_clip_kernel_matches_the_eager_loop():
-    env = dict(os.environ)
-    import torch
-
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                       check=False, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_script(SCRIPT, timeout=600)
