@@ -19,20 +19,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["available", "combine_topk"]
+from quantize.rounding.gptq_triton import available
 
 try:  # triton ships with CUDA builds of torch; CPU builds have none and never call this
     import triton
     import triton.language as tl
+
+    from quantize.rounding.gptq_triton import bf16_rne
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
+__all__ = ["available", "combine_topk"]
+
 BLOCK_H = 1024  # hidden features per program
-
-
-def available(t: torch.Tensor) -> bool:
-    return triton is not None and t.is_cuda
-
 
 if triton is not None:
 
@@ -48,10 +47,9 @@ if triton is not None:
             w = tl.load(W_ptr + t * K + j)
             y = tl.load(Y_ptr + r * H + offs, mask=m, other=0.0).to(tl.float32)
             acc = acc + y * w
-        if ROUND_BF16:  # float32 -> nearest bfloat16 (ties to even) by bits, as torch rounds,
-            # on every backend (the interpreter's own cast does not round so)
-            b = acc.to(tl.uint32, bitcast=True)
-            acc = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        if ROUND_BF16:  # to nearest bfloat16 by bits, as torch rounds, on every backend (the
+            # interpreter's own cast does not round so): the store's cast is then exact
+            acc = bf16_rne(acc)
         tl.store(OUT_ptr + t * H + offs, acc.to(OUT_ptr.dtype.element_ty), mask=m)
 
 

@@ -57,7 +57,7 @@ def available(t: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _bf16_rne(x):
+    def bf16_rne(x):
         """float32 -> nearest bfloat16 (ties to even) -> float32, by bits: the rounding of torch's
         bf16 arithmetic, written out so that every backend (and the interpreter) agrees."""
         b = x.to(tl.uint32, bitcast=True)
@@ -99,10 +99,10 @@ if triton is not None:
             x = tl.where(x > QMAX, QMAX, x)
             q = (x + RNE) - RNE  # round half to even, as torch.round (|x| <= 8)
             if HAS_Z:
-                deq = _bf16_rne(q - z_i.to(tl.float32))
+                deq = bf16_rne(q - z_i.to(tl.float32))
             else:
                 deq = q
-            Q = _bf16_rne(deq * s)  # the product is exact in fp32: one bf16 rounding
+            Q = bf16_rne(deq * s)  # the product is exact in fp32: one bf16 rounding
             d = tl.load(h_base + i * K + i)
             err = tl.math.div_rn(w - Q, d)
             h = tl.load(h_base + i * K + cols, mask=cmask & (cols >= i), other=0.0)
@@ -134,9 +134,9 @@ if triton is not None:
             lo = wmin * p  # == clamp(min(p w), max=0): rounding is monotone
             hi = wmax * p
             if SYMMETRIC:
-                s = _bf16_rne(tl.math.div_rn(tl.maximum(-lo, hi), tl.full((BLOCK_M,), 7.5, tl.float32)))
+                s = bf16_rne(tl.math.div_rn(tl.maximum(-lo, hi), tl.full((BLOCK_M,), 7.5, tl.float32)))
             else:
-                s = _bf16_rne(tl.math.div_rn(hi - lo, tl.full((BLOCK_M,), 15.0, tl.float32)))
+                s = bf16_rne(tl.math.div_rn(hi - lo, tl.full((BLOCK_M,), 15.0, tl.float32)))
             s = tl.where(s == 0, EPS, s)
             x = tl.math.div_rn(w, s[:, None] + tl.zeros_like(w))
             if not SYMMETRIC:
@@ -150,7 +150,7 @@ if triton is not None:
             q = (x + RNE) - RNE  # round half to even, as torch.round (|x| <= 8)
             if not SYMMETRIC:
                 q = q - z[:, None]  # exact: an integer in [-15, 15], as in bf16
-            d = w - _bf16_rne(q * s[:, None])  # the product is exact in fp32: one bf16 rounding
+            d = w - bf16_rne(q * s[:, None])  # the product is exact in fp32: one bf16 rounding
             e = d * d
             if CUBE:  # GPTQConfig.mse_norm 3: |d|^3, in the eager path's order
                 e = e * tl.abs(d)
@@ -229,7 +229,7 @@ def mse_clip_qparams(W: torch.Tensor, Hdiag: torch.Tensor, shrink: tuple[float, 
     first 1.0. Returns the chosen scale (B, N, G) bf16 and zero point (B, N, G) int8 (None
     when symmetric).
     """
-    assert SCALE_DTYPE == torch.bfloat16  # the kernel rounds to bf16 by bits (_bf16_rne)
+    assert SCALE_DTYPE == torch.bfloat16  # the kernel rounds to bf16 by bits (bf16_rne)
     B, N, K = W.shape
     g = group_size
     G = K // g
