@@ -8,8 +8,8 @@ equal the first layout's.
 
 A layout is ROWS:WARPS:row|col: rows of W per program (`BLOCK_ROWS`), warps per program
 (`BLOCK_WARPS`), and the per-column arrays (scales, errors, codes) row-major as the caller
-holds them or column-major (`COLUMN_MAJOR`). Hessians as scripts/check_factor_gpu.py builds
-them (bf16 inputs with log-normal channel scales and outliers, damping 0.1); the CLI's GPTQ
+holds them or column-major (`COLUMN_MAJOR`). Hessians from scripts/synthetic_hessians.py
+(as scripts/check_factor_gpu.py uses them; GPTQ damps them by 0.1); the CLI's GPTQ
 settings (group 32, MSE clip power 3, TF32 factorization).
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from synthetic_hessians import hessians
 
 from quantize.rounding import gptq_triton
 from quantize.rounding.gptq import GPTQConfig, gptq_quantize
@@ -45,24 +46,12 @@ def sync():
         torch.cuda.synchronize()
 
 
-def hessians(K: int) -> torch.Tensor:
-    T = 4 * K
-    Hs = torch.empty(E, K, K, device=dev)
-    mix = torch.eye(K, device=dev) + 0.3 * torch.randn(K, K, device=dev) / K ** 0.5
-    for e in range(E):
-        scale = torch.exp(torch.randn(K, device=dev) * 0.7)
-        scale[torch.randperm(K, device=dev)[:8]] *= 20
-        X = ((torch.randn(T, K, device=dev) * scale) @ mix).to(torch.bfloat16).float()
-        Hs[e] = 2 * X.mT @ X / T
-    return Hs
-
-
 default = (gptq_triton.BLOCK_ROWS, gptq_triton.BLOCK_WARPS, gptq_triton.COLUMN_MAJOR)
 cfg = GPTQConfig(group_size=32, percdamp=0.1, mse_clip=True, mse_norm=3)
 res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
              "experts": E, "torch": torch.__version__, "batches": {}}
 for what, (N, K) in {"gate_up": (2 * I_dim, H_dim), "down": (H_dim, I_dim)}.items():
-    H = hessians(K)
+    H = hessians(E, K, dev)
     W = torch.randn(E, N, K, device=dev) * 0.02
     first = None
     rows = {}

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from synthetic_hessians import hessians
 
 from quantize.rounding import gptq
 from quantize.rounding.gptq import (
@@ -45,8 +46,7 @@ SMALL = bool(os.environ.get("SMALL"))
 dev = torch.device("cuda" if torch.cuda.is_available() and not SMALL else "cpu")
 K, I = (384, 128) if SMALL else (6144, 2048)
 E = 3 if SMALL else args.experts
-T = 4 * K  # tokens per expert (a 512 x 2048 run routes ~32k to each; 4K keeps H well conditioned
-# enough to be realistic and the build quick)
+T = 4 * K  # tokens per expert (synthetic_hessians.hessians)
 torch.manual_seed(0)
 
 
@@ -65,18 +65,6 @@ def timed(fn, reps=3):
     return out, (time.perf_counter() - t) / reps
 
 
-def hessians(percdamp: float) -> torch.Tensor:
-    Hs = torch.empty(E, K, K, device=dev)
-    mix = torch.eye(K, device=dev) + 0.3 * torch.randn(K, K, device=dev) / K ** 0.5
-    for e in range(E):
-        scale = torch.exp(torch.randn(K, device=dev) * 0.7)
-        scale[torch.randperm(K, device=dev)[:8]] *= 20
-        X = ((torch.randn(T, K, device=dev) * scale) @ mix).to(torch.bfloat16).float()
-        H = 2 * X.mT @ X / T
-        Hs[e] = H + percdamp * H.diagonal().mean() * torch.eye(K, device=dev)
-    return Hs
-
-
 def mode(name: str):
     """fp32: recursive halves in float32; tf32: their matmuls in TF32; "+prop": the block
     update in TF32 too (the defaults: tf32+prop)."""
@@ -87,7 +75,7 @@ def mode(name: str):
 res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "K": K, "experts": E,
              "tokens_per_expert": T, "torch": torch.__version__, "factor": {}, "gptq": {}}
 for percdamp in (0.1, 0.01):
-    H = hessians(percdamp)  # processing order = identity here
+    H = hessians(E, K, dev, percdamp)  # processing order = identity here
     ref = H[:4].double().clone()
     _factor_inplace(ref)  # float64 upper factor of H⁻¹
     default = (gptq.FACTOR_BATCH, gptq.CHOL_LEAF)
