@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from quantize.calib import moe_triton
+from quantize.calib.decoder import MOE_CLASSES
 from quantize.rounding.gptq import accumulate_hessian, xtx
 
 __all__ = ["EXPERT_BATCH", "SAMPLE_EXPERT_TOKENS", "SAMPLE_TOKENS", "MLPStats", "dense_forward",
@@ -486,8 +487,6 @@ def moe_output(moe: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def moe_output_forward(mlp: torch.nn.Module):
     """Within it, a MoE block of MOE_CLASSES answers its forward with `moe_output` (pass 2:
     the layer's own forward around it, its MLP half computed so); any other MLP as it is."""
-    from quantize.calib.decoder import MOE_CLASSES
-
     if type(mlp).__name__ not in MOE_CLASSES:
         yield
         return
