@@ -1,14 +1,16 @@
-"""GPTQ's column kernel (`gptq_triton._block_kernel`) in several launch layouts: the time of a
-whole `gptq_quantize` of a GLM-5.2 gate/up batch and of a down batch, and whether the codes
-equal the first layout's.
+"""GPTQ's column loop (`gptq_triton._block_kernel` and the updates between its blocks) in
+several layouts: the time of a whole `gptq_quantize` of a GLM-5.2 gate/up batch and of a down
+batch, and whether the codes equal the first layout's.
 
-    PYTHONPATH=. python3 scripts/check_block_kernel_gpu.py --layouts 32:4:row,32:4:col,16:4:col \\
-        --out benchmarks/h200_block_kernel.json                     # on the H200
+    PYTHONPATH=. python3 scripts/check_block_kernel_gpu.py --layouts 16:4:128,16:4:512 \\
+        --phases --out benchmarks/h200_block_kernel.json            # on the H200
     SMALL=1 TRITON_INTERPRET=1 PYTHONPATH=. python3 scripts/check_block_kernel_gpu.py   # CPU: checks the script
 
-A layout is ROWS:WARPS:row|col: rows of W per program (`BLOCK_ROWS`), warps per program
-(`BLOCK_WARPS`), and the per-column arrays (scales, errors, codes) row-major as the caller
-holds them or column-major (`COLUMN_MAJOR`). Hessians from scripts/synthetic_hessians.py
+A layout is ROWS:WARPS:SUPERBLOCK: rows of W per program (`BLOCK_ROWS`), warps per program
+(`BLOCK_WARPS`), and the columns whose errors are handed on to the rest of W at once
+(`gptq.SUPERBLOCK`; 128: after every block). `--phases` times the MSE clip, the
+factorization and the column loop apart; `--profile DIR` writes a torch.profiler table of
+one batch of each shape. Hessians from scripts/synthetic_hessians.py
 (as scripts/check_factor_gpu.py uses them; GPTQ damps them by 0.1); the CLI's GPTQ
 settings (group 32, MSE clip power 3, TF32 factorization).
 """
@@ -23,13 +25,17 @@ from pathlib import Path
 import torch
 from synthetic_hessians import hessians
 
-from quantize.rounding import gptq_triton
+from quantize.rounding import gptq, gptq_triton
 from quantize.rounding.gptq import GPTQConfig, gptq_quantize
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--experts", type=int, default=32)
-ap.add_argument("--layouts", default="32:4:row,32:4:col")
+ap.add_argument("--layouts", default="16:4:128,16:4:512")
 ap.add_argument("--reps", type=int, default=3)
+ap.add_argument("--phases", action="store_true",
+                help="also time the batch's phases apart (MSE clip, factorization, column loop)")
+ap.add_argument("--profile", type=Path, default=None,
+                help="write a torch.profiler table of one batch per shape (default layout) here")
 ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")) / "block_kernel.json")
 args = ap.parse_args()
 SMALL = bool(os.environ.get("SMALL"))
@@ -46,7 +52,39 @@ def sync():
         torch.cuda.synchronize()
 
 
-default = (gptq_triton.BLOCK_ROWS, gptq_triton.BLOCK_WARPS, gptq_triton.COLUMN_MAJOR)
+def timed(fn):
+    """(result, best seconds of `args.reps`) of fn() after one warm-up call."""
+    out = fn()
+    sync()
+    best = float("inf")
+    for _ in range(1 if SMALL else args.reps):
+        t = time.perf_counter()
+        out = fn()
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return out, round(best, 4)
+
+
+def phases(W, H) -> dict:
+    """gptq_quantize's steps (as it runs them with `cfg`) timed one by one."""
+    Wb, Hb = W.float(), H.float()
+    Hdiag = torch.diagonal(Hb, dim1=-2, dim2=-1)
+    K = W.shape[-1]
+    (scale, zp), t_clip = timed(lambda: gptq._group_qparams(Wb, Hdiag, cfg))
+    perm = (torch.argsort(Hdiag, dim=-1, descending=True, stable=True) if cfg.actorder
+            else torch.arange(K, device=W.device).expand(Hb.shape[0], K))
+    fused = gptq_triton.available(Wb)
+    (Hinv, dead, _, _), t_factor = timed(lambda: gptq._inverse_cholesky(Hb, perm, cfg.percdamp, flipped=fused))
+    _, t_codes = timed(lambda: gptq._codes(Wb, scale, zp, Hinv, perm, dead, cfg.group_size,
+                                           cfg.blocksize, fused))
+    return {"mse_clip": t_clip, "factorization": t_factor, "column_loop": t_codes}
+
+
+def set_layout(layout: tuple[int, int, int]) -> None:
+    gptq_triton.BLOCK_ROWS, gptq_triton.BLOCK_WARPS, gptq.SUPERBLOCK = layout
+
+
+default = (gptq_triton.BLOCK_ROWS, gptq_triton.BLOCK_WARPS, gptq.SUPERBLOCK)
 cfg = GPTQConfig(group_size=32, percdamp=0.1, mse_clip=True, mse_norm=3)
 res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
              "experts": E, "torch": torch.__version__, "batches": {}}
@@ -56,9 +94,7 @@ for what, (N, K) in {"gate_up": (2 * I_dim, H_dim), "down": (H_dim, I_dim)}.item
     first = None
     rows = {}
     for spec in args.layouts.split(","):
-        r_, w_, layout = spec.split(":")
-        gptq_triton.BLOCK_ROWS, gptq_triton.BLOCK_WARPS = int(r_), int(w_)
-        gptq_triton.COLUMN_MAJOR = layout == "col"
+        set_layout(tuple(int(v) for v in spec.split(":")))
         out = gptq_quantize(W, H, cfg)  # compile + warm-up
         sync()
         best = float("inf")
@@ -75,7 +111,19 @@ for what, (N, K) in {"gate_up": (2 * I_dim, H_dim), "down": (H_dim, I_dim)}.item
         rows[spec] = row
         print(what, spec, row, flush=True)
     res["batches"][f"{what} (E {E}, N {N}, K {K})"] = rows
+    set_layout(default)
+    if args.phases:
+        rows["phases"] = phases(W, H)
+        print(what, "phases", rows["phases"], flush=True)
+    if args.profile is not None and dev.type == "cuda":
+        args.profile.mkdir(parents=True, exist_ok=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            gptq_quantize(W, H, cfg)
+            sync()
+        (args.profile / f"{what}.txt").write_text(
+            prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
     del H, W, first
-gptq_triton.BLOCK_ROWS, gptq_triton.BLOCK_WARPS, gptq_triton.COLUMN_MAJOR = default
+set_layout(default)
 args.out.parent.mkdir(parents=True, exist_ok=True)
 args.out.write_text(json.dumps(res, indent=1) + "\n")

@@ -35,6 +35,7 @@ SCRIPT = textwrap.dedent("""
     # to the eager path's up to float rounding): first the kernel alone, on the eager path's
     # Hinv (the same factorization forced), then the whole fused path as it runs.
     orig = G._inverse_cholesky
+    superblock = G.SUPERBLOCK
     worst, worst_path = 1.0, 1.0
     for same_hinv in (True, False):
         G._inverse_cholesky = (lambda H_, p_, d_, flipped=False: orig(H_, p_, d_, False)) if same_hinv else orig
@@ -42,15 +43,15 @@ SCRIPT = textwrap.dedent("""
             for shared in (False, True):
                 Hs = H[0] if shared else H
                 ref = gptq_quantize(W, Hs, GPTQConfig(symmetric=sym, fused=False)).weight
-                layouts = []  # the kernel's per-column arrays row-major, then column-major
-                for cm in (False, True):
-                    G.gptq_triton.COLUMN_MAJOR = cm
-                    layouts.append(gptq_quantize(W, Hs, GPTQConfig(symmetric=sym)).weight)
-                # the same arithmetic, its operands elsewhere: equal under the interpreter; a GPU
-                # may contract each variant's update to an FMA differently (a tie may flip)
-                agree = (layouts[0].q == layouts[1].q).float().mean().item()
-                assert agree == 1.0 if dev == "cpu" else agree >= 0.9999, agree
-                got = layouts[0]
+                runs = []  # errors handed on block by block (the eager loop's sums), then
+                for sb in (128, 256):  # per superblock of 256 columns (the same sums regrouped)
+                    G.SUPERBLOCK = sb
+                    runs.append(gptq_quantize(W, Hs, GPTQConfig(symmetric=sym)).weight)
+                G.SUPERBLOCK = superblock
+                # regrouped float sums: a code at a near-tie may flip and move the rest of its row
+                agree = (runs[0].q == runs[1].q).float().mean().item()
+                assert agree >= 0.99, agree
+                got = runs[0]
                 assert torch.equal(ref.scale, got.scale)
                 same = (ref.q == got.q).float().mean().item()
                 if same_hinv:
@@ -67,6 +68,10 @@ SCRIPT = textwrap.dedent("""
         return float(torch.einsum("bnk,bkl,bnl->", E, H.double(), E))
 
     base = out_err(gptq_quantize(W, H, GPTQConfig(percdamp=0.1, mse_clip=True)).weight)
+    G.SUPERBLOCK = 256  # the errors handed on per superblock: the output error the same
+    regrouped = out_err(gptq_quantize(W, H, GPTQConfig(percdamp=0.1, mse_clip=True)).weight)
+    assert abs(regrouped / base - 1) < 1e-3, (regrouped, base)
+    G.SUPERBLOCK = superblock
     G.FACTOR_TF32 = G.PROPAGATE_TF32 = True  # the defaults (TF32 on CUDA only)
     tf32 = out_err(gptq_quantize(W, H, GPTQConfig(percdamp=0.1, mse_clip=True)).weight)
     assert abs(tf32 / base - 1) < 1e-3, (tf32, base)  # the H200 measured 3e-6 at K 6144

@@ -131,8 +131,8 @@ class GPTQConfig:
     # caller passes D; 0: off (options.py: the CLI's default), 1: the whole step.
     gptaq: float = 0.0
     # CUDA: run the MSE clip search as one Triton kernel (bit-identical scales), each block's
-    # column loop as one Triton kernel (same arithmetic; the update may be fused into an FMA),
-    # and factor H by a blocked inverse Cholesky in batched matmuls
+    # column loop as one Triton kernel (same arithmetic; the update may be fused into an FMA)
+    # with the errors handed on per SUPERBLOCK (the same sums regrouped), and factor H by a blocked inverse Cholesky in batched matmuls
     # (`_factor_flipped_inplace`): the same factor up to float rounding, so a code can differ
     # where a value sits at a rounding boundary. CPU: the reference path, always.
     fused: bool = True
@@ -447,19 +447,22 @@ def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, percdamp: float, flip
         retries += 1
 
 
-def _propagate(Ww: torch.Tensor, Err1: torch.Tensor, Hinv: torch.Tensor, i1: int, i2: int) -> None:
-    """W[..., i2:] -= Err1 @ Hinv[:, i1:i2, i2:]: the block's errors onto the later columns,
-    (B, N, count) @ (Bh, count, K - i2), as one GEMM accumulating into W (no product tensor
-    and no separate subtraction pass over the rest of W)."""
+def _propagate(Ww: torch.Tensor, Err1: torch.Tensor, Hinv: torch.Tensor, i1: int, i2: int,
+               end: int | None = None) -> None:
+    """W[..., i2:end] -= Err1 @ Hinv[:, i1:i2, i2:end]: the errors of columns i1..i2 onto the
+    later columns (to the end by default), (B, N, count) @ (Bh, count, end - i2), as one GEMM
+    accumulating into W (no product tensor and no separate subtraction pass over the rest of W).
+    Err1 may be any strided view whose rows flatten to (B * N, count) without a copy."""
     B, N, K = Ww.shape
-    if i2 >= K:
+    end = K if end is None else end
+    if i2 >= end:
         return
     # TF32: the update's own error (2^-11 of it) is far below the 4-bit rounding it carries
     with _tf32(PROPAGATE_TF32 and Ww.is_cuda):
         if Hinv.shape[0] == B:
-            Ww[..., i2:].baddbmm_(Err1, Hinv[:, i1:i2, i2:], alpha=-1)
+            Ww[..., i2:end].baddbmm_(Err1, Hinv[:, i1:i2, i2:end], alpha=-1)
         else:  # one shared H: every expert's rows against the same block
-            Ww.view(B * N, K)[:, i2:].addmm_(Err1.reshape(B * N, -1), Hinv[0, i1:i2, i2:], alpha=-1)
+            Ww.view(B * N, K)[:, i2:end].addmm_(Err1.reshape(B * N, -1), Hinv[0, i1:i2, i2:end], alpha=-1)
 
 
 def _damped(H: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
@@ -544,9 +547,21 @@ def _codes(Wb: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, Hinv:
     Ww = Wb.gather(-1, perm[:, None, :].expand(B, N, K))  # (B, N, K) working copy, permuted
     Ww.masked_fill_(dead[:, None, :], 0.0)  # dead inputs: the weight does not matter, q = 0
     group_of = perm // g  # (Bh, K) group of each processed column, in the original order
-
-    q_perm = torch.empty(B, N, K, dtype=torch.int8, device=Wb.device)
     Hinv = Hinv.contiguous()
+    if fused:  # CUDA: each block's column loop in one kernel (quantize/rounding/gptq_triton.py)
+        q_perm = _codes_fused(Ww, scale, zp, Hinv, group_of, blocksize)
+    else:
+        q_perm = _codes_eager(Ww, scale, zp, Hinv, group_of, blocksize)
+    return torch.empty_like(q_perm).scatter_(-1, perm[:, None, :].expand(B, N, K), q_perm)
+
+
+def _codes_eager(Ww: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, Hinv: torch.Tensor,
+                 group_of: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """`_codes`' loop in eager PyTorch (the reference; CPU): column by column within each block,
+    each block's errors onto all later columns. Ww (B, N, K) is consumed. Returns the codes in
+    processing order (B, N, K)."""
+    B, N, K = Ww.shape
+    q_perm = torch.empty(B, N, K, dtype=torch.int8, device=Ww.device)
     for i1 in range(0, K, blocksize):
         i2 = min(i1 + blocksize, K)
         count = i2 - i1
@@ -555,12 +570,7 @@ def _codes(Wb: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, Hinv:
         s1f = s1.float()
         z1 = None if zp is None else zp.gather(-1, idx)
         z1f = None if z1 is None else z1.float()
-
         W1 = Ww[..., i1:i2].contiguous()  # (B, N, count), a copy
-        if fused:  # CUDA: the column loop in one kernel (quantize/rounding/gptq_triton.py)
-            Err1 = gptq_triton.gptq_block(W1, s1.contiguous(), z1, Hinv, i1, q_perm, QMIN, QMAX)
-            _propagate(Ww, Err1, Hinv, i1, i2)
-            continue
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[:, i1:i2, i1:i2]  # (Bh, count, count)
         for i in range(count):
@@ -573,8 +583,42 @@ def _codes(Wb: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, Hinv:
             W1[..., i:] -= err[..., None] * Hinv1[:, None, i, i:]
             Err1[..., i] = err
         _propagate(Ww, Err1, Hinv, i1, i2)
+    return q_perm
 
-    return torch.empty_like(q_perm).scatter_(-1, perm[:, None, :].expand(B, N, K), q_perm)
+
+# The fused column loop hands each block's errors on in two steps: to the rest of its
+# superblock of SUPERBLOCK columns at once, and to the columns after the superblock once per
+# superblock (one GEMM over SUPERBLOCK inner columns instead of SUPERBLOCK / blocksize GEMMs
+# that each read and write the whole rest of W). The same sums, grouped differently (float
+# rounding only). On an H200 (scripts/check_block_kernel_gpu.py, GLM-5.2 gate/up batch) the
+# per-block update read and wrote ~155 GB of W; 512 cuts that ~3.3x.
+SUPERBLOCK = 512
+
+
+def _codes_fused(Ww: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, Hinv: torch.Tensor,
+                 group_of: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """`_codes`' loop on CUDA: one Triton kernel per block of columns (`gptq_triton.gptq_block`)
+    reading the working weights in place, errors handed on per superblock (SUPERBLOCK). Ww
+    (B, N, K) is consumed. Returns the codes in processing order, a (B, N, K) view."""
+    B, N, K = Ww.shape
+    St = scale.transpose(-1, -2).contiguous()  # (B, G, N): a group's scales for a tile of rows contiguous
+    Zt = None if zp is None else zp.transpose(-1, -2).contiguous()
+    gof = group_of.to(torch.int32).contiguous()
+    Qt = torch.empty(B, K, N, dtype=torch.int8, device=Ww.device)
+    sb = max(blocksize, SUPERBLOCK // blocksize * blocksize)
+    E = torch.empty(min(sb, K), B * N, dtype=torch.float32, device=Ww.device)  # errors, column-major
+
+    def errors(j1: int, j2: int) -> torch.Tensor:  # the superblock's columns j1..j2 as (B, N, j2 - j1)
+        return E[j1:j2].t().view(B, N, j2 - j1)
+
+    for s1 in range(0, K, sb):
+        s2 = min(s1 + sb, K)
+        for i1 in range(s1, s2, blocksize):
+            i2 = min(i1 + blocksize, s2)
+            gptq_triton.gptq_block(Ww, St, Zt, gof, Hinv, Qt, E[i1 - s1:i2 - s1], i1, i2 - i1, QMIN, QMAX)
+            _propagate(Ww, errors(i1 - s1, i2 - s1), Hinv, i1, i2, s2)  # within the superblock
+        _propagate(Ww, errors(0, s2 - s1), Hinv, s1, s2)  # onto the columns after it
+    return Qt.transpose(-1, -2)
 
 
 def gptaq_target(W: torch.Tensor, H: torch.Tensor, D: torch.Tensor, percdamp: float,

@@ -65,14 +65,16 @@ if triton is not None:
         return b.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _block_kernel(W_ptr, S_ptr, Z_ptr, H_ptr, Q_ptr, E_ptr,
-                      N, count, K, i1, h_stride_b, c_row, c_col, q_base_b, q_row, q_col,
+    def _block_kernel(W_ptr, S_ptr, Z_ptr, G_ptr, H_ptr, Q_ptr, E_ptr,
+                      N, K, NG, BN, i1, count, g_stride_b, h_stride_b,
                       QMIN: tl.constexpr, QMAX: tl.constexpr, HAS_Z: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-        # W1 (B, N, count) row-major; the per-column arrays S, Z, Err (B, ., .) at
-        # b * N * count + row * c_row + col * c_col, the codes at b * q_base_b + row * q_row +
-        # col * q_col: row-major (c_row = count, c_col = 1; codes straight into q_perm) or
-        # column-major (c_row = 1, c_col = N: a column's BLOCK_N values are contiguous)
+        # W (B, N, K) the working weights, row-major: the block's columns i1..i1+count read in
+        # place; S / Z (B, NG, N) the group scales / zero points, transposed (a group's values
+        # for a tile of rows contiguous); G (Bh, K) int32 the group of each processed column;
+        # Q (B, K, N) int8 the codes, E (count, B * N) float32 the errors (column j at j * BN):
+        # a column's values for a tile of rows contiguous, so each column's loads and stores
+        # are coalesced
         RNE: tl.constexpr = 12582912.0  # 1.5 * 2**23: fp32 addition rounds to an integer
         pid_n = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
@@ -80,26 +82,27 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_C)
         rmask = rows < N
         cmask = cols < count
-        tile = b * N * count + rows[:, None] * count + cols[None, :]  # W1 (B, N, count)
-        m2 = rmask[:, None] & cmask[None, :]
-        W = tl.load(W_ptr + tile, mask=m2, other=0.0)
+        tile = b * N * K + rows[:, None] * K + i1 + cols[None, :]
+        W = tl.load(W_ptr + tile, mask=rmask[:, None] & cmask[None, :], other=0.0)
         h_base = H_ptr + b * h_stride_b + i1 * K + i1  # Hinv[b, i1:, i1:], row stride K
-        c_rows = b * N * count + rows * c_row  # (BLOCK_N,) offsets of the rows' column 0
-        q_rows = b * q_base_b + rows * q_row
+        g_base = G_ptr + b * g_stride_b + i1
+        s_rows = b * NG * N + rows  # (BLOCK_N,) offsets of the rows' group 0
+        q_rows = b * K * N + i1 * N + rows
+        e_rows = b * N + rows
         for i in range(count):
             sel = cols[None, :] == i
             w = tl.sum(tl.where(sel, W, 0.0), axis=1)  # (BLOCK_N,) column i
-            s_bf = tl.load(S_ptr + c_rows + i * c_col, mask=rmask, other=1.0)
-            s = s_bf.to(tl.float32)
+            grp = tl.load(g_base + i)
+            s = tl.load(S_ptr + s_rows + grp * N, mask=rmask, other=1.0).to(tl.float32)
             x = tl.math.div_rn(w, s)
             if HAS_Z:
-                z_i = tl.load(Z_ptr + c_rows + i * c_col, mask=rmask, other=0)
-                x = x + z_i.to(tl.float32)
+                z_i = tl.load(Z_ptr + s_rows + grp * N, mask=rmask, other=0).to(tl.float32)
+                x = x + z_i
             x = tl.where(x < QMIN, QMIN, x)
             x = tl.where(x > QMAX, QMAX, x)
             q = (x + RNE) - RNE  # round half to even, as torch.round (|x| <= 8)
             if HAS_Z:
-                deq = bf16_rne(q - z_i.to(tl.float32))
+                deq = bf16_rne(q - z_i)
             else:
                 deq = q
             Q = bf16_rne(deq * s)  # the product is exact in fp32: one bf16 rounding
@@ -107,8 +110,8 @@ if triton is not None:
             err = tl.math.div_rn(w - Q, d)
             h = tl.load(h_base + i * K + cols, mask=cmask & (cols >= i), other=0.0)
             W = W - err[:, None] * h[None, :]
-            tl.store(Q_ptr + q_rows + i * q_col, q.to(tl.int8), mask=rmask)
-            tl.store(E_ptr + c_rows + i * c_col, err, mask=rmask)
+            tl.store(Q_ptr + q_rows + i * N, q.to(tl.int8), mask=rmask)
+            tl.store(E_ptr + e_rows + i * BN.to(tl.int64), err, mask=rmask)
 
     @triton.jit
     def _mse_clip_kernel(W_ptr, H_ptr, P_ptr, S_ptr, Z_ptr, M, G, NG, g, h_stride_b,
@@ -171,53 +174,34 @@ if triton is not None:
             tl.store(Z_ptr + m, z_best.to(tl.int8), mask=mm)
 
 
-# `_block_kernel`'s launch: rows per program, warps per program, and whether the per-column
-# arrays (scales, zero points, errors, codes) are passed column-major (a column's values for
-# a tile of rows contiguous, so each column's loads and stores are coalesced) or row-major
-# (as the caller holds them: each column's values `count` apart). On an H200
-# (scripts/check_block_kernel_gpu.py, benchmarks/h200_block_kernel.json) a GLM-5.2 gate/up
-# batch of 32 experts took 0.287 s with 32 rows, 4 warps, row-major (before), 0.257 s with
-# 16 / 4 / column-major (the fastest of nine layouts), the same codes.
+# `_block_kernel`'s launch: rows of W per program and warps per program. On an H200
+# (scripts/check_block_kernel_gpu.py, benchmarks/h200_block_kernel.json) 16 rows with 4 warps
+# was the fastest of nine layouts for GLM-5.2's gate/up and down batches.
 BLOCK_ROWS = 16
 BLOCK_WARPS = 4
-COLUMN_MAJOR = True
 
 
-def gptq_block(W1: torch.Tensor, s1: torch.Tensor, z1: torch.Tensor | None, Hinv: torch.Tensor,
-               i1: int, q_perm: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
-    """One block of GPTQ columns, in place of the eager loop.
+def gptq_block(Ww: torch.Tensor, St: torch.Tensor, Zt: torch.Tensor | None, group_of: torch.Tensor,
+               Hinv: torch.Tensor, Qt: torch.Tensor, E: torch.Tensor, i1: int, count: int,
+               qmin: int, qmax: int) -> None:
+    """One block of GPTQ columns (i1 .. i1 + count) in place of the eager loop.
 
-    W1 (B, N, count) float32 contiguous, the block's working weights (left unspecified after);
-    s1 / z1 (B, N, count) bf16 / int8 the scale (zero point) of each column's group; Hinv
-    (Bh, K, K) float32 upper Cholesky factor, Bh = B or 1 (shared); codes go to
-    q_perm[..., i1:i1+count] (B, N, K) int8. Returns Err1 (B, N, count) float32 (with
-    COLUMN_MAJOR a transposed view of a (B, count, N) tensor).
+    Ww (B, N, K) float32 the working weights in processing order (the block's columns read,
+    nothing written); St / Zt (B, G, N) bf16 / int8 the group scales (zero points) transposed;
+    group_of (Bh, K) int32 the group of each processed column; Hinv (Bh, K, K) float32 upper
+    Cholesky factor (Bh = B or 1: shared). Writes the codes to Qt[:, i1:i1+count] ((B, K, N)
+    int8) and the errors to E ((count, B * N) float32, contiguous).
     """
-    B, N, count = W1.shape
-    K = Hinv.shape[-1]
-    assert W1.is_contiguous() and Hinv.is_contiguous() and q_perm.is_contiguous()
-    assert count <= 128
-    h_stride = 0 if Hinv.shape[0] == 1 else K * K
+    B, N, K = Ww.shape
+    assert Ww.is_contiguous() and Hinv.is_contiguous() and Qt.is_contiguous() and E.is_contiguous()
+    assert St.is_contiguous() and group_of.is_contiguous() and group_of.dtype == torch.int32
+    assert count <= 128 and E.shape == (count, B * N)
     grid = (triton.cdiv(N, BLOCK_ROWS), B)
-    if COLUMN_MAJOR:
-        s = s1.transpose(-1, -2).contiguous()  # (B, count, N)
-        z = z1.transpose(-1, -2).contiguous() if z1 is not None else s  # (placeholder when no z)
-        err = torch.empty(B, count, N, dtype=torch.float32, device=W1.device)
-        codes = torch.empty(B, count, N, dtype=torch.int8, device=W1.device)
-        c_row, c_col, q_out, q_base, q_row, q_col = 1, N, codes, count * N, 1, N
-    else:
-        s = s1.contiguous()
-        z = z1.contiguous() if z1 is not None else s
-        err = torch.empty_like(W1)
-        c_row, c_col, q_out, q_base, q_row, q_col = count, 1, q_perm[..., i1:], N * K, K, 1
-    _block_kernel[grid](W1, s, z, Hinv, q_out, err, N, count, K, i1, h_stride,
-                        c_row, c_col, q_base, q_row, q_col,
-                        QMIN=float(qmin), QMAX=float(qmax), HAS_Z=z1 is not None,
+    _block_kernel[grid](Ww, St, St if Zt is None else Zt, group_of, Hinv, Qt, E,
+                        N, K, St.shape[1], B * N, i1, count,
+                        0 if group_of.shape[0] == 1 else K, 0 if Hinv.shape[0] == 1 else K * K,
+                        QMIN=float(qmin), QMAX=float(qmax), HAS_Z=Zt is not None,
                         BLOCK_N=BLOCK_ROWS, BLOCK_C=128, num_warps=BLOCK_WARPS)
-    if COLUMN_MAJOR:
-        q_perm[..., i1:i1 + count] = codes.transpose(-1, -2)
-        return err.transpose(-1, -2)
-    return err
 
 
 def mse_clip_qparams(W: torch.Tensor, Hdiag: torch.Tensor, shrink: tuple[float, ...],
