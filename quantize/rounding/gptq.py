@@ -132,9 +132,10 @@ class GPTQConfig:
     gptaq: float = 0.0
     # CUDA: run the MSE clip search as one Triton kernel (bit-identical scales), each block's
     # column loop as one Triton kernel (same arithmetic; the update may be fused into an FMA)
-    # with the errors handed on per SUPERBLOCK (the same sums regrouped), and factor H by a blocked inverse Cholesky in batched matmuls
-    # (`_factor_flipped_inplace`): the same factor up to float rounding, so a code can differ
-    # where a value sits at a rounding boundary. CPU: the reference path, always.
+    # with the errors handed on per SUPERBLOCK (the same sums regrouped), and factor H by a
+    # blocked inverse Cholesky in batched matmuls (`_factor_flipped_inplace`): the same factor
+    # up to float rounding, so a code can differ where a value sits at a rounding boundary.
+    # CPU: the reference path, always.
     fused: bool = True
 
     def __post_init__(self) -> None:
