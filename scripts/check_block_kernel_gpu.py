@@ -2,13 +2,13 @@
 several layouts: the time of a whole `gptq_quantize` of a GLM-5.2 gate/up batch and of a down
 batch, and whether the codes equal the first layout's.
 
-    PYTHONPATH=. python3 scripts/check_block_kernel_gpu.py --layouts 16:4:128,16:4:512 \\
+    PYTHONPATH=. python3 scripts/check_block_kernel_gpu.py --layouts 16:4:128,16:4:128/512,16:4:32/128/512 \\
         --phases --out benchmarks/h200_block_kernel.json            # on the H200
     SMALL=1 TRITON_INTERPRET=1 PYTHONPATH=. python3 scripts/check_block_kernel_gpu.py   # CPU: checks the script
 
-A layout is ROWS:WARPS:SUPERBLOCK: rows of W per program (`BLOCK_ROWS`), warps per program
-(`BLOCK_WARPS`), and the columns whose errors are handed on to the rest of W at once
-(`gptq.SUPERBLOCK`; 128: after every block). `--phases` times the MSE clip, the
+A layout is ROWS:WARPS:WIDTHS: rows of W per program (`BLOCK_ROWS`), warps per program
+(`BLOCK_WARPS`), and the widths of the column loop's levels, /-separated (`gptq.FUSED_WIDTHS`:
+the kernel's block first; 128 alone: every block's errors onto the rest of W). `--phases` times the MSE clip, the
 factorization and the column loop apart; `--profile DIR` writes a torch.profiler table of
 one batch of each shape. Hessians from scripts/synthetic_hessians.py
 (as scripts/check_factor_gpu.py uses them; GPTQ damps them by 0.1); the CLI's GPTQ
@@ -30,7 +30,7 @@ from quantize.rounding.gptq import GPTQConfig, gptq_quantize
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--experts", type=int, default=32)
-ap.add_argument("--layouts", default="16:4:128,16:4:512")
+ap.add_argument("--layouts", default="16:4:128,16:4:128/512")
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--phases", action="store_true",
                 help="also time the batch's phases apart (MSE clip, factorization, column loop)")
@@ -80,11 +80,16 @@ def phases(W, H) -> dict:
     return {"mse_clip": t_clip, "factorization": t_factor, "column_loop": t_codes}
 
 
-def set_layout(layout: tuple[int, int, int]) -> None:
-    gptq_triton.BLOCK_ROWS, gptq_triton.BLOCK_WARPS, gptq.SUPERBLOCK = layout
+def set_layout(layout: tuple) -> None:
+    gptq_triton.BLOCK_ROWS, gptq_triton.BLOCK_WARPS, gptq.FUSED_WIDTHS = layout
 
 
-default = (gptq_triton.BLOCK_ROWS, gptq_triton.BLOCK_WARPS, gptq.SUPERBLOCK)
+def parse(spec: str) -> tuple:
+    rows, warps, widths = spec.split(":")
+    return int(rows), int(warps), tuple(int(w) for w in widths.split("/"))
+
+
+default = (gptq_triton.BLOCK_ROWS, gptq_triton.BLOCK_WARPS, gptq.FUSED_WIDTHS)
 cfg = GPTQConfig(group_size=32, percdamp=0.1, mse_clip=True, mse_norm=3)
 res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
              "experts": E, "torch": torch.__version__, "batches": {}}
@@ -94,7 +99,7 @@ for what, (N, K) in {"gate_up": (2 * I_dim, H_dim), "down": (H_dim, I_dim)}.item
     first = None
     rows = {}
     for spec in args.layouts.split(","):
-        set_layout(tuple(int(v) for v in spec.split(":")))
+        set_layout(parse(spec))
         out = gptq_quantize(W, H, cfg)  # compile + warm-up
         sync()
         best = float("inf")

@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent("""
     # to the eager path's up to float rounding): first the kernel alone, on the eager path's
     # Hinv (the same factorization forced), then the whole fused path as it runs.
     orig = G._inverse_cholesky
-    superblock = G.SUPERBLOCK
+    widths = G.FUSED_WIDTHS
     worst, worst_path = 1.0, 1.0
     for same_hinv in (True, False):
         G._inverse_cholesky = (lambda H_, p_, d_, flipped=False: orig(H_, p_, d_, False)) if same_hinv else orig
@@ -43,11 +43,11 @@ SCRIPT = textwrap.dedent("""
             for shared in (False, True):
                 Hs = H[0] if shared else H
                 ref = gptq_quantize(W, Hs, GPTQConfig(symmetric=sym, fused=False)).weight
-                runs = []  # errors handed on block by block (the eager loop's sums), then
-                for sb in (128, 256):  # per superblock of 256 columns (the same sums regrouped)
-                    G.SUPERBLOCK = sb
+                runs = []  # errors handed on block by block (the eager loop's sums), then in
+                for ws in ((128,), (32, 128, 256)):  # levels (the same sums regrouped)
+                    G.FUSED_WIDTHS = ws
                     runs.append(gptq_quantize(W, Hs, GPTQConfig(symmetric=sym)).weight)
-                G.SUPERBLOCK = superblock
+                G.FUSED_WIDTHS = widths
                 # regrouped float sums: a code at a near-tie may flip and move the rest of its row
                 agree = (runs[0].q == runs[1].q).float().mean().item()
                 assert agree >= 0.99, agree
@@ -68,10 +68,13 @@ SCRIPT = textwrap.dedent("""
         return float(torch.einsum("bnk,bkl,bnl->", E, H.double(), E))
 
     base = out_err(gptq_quantize(W, H, GPTQConfig(percdamp=0.1, mse_clip=True)).weight)
-    G.SUPERBLOCK = 256  # the errors handed on per superblock: the output error the same
-    regrouped = out_err(gptq_quantize(W, H, GPTQConfig(percdamp=0.1, mse_clip=True)).weight)
-    assert abs(regrouped / base - 1) < 1e-3, (regrouped, base)
-    G.SUPERBLOCK = superblock
+    G.FUSED_WIDTHS = (128,)  # every block's errors onto the rest of W, against levels:
+    base = out_err(gptq_quantize(W, H, GPTQConfig(percdamp=0.1, mse_clip=True)).weight)
+    for ws in ((32, 128, 256), (16, 64)):  # the output error the same
+        G.FUSED_WIDTHS = ws
+        regrouped = out_err(gptq_quantize(W, H, GPTQConfig(percdamp=0.1, mse_clip=True)).weight)
+        assert abs(regrouped / base - 1) < 1e-3, (ws, regrouped, base)
+    G.FUSED_WIDTHS = widths
     G.FACTOR_TF32 = G.PROPAGATE_TF32 = True  # the defaults (TF32 on CUDA only)
     tf32 = out_err(gptq_quantize(W, H, GPTQConfig(percdamp=0.1, mse_clip=True)).weight)
     assert abs(tf32 / base - 1) < 1e-3, (tf32, base)  # the H200 measured 3e-6 at K 6144

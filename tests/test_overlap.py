@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from quantize.overlap import Readahead, background, readahead_bytes
+from quantize.overlap import Bounded, Readahead, background, readahead_bytes
 from quantize.source.checkpoint import open_checkpoint
 from quantize.source.synth import tiny_config, write_checkpoint
 
@@ -94,3 +94,41 @@ def test_readahead_bytes_is_bounded_by_the_limit_and_the_memory():
     got = readahead_bytes()
     assert 64 * 2**20 <= got <= 2 * 2**30
     assert readahead_bytes(limit=100 * 2**20) <= 100 * 2**20
+
+
+def test_bounded_keeps_unfinished_work_within_its_byte_limit_and_reraises():
+    from concurrent.futures import ThreadPoolExecutor
+
+    gate = threading.Event()  # the worker stalls until released: a copy thread behind the solves
+    lock = threading.Lock()
+    running: list[int] = []  # bytes of submitted work not finished, as the worker sees it
+    peak = [0]
+
+    def work(n: int) -> int:
+        gate.wait(10)
+        with lock:
+            running.remove(n)
+        return n
+
+    with ThreadPoolExecutor(1) as pool:
+        b = Bounded(pool, limit=100)
+        futs = []
+        for i, n in enumerate([40, 40, 30, 70, 20, 150, 10]):
+            if i == 2:
+                threading.Timer(0.2, gate.set).start()  # release while the third submission waits
+            with lock:
+                running.append(n)
+                peak[0] = max(peak[0], sum(running))
+            futs.append(b.submit(work, n, n))
+            assert b.pending_bytes <= max(100, n)  # one oversized submission alone may exceed it
+        assert [f.result(timeout=10) for f in futs] == [40, 40, 30, 70, 20, 150, 10]
+        assert b.waits >= 1  # the third (40 + 40 + 30 > 100) waited for the first
+        assert peak[0] <= 100 + 150
+
+        def boom() -> None:
+            raise OSError("copy failed")
+
+        b2 = Bounded(pool, limit=1)
+        b2.submit(boom, 1)
+        with pytest.raises(OSError, match="copy failed"):  # the next submission waits on it
+            b2.submit(lambda: None, 1)

@@ -49,6 +49,7 @@ from quantize.calib.handoff import LayerResult
 from quantize.calib.round_layer import LayerRounding, LayerWeights, Sections, Target, gptq_reserve
 from quantize.errors import Problem, QuantizeError
 from quantize.options import ConvertOptions
+from quantize.overlap import Bounded
 from quantize.plan import Unit
 from quantize.rounding.int4 import Int4Weight, dequantize, int4_outputs, quantize_rtn
 from quantize.source.checkpoint import Checkpoint, torch_dtype
@@ -57,6 +58,11 @@ from quantize.source.staging import to_host
 __all__ = ["PROFILE_ENV", "REGRESSION_MARGIN", "Carry", "LayerRunner", "mlp_targets"]
 # a folder: the first calibrated layer runs under torch.profiler, its tables written there
 PROFILE_ENV = "QUANTIZE_TORCH_PROFILE"
+# The rounded Linears' packed outputs on the GPU waiting for the copy thread at most (bytes).
+# A layer's are ~5 GB for GLM-5.2; unbounded, a copy thread slower than the solves would hold
+# them on top of the rounding's own peak (the likely cause of one H200 run's first MoE layer
+# peaking 8.4 GiB above the other layers once the solves got faster; not measured directly).
+D2H_PENDING = 1 << 30
 # A calibrated layer whose MLP output error (chunk 0, against the unrounded layer) exceeds this
 # many times round-to-nearest's on the same tokens stops the run (`--rtn-fallback`: that layer is
 # rounded to nearest instead). A coarse guard, verify's layer check the finer one: in sample,
@@ -170,6 +176,8 @@ class LayerRunner:
         self.results = LayerResult(-1)  # the layer in progress's
         self.report_rows = 0  # several ranks: this rank's chunk-0 rows the errors are taken over
         self.host = ThreadPoolExecutor(1, thread_name_prefix="quantize-d2h")
+        # the packed outputs waiting for the copy thread stay on the GPU: at most D2H_PENDING
+        self.copies = Bounded(self.host, D2H_PENDING)
         self._profiled: set[int] = set()  # (torch_profile: the layers profiled)
 
     @torch.no_grad()
@@ -332,7 +340,8 @@ class LayerRunner:
         outs = int4_outputs(w)  # packed where it was computed: 1/2 of the int8 codes' bytes
         if self.device.type == "cuda":  # to the host on a copy thread and stream: the
             # solves queued behind it go on (resolved in `result`, at the latest at layer end)
-            self.results.int4[n] = self.host.submit(lambda ts: [to_host(t) for t in ts], outs)
+            self.results.int4[n] = self.copies.submit(lambda ts: [to_host(t) for t in ts],
+                                                      sum(t.nbytes for t in outs), outs)
         else:
             self.results.int4[n] = outs
 

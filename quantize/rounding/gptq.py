@@ -132,7 +132,7 @@ class GPTQConfig:
     gptaq: float = 0.0
     # CUDA: run the MSE clip search as one Triton kernel (bit-identical scales), each block's
     # column loop as one Triton kernel (same arithmetic; the update may be fused into an FMA)
-    # with the errors handed on per SUPERBLOCK (the same sums regrouped), and factor H by a
+    # with the errors handed on in levels (FUSED_WIDTHS: the same sums regrouped), and factor H by a
     # blocked inverse Cholesky in batched matmuls (`_factor_flipped_inplace`): the same factor
     # up to float rounding, so a code can differ where a value sits at a rounding boundary.
     # CPU: the reference path, always.
@@ -587,38 +587,49 @@ def _codes_eager(Ww: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None,
     return q_perm
 
 
-# The fused column loop hands each block's errors on in two steps: to the rest of its
-# superblock of SUPERBLOCK columns at once, and to the columns after the superblock once per
-# superblock (one GEMM over SUPERBLOCK inner columns instead of SUPERBLOCK / blocksize GEMMs
-# that each read and write the whole rest of W). The same sums, grouped differently (float
-# rounding only). On an H200 (scripts/check_block_kernel_gpu.py, GLM-5.2 gate/up batch) the
-# per-block update read and wrote ~155 GB of W; 512 cuts that ~3.3x.
-SUPERBLOCK = 512
+# The fused column loop in levels of widths: the Triton kernel rounds FUSED_WIDTHS[0] columns
+# at a time (rank-1 updates inside, in registers), and each group of a level hands its errors
+# on to the rest of the group of the next level in one GEMM; the largest groups' to all later
+# columns. One level (128,) is the eager loop's arithmetic (every block's errors onto the rest
+# of W); more levels are the same sums grouped differently (float rounding only). Why levels:
+# a narrow kernel wastes fewer lanes on work replicated per row (the kernel is bound by the
+# instructions it issues), and an update per block of 128 reads and writes the whole rest of
+# W (~155 GB for a GLM-5.2 gate/up batch: memory-bound); scripts/check_block_kernel_gpu.py
+# times the choices (benchmarks/h200_block_kernel_*.json).
+FUSED_WIDTHS = (32, 128, 512)
 
 
 def _codes_fused(Ww: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, Hinv: torch.Tensor,
                  group_of: torch.Tensor, blocksize: int) -> torch.Tensor:
     """`_codes`' loop on CUDA: one Triton kernel per block of columns (`gptq_triton.gptq_block`)
-    reading the working weights in place, errors handed on per superblock (SUPERBLOCK). Ww
-    (B, N, K) is consumed. Returns the codes in processing order, a (B, N, K) view."""
+    reading the working weights in place, errors handed on level by level (FUSED_WIDTHS; the
+    kernel's width at most `blocksize`). Ww (B, N, K) is consumed. Returns the codes in
+    processing order, a (B, N, K) view."""
     B, N, K = Ww.shape
     St = scale.transpose(-1, -2).contiguous()  # (B, G, N): a group's scales for a tile of rows contiguous
     Zt = None if zp is None else zp.transpose(-1, -2).contiguous()
     gof = group_of.to(torch.int32).contiguous()
     Qt = torch.empty(B, K, N, dtype=torch.int8, device=Ww.device)
-    sb = max(blocksize, SUPERBLOCK // blocksize * blocksize)
-    E = torch.empty(min(sb, K), B * N, dtype=torch.float32, device=Ww.device)  # errors, column-major
+    kw = min(blocksize, FUSED_WIDTHS[0])
+    widths = [kw] + [w for w in FUSED_WIDTHS[1:] if w > kw]
+    top = len(widths) - 1
+    # the errors of the current top-level group, column j at row j - its first column
+    E = torch.empty(min(widths[-1], K), B * N, dtype=torch.float32, device=Ww.device)
 
-    def errors(j1: int, j2: int) -> torch.Tensor:  # the superblock's columns j1..j2 as (B, N, j2 - j1)
-        return E[j1:j2].t().view(B, N, j2 - j1)
+    def run(a: int, b: int, level: int, base: int) -> None:
+        """Columns a..b in pieces of widths[level]; each piece's errors onto the rest of a..b."""
+        for c1 in range(a, b, widths[level]):
+            c2 = min(c1 + widths[level], b)
+            bs = c1 if level == top else base
+            if level == 0:
+                gptq_triton.gptq_block(Ww, St, Zt, gof, Hinv, Qt, E[c1 - bs:c2 - bs], c1, c2 - c1,
+                                       QMIN, QMAX)
+            else:
+                run(c1, c2, level - 1, bs)
+            errors = E[c1 - bs:c2 - bs].t().view(B, N, c2 - c1)  # (B, N, c2 - c1)
+            _propagate(Ww, errors, Hinv, c1, c2, b)
 
-    for s1 in range(0, K, sb):
-        s2 = min(s1 + sb, K)
-        for i1 in range(s1, s2, blocksize):
-            i2 = min(i1 + blocksize, s2)
-            gptq_triton.gptq_block(Ww, St, Zt, gof, Hinv, Qt, E[i1 - s1:i2 - s1], i1, i2 - i1, QMIN, QMAX)
-            _propagate(Ww, errors(i1 - s1, i2 - s1), Hinv, i1, i2, s2)  # within the superblock
-        _propagate(Ww, errors(0, s2 - s1), Hinv, s1, s2)  # onto the columns after it
+    run(0, K, top, 0)
     return Qt.transpose(-1, -2)
 
 
@@ -679,7 +690,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig
         perm = torch.argsort(Hdiag, dim=-1, descending=True, stable=True)  # (Bh, K) order
     else:
         perm = torch.arange(K, device=W.device).expand(Bh, K)
-    fused = cfg.fused and cfg.blocksize <= 128 and gptq_triton.available(Wb)
+    fused = cfg.fused and gptq_triton.available(Wb)
     # (Bh, K, K) upper; the fused (CUDA) path also takes the cheaper factorization
     Hinv, dead, damp, retries = _inverse_cholesky(Hb, perm, cfg.percdamp, flipped=fused)
     q = _codes(Wt, scale, zp, Hinv, perm, dead, g, cfg.blocksize, fused)

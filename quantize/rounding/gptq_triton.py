@@ -18,6 +18,11 @@ that the update may be contracted to a fused multiply-add: codes agree with the 
 except at exact rounding ties (tests/test_gptq.py measures it on the GPU; CPU runs use the
 eager loop).
 
+The blocks are narrow (`gptq.FUSED_WIDTHS`, 32 columns): the kernel is bound by the
+instructions it issues, and each column's per-row arithmetic (the divisions, roundings and
+clamps) runs on every lane that holds a piece of that row, so a narrower tile repeats it on
+fewer lanes. The errors go from block to block by GEMMs (`gptq._codes_fused`).
+
 The MSE clip search (`gptq._group_qparams`, `mse_clip`) in eager PyTorch is 21 passes of ~15
 elementwise ops over the whole (B, N, K) batch, one per shrink factor p. `_mse_clip_kernel`
 loads each (row, group)'s g weights and Hessian diagonal once and tries all 21 factors in
@@ -175,10 +180,11 @@ if triton is not None:
 
 
 # `_block_kernel`'s launch: rows of W per program and warps per program. On an H200
-# (scripts/check_block_kernel_gpu.py, benchmarks/h200_block_kernel.json) 16 rows with 4 warps
-# was the fastest of nine layouts for GLM-5.2's gate/up and down batches.
+# (scripts/check_block_kernel_gpu.py, benchmarks/h200_block_kernel_levels.json; ten launches
+# and level widths) 16 rows with 2 warps and a kernel 32 columns wide (gptq.FUSED_WIDTHS) were
+# the fastest for GLM-5.2's gate/up and down batches together.
 BLOCK_ROWS = 16
-BLOCK_WARPS = 4
+BLOCK_WARPS = 2
 
 
 def gptq_block(Ww: torch.Tensor, St: torch.Tensor, Zt: torch.Tensor | None, group_of: torch.Tensor,
@@ -195,13 +201,14 @@ def gptq_block(Ww: torch.Tensor, St: torch.Tensor, Zt: torch.Tensor | None, grou
     B, N, K = Ww.shape
     assert Ww.is_contiguous() and Hinv.is_contiguous() and Qt.is_contiguous() and E.is_contiguous()
     assert St.is_contiguous() and group_of.is_contiguous() and group_of.dtype == torch.int32
+    width = triton.next_power_of_2(count)
     assert count <= 128 and E.shape == (count, B * N)
     grid = (triton.cdiv(N, BLOCK_ROWS), B)
     _block_kernel[grid](Ww, St, St if Zt is None else Zt, group_of, Hinv, Qt, E,
                         N, K, St.shape[1], B * N, i1, count,
                         0 if group_of.shape[0] == 1 else K, 0 if Hinv.shape[0] == 1 else K * K,
                         QMIN=float(qmin), QMAX=float(qmax), HAS_Z=Zt is not None,
-                        BLOCK_N=BLOCK_ROWS, BLOCK_C=128, num_warps=BLOCK_WARPS)
+                        BLOCK_N=BLOCK_ROWS, BLOCK_C=max(16, width), num_warps=BLOCK_WARPS)
 
 
 def mse_clip_qparams(W: torch.Tensor, Hdiag: torch.Tensor, shrink: tuple[float, ...],
