@@ -1,6 +1,6 @@
 """GPTQ's column loop (`gptq_triton._block_kernel` and the updates between its blocks) in
 several layouts: the time of a whole `gptq_quantize` of a GLM-5.2 gate/up batch and of a down
-batch, and whether the codes equal the first layout's.
+batch, and whether the codes equal the first layout's, and the output error of each (float64).
 
     PYTHONPATH=. python3 scripts/check_block_kernel_gpu.py --layouts 16:4:128,16:4:128/512,16:4:32/128/512 \\
         --phases --out benchmarks/h200_block_kernel.json            # on the H200
@@ -27,6 +27,7 @@ from synthetic_hessians import hessians
 
 from quantize.rounding import gptq, gptq_triton
 from quantize.rounding.gptq import GPTQConfig, gptq_quantize
+from quantize.rounding.int4 import Int4Weight, dequantize
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--experts", type=int, default=32)
@@ -80,6 +81,19 @@ def phases(W, H) -> dict:
     return {"mse_clip": t_clip, "factorization": t_factor, "column_loop": t_codes}
 
 
+def out_error(W, H, w) -> float:
+    """The rounding's output error relative to the output, sum_b tr(E H Eᵀ) / tr(W H Wᵀ) with
+    E = W - the engines' dequantized weight, in float64 expert by expert."""
+    num = den = 0.0
+    for b in range(W.shape[0]):
+        zp = None if w.zero_point is None else w.zero_point[b]
+        E = W[b].double() - dequantize(Int4Weight(w.q[b], w.scale[b], zp), torch.float64)
+        Hb, Wb = H[b].double(), W[b].double()
+        num += float(((E @ Hb) * E).sum())
+        den += float(((Wb @ Hb) * Wb).sum())
+    return num / den
+
+
 def set_layout(layout: tuple) -> None:
     gptq_triton.BLOCK_ROWS, gptq_triton.BLOCK_WARPS, gptq.FUSED_WIDTHS = layout
 
@@ -108,7 +122,7 @@ for what, (N, K) in {"gate_up": (2 * I_dim, H_dim), "down": (H_dim, I_dim)}.item
             out = gptq_quantize(W, H, cfg)
             sync()
             best = min(best, time.perf_counter() - t)
-        row = {"seconds": round(best, 4)}
+        row = {"seconds": round(best, 4), "output_error": out_error(W, H, out.weight)}
         if first is None:
             first = out.weight.q
         else:
