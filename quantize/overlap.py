@@ -57,6 +57,11 @@ class Bounded:
         self.pending_bytes -= n
         fut.result()  # (re-raises the work's error)
 
+    def wait_all(self) -> None:
+        """Until every submission has finished; forgets them (and what their results hold)."""
+        while self._pending:
+            self._pop()
+
     def submit(self, fn: Callable, nbytes: int, *args) -> Future:
         while self._pending and self._pending[0][0].done():
             self._pop()

@@ -121,7 +121,9 @@ def test_bounded_keeps_unfinished_work_within_its_byte_limit_and_reraises():
                 peak[0] = max(peak[0], sum(running))
             futs.append(b.submit(work, n, n))
             assert b.pending_bytes <= max(100, n)  # one oversized submission alone may exceed it
-        assert [f.result(timeout=10) for f in futs] == [40, 40, 30, 70, 20, 150, 10]
+        b.wait_all()
+        assert b.pending_bytes == 0 and all(f.done() for f in futs)
+        assert [f.result() for f in futs] == [40, 40, 30, 70, 20, 150, 10]
         assert b.waits >= 1  # the third (40 + 40 + 30 > 100) waited for the first
         assert peak[0] <= 100 + 150
 

@@ -342,29 +342,30 @@ def expert_inter(experts: torch.nn.Module, es: range, x: torch.Tensor) -> torch.
     return experts.act_fn(gate) * up
 
 
-def grouped_mm_available(x: torch.Tensor, W: torch.Tensor) -> bool:
-    """Whether `grouped_linear` runs as one grouped GEMM: bf16 on CUDA where torch's grouped_mm
-    runs (F.grouped_mm, torch >= 2.10, or torch._grouped_mm >= 2.9: compute capability 8.0 and
-    later; torch._grouped_mm before 2.9: Hopper only, as transformers' own check says); else
-    a loop of GEMMs."""
+def grouped_mm(x: torch.Tensor, W: torch.Tensor) -> Callable | None:
+    """The grouped GEMM `grouped_linear` runs, or None for a loop of GEMMs: bf16 on CUDA where
+    torch's grouped_mm runs (F.grouped_mm, torch >= 2.10, or torch._grouped_mm >= 2.9: compute
+    capability 8.0 and later; torch._grouped_mm before 2.9: Hopper only, as transformers' own
+    check says)."""
     if not (x.is_cuda and x.dtype == W.dtype == torch.bfloat16):
-        return False
+        return None
     cc = torch.cuda.get_device_capability(x.device)
     if hasattr(F, "grouped_mm"):
-        return cc >= (8, 0)
+        return F.grouped_mm if cc >= (8, 0) else None
     if hasattr(torch, "_grouped_mm"):
         major, minor = (int(v) for v in torch.__version__.split(".")[:2])
-        return cc >= (8, 0) if (major, minor) >= (2, 9) else cc[0] == 9
-    return False
+        runs = cc >= (8, 0) if (major, minor) >= (2, 9) else cc[0] == 9
+        return torch._grouped_mm if runs else None
+    return None
 
 
 def grouped_linear(x: torch.Tensor, W: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """x (S, K) whose rows come grouped by expert (counts[e] rows of expert e, in expert
     order), W (E, N, K) -> (S, N): each group's rows times its expert's W[e]ᵀ. One grouped GEMM
-    where `grouped_mm_available` (the kernel transformers' fused experts run on CUDA), else
+    where `grouped_mm` finds one (the kernel transformers' fused experts run on CUDA), else
     one F.linear per expert (the very ops of transformers' eager loop)."""
-    if grouped_mm_available(x, W):
-        fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    fn = grouped_mm(x, W)
+    if fn is not None:
         offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32).to(x.device, non_blocking=True)
         return fn(x, W.transpose(-2, -1), offs=offs)
     out = x.new_empty(x.shape[0], W.shape[1])

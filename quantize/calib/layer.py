@@ -214,7 +214,8 @@ class LayerRunner:
                      "sequence length, gave another forward when skipped (run_layer's proof); "
                      "it is computed from here on")
         free_layer(layer)
-        self.results.on_host()  # the layer's outputs are all on the host
+        self.copies.wait_all()  # the layer's outputs are all on the host
+        self.results.on_host()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             entry["peak_gpu_gib"] = max([round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2),
