@@ -18,7 +18,9 @@ From the process: wall time, peak host RSS (wait4); from its stderr (each line t
 by the CLI): the time of every `layer N: ..., X s` line, so a layer's wall time is the gap
 between its line and the previous one, against X, its own compute time; from
 calibration/timings.json: peak GPU memory per layer. The disk's cold read rate and fsynced
-write rate are measured once (for scripts/project_glm52.py).
+write rate are measured once (for scripts/project_glm52.py). `--run-timeout S` stops a convert
+after S seconds (SIGTERM, then SIGKILL) and still records it ("timed_out", the layer lines its
+log has): put the limit here rather than around this script, whose JSON would be lost.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -95,7 +98,7 @@ def parse_log(text: str, start: float) -> dict:
 
 
 def run_convert(src: Path, dst: Path, n: int, seq_len: int, device: str, extra: list[str],
-                log: Path, wrap: list[str]) -> dict:
+                log: Path, wrap: list[str], limit: float | None = None) -> dict:
     cmd = [*wrap, sys.executable, "-m", "quantize", "convert", str(src), str(dst), "--method", "gptq",
            "--device", device, "--num-samples", str(n), "--seq-len", str(seq_len), "--tp", "1",
            "--overwrite", *extra]
@@ -106,12 +109,30 @@ def run_convert(src: Path, dst: Path, n: int, seq_len: int, device: str, extra: 
     start = now.tm_hour * 3600 + now.tm_min * 60 + now.tm_sec + time.time() % 1
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=env)
+        fired = threading.Event()
+
+        def stop() -> None:  # the limit: SIGTERM, then SIGKILL if it is still there 10 s on
+            fired.set()
+            p.terminate()
+            if not stopped.wait(10):
+                p.kill()
+
+        stopped = threading.Event()
+        timer = threading.Timer(limit, stop) if limit else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
         _, status, usage = os.wait4(p.pid, 0)
+        stopped.set()
+        if timer is not None:
+            timer.cancel()
     wall = time.perf_counter() - t0
     text = log.read_text()
     res = {"command": " ".join(cmd), "tokens": [n, seq_len], "exit": os.waitstatus_to_exitcode(status),
            "wall_s": round(wall, 2), "peak_rss_gib": round(usage.ru_maxrss * 1024 / 2**30, 2),
            "cold_cache": cold, **parse_log(text, start)}
+    if fired.is_set():
+        res["timed_out"] = limit
     rep = dst / "calibration" / "timings.json"  # (calibration-report.json holds no timings)
     if rep.exists():
         r = json.loads(rep.read_text())
@@ -175,6 +196,8 @@ def main() -> None:
                          "'512:--max-gpu-memory 75' (repeatable)")
     ap.add_argument("--wrap", default="", help="a command the convert runs under, e.g. "
                     "'py-spy record --format raw --threads -o prof.txt --'")
+    ap.add_argument("--run-timeout", type=float, default=None, metavar="S",
+                    help="stop each convert after S seconds and record what its log has")
     ap.add_argument("--keep-output", action="store_true", help="keep each run's output folder")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (figures meaningless)")
     args = ap.parse_args()
@@ -196,7 +219,8 @@ def main() -> None:
         tag = f"-{n}x{args.seq_len}" + (f"-run{k}" if flags else "")
         log = args.out.with_name(args.out.stem + tag + ".log")
         wrap = args.wrap.replace("{n}", str(n)).split()
-        r = run_convert(src, dst, n, args.seq_len, device, args.extra.split() + flags.split(), log, wrap)
+        r = run_convert(src, dst, n, args.seq_len, device, args.extra.split() + flags.split(), log, wrap,
+                        args.run_timeout)
         if not args.keep_output:
             subprocess.run(["rm", "-rf", str(dst)], check=False)
         res["runs"].append(r)
