@@ -45,12 +45,6 @@ class LayerResult:
         t = self.rescaled.get(name)
         return None if t is None else [t]
 
-    def on_host(self) -> None:
-        """Until every INT4 output has reached the host."""
-        for r in self.int4.values():
-            if isinstance(r, Future):
-                r.result()
-
 
 class Handoff:
     """One value at a time from the layer thread to the writer: a LayerResult, or the error

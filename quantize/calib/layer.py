@@ -215,7 +215,6 @@ class LayerRunner:
                      "it is computed from here on")
         free_layer(layer)
         self.copies.wait_all()  # the layer's outputs are all on the host
-        self.results.on_host()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             entry["peak_gpu_gib"] = max([round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2),
