@@ -109,7 +109,7 @@ def run_convert(src: Path, dst: Path, n: int, seq_len: int, device: str, extra: 
     start = now.tm_hour * 3600 + now.tm_min * 60 + now.tm_sec + time.time() % 1
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=env)
-        fired = threading.Event()
+        fired, stopped = threading.Event(), threading.Event()
 
         def stop() -> None:  # the limit: SIGTERM, then SIGKILL if it is still there 10 s on
             fired.set()
@@ -117,7 +117,6 @@ def run_convert(src: Path, dst: Path, n: int, seq_len: int, device: str, extra: 
             if not stopped.wait(10):
                 p.kill()
 
-        stopped = threading.Event()
         timer = threading.Timer(limit, stop) if limit else None
         if timer is not None:
             timer.daemon = True

@@ -8,15 +8,16 @@ batch, and whether the codes equal the first layout's, and the output error of e
 
 A layout is ROWS:WARPS:WIDTHS: rows of W per program (`BLOCK_ROWS`), warps per program
 (`BLOCK_WARPS`), and the widths of the column loop's levels, /-separated (`gptq.FUSED_WIDTHS`:
-the kernel's block first; 128 alone: every block's errors onto the rest of W). `--phases` times the MSE clip, the
-factorization and the column loop apart; `--profile DIR` writes a torch.profiler table of
-one batch of each shape. Hessians from scripts/synthetic_hessians.py
-(as scripts/check_factor_gpu.py uses them; GPTQ damps them by 0.1); the CLI's GPTQ
-settings (group 32, MSE clip power 3, TF32 factorization).
+the kernel's block first; 128 alone: every block's errors onto the rest of W). `--phases`
+times the MSE clip, the factorization and the column loop apart; `--profile DIR` writes a
+torch.profiler table of one batch of each shape. Hessians from scripts/synthetic_hessians.py
+(as scripts/check_factor_gpu.py uses them; GPTQ damps them by 0.1); the CLI's GPTQ settings
+(group 32, MSE clip power 3, TF32 factorization).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -114,15 +115,8 @@ for what, (N, K) in {"gate_up": (2 * I_dim, H_dim), "down": (H_dim, I_dim)}.item
     rows = {}
     for spec in args.layouts.split(","):
         set_layout(parse(spec))
-        out = gptq_quantize(W, H, cfg)  # compile + warm-up
-        sync()
-        best = float("inf")
-        for _ in range(1 if SMALL else args.reps):
-            t = time.perf_counter()
-            out = gptq_quantize(W, H, cfg)
-            sync()
-            best = min(best, time.perf_counter() - t)
-        row = {"seconds": round(best, 4), "output_error": out_error(W, H, out.weight)}
+        out, best = timed(functools.partial(gptq_quantize, W, H, cfg))  # (the warm-up compiles)
+        row = {"seconds": best, "output_error": out_error(W, H, out.weight)}
         if first is None:
             first = out.weight.q
         else:
