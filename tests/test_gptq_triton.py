@@ -1,8 +1,7 @@
 """The fused (Triton) GPTQ block loop against the eager one: the same codes and scales.
 
-On a GPU this runs the compiled kernel; without one, Triton's interpreter (TRITON_INTERPRET=1,
-set before triton is imported, hence the subprocess). Skipped where triton is not installed
-(CPU builds of torch, CI): the eager loop is what those machines run.
+Run by tests/triton_script.py (compiled on a GPU, else under Triton's interpreter); skipped
+where triton is not installed, whose machines run the eager loop.
 """
 
 from __future__ import annotations
@@ -69,11 +68,11 @@ SCRIPT = textwrap.dedent("""
 
     base = out_err(gptq_quantize(W, H, GPTQConfig(percdamp=0.1, mse_clip=True)).weight)
     G.FUSED_WIDTHS = (128,)  # every block's errors onto the rest of W, against levels:
-    base = out_err(gptq_quantize(W, H, GPTQConfig(percdamp=0.1, mse_clip=True)).weight)
+    per_block = out_err(gptq_quantize(W, H, GPTQConfig(percdamp=0.1, mse_clip=True)).weight)
     for ws in ((32, 128, 256), (16, 64)):  # the output error the same
         G.FUSED_WIDTHS = ws
         regrouped = out_err(gptq_quantize(W, H, GPTQConfig(percdamp=0.1, mse_clip=True)).weight)
-        assert abs(regrouped / base - 1) < 1e-3, (ws, regrouped, base)
+        assert abs(regrouped / per_block - 1) < 1e-3, (ws, regrouped, per_block)
     G.FUSED_WIDTHS = widths
     G.FACTOR_TF32 = G.PROPAGATE_TF32 = True  # the defaults (TF32 on CUDA only)
     tf32 = out_err(gptq_quantize(W, H, GPTQConfig(percdamp=0.1, mse_clip=True)).weight)

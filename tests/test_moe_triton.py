@@ -1,9 +1,8 @@
 """Pass 2's top-k weighted sum as a Triton kernel (`moe_triton.combine_topk`) against the torch
 expression `capture.moe_output` runs on the CPU, and against float64.
 
-On a GPU this runs the compiled kernel; without one, Triton's interpreter (TRITON_INTERPRET=1,
-set before triton is imported, hence the subprocess). Skipped where triton is not installed
-(CPU builds of torch, CI): the torch expression is what those machines run.
+Run by tests/triton_script.py (compiled on a GPU, else under Triton's interpreter); skipped
+where triton is not installed, whose machines run the torch expression.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ contraction, so no tolerance is needed: near-tie groups (different scales whose 
 in the last bits) are decided the same way. Measured: every scale and zero point equal, under
 the interpreter here and compiled on an H200 (scripts/check_mse_gpu.py, 32 GLM-5.2 experts).
 
-On a GPU this runs the compiled kernel (and `_group_qparams`' dispatch to it); without one,
-Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported, hence the subprocess)
-on small shapes. Skipped where triton is not installed: the eager loop is what those run.
+Run by tests/triton_script.py (compiled on a GPU, with `_group_qparams`' dispatch to it, else
+under Triton's interpreter on small shapes); skipped where triton is not installed, whose
+machines run the eager loop.
 """
 
 from __future__ import annotations
