@@ -141,6 +141,9 @@ def run_convert(src: Path, dst: Path, n: int, seq_len: int, device: str, extra: 
             entry = next((e for e in r["layers"] if e["layer"] == lay["layer"]), {})
             if entry.get("timing_s"):
                 lay["phases_s"] = entry["timing_s"]
+            for k in ("load_s", "finish_s"):  # outside the phases: load_layer, the copies' tail
+                if k in entry:
+                    lay[k] = entry[k]
             if entry.get("peak_gpu_gib_by_phase"):
                 lay["peak_gpu_gib_by_phase"] = entry["peak_gpu_gib_by_phase"]
             if entry.get("rounding_sections_s"):

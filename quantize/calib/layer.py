@@ -190,11 +190,12 @@ class LayerRunner:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         layer = load_layer(self.skeleton, self.ckpt, self.units, L, self.device, self.dtype)
+        t_loaded = time.perf_counter()  # (load_layer ends on a device sync: its finite check)
         self.warm(L + 1)  # the next layer's bytes into the page cache while this one runs
         kind = mlp_kind(layer.mlp)
         targets = mlp_targets(self.units, L)
         active = any(t.quantize for t in targets.values())
-        entry: dict = {"layer": L, "mlp": kind}
+        entry: dict = {"layer": L, "mlp": kind, "load_s": round(t_loaded - t0, 3)}
         if not active:
             self.before_overwrite()
             streams = [(self.carry.hidden, self.carry.topk)]
@@ -213,10 +214,13 @@ class LayerRunner:
             self.log(f"warning: layer {L}: its DSA indexer, which selects every key at this "
                      "sequence length, gave another forward when skipped (run_layer's proof); "
                      "it is computed from here on")
+        t_end = time.perf_counter()
         free_layer(layer)
         self.copies.wait_all()  # the layer's outputs are all on the host
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        entry["finish_s"] = round(time.perf_counter() - t_end, 3)  # the host copies' tail
+        if self.device.type == "cuda":
             entry["peak_gpu_gib"] = max([round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2),
                                          *entry.get("peak_gpu_gib_by_phase", {}).values()])
         entry["seconds"] = round(time.perf_counter() - t0, 3)
