@@ -612,25 +612,31 @@ def _codes_fused(Ww: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None,
     Qt = torch.empty(B, K, N, dtype=torch.int8, device=Ww.device)
     kw = min(blocksize, FUSED_WIDTHS[0])
     widths = [kw] + [w for w in FUSED_WIDTHS[1:] if w > kw]
-    top = len(widths) - 1
     # the errors of the current top-level group, column j at row j - its first column
     E = torch.empty(min(widths[-1], K), B * N, dtype=torch.float32, device=Ww.device)
-
-    def run(a: int, b: int, level: int, base: int) -> None:
-        """Columns a..b in pieces of widths[level]; each piece's errors onto the rest of a..b."""
-        for c1 in range(a, b, widths[level]):
-            c2 = min(c1 + widths[level], b)
-            bs = c1 if level == top else base
-            if level == 0:
-                gptq_triton.gptq_block(Ww, St, Zt, gof, Hinv, Qt, E[c1 - bs:c2 - bs], c1, c2 - c1,
-                                       QMIN, QMAX)
-            else:
-                run(c1, c2, level - 1, bs)
-            errors = E[c1 - bs:c2 - bs].t().view(B, N, c2 - c1)  # (B, N, c2 - c1)
-            _propagate(Ww, errors, Hinv, c1, c2, b)
-
-    run(0, K, top, 0)
+    _fused_level((Ww, St, Zt, gof, Hinv, Qt, E), widths, 0, K, len(widths) - 1, 0)
     return Qt.transpose(-1, -2)
+
+
+def _fused_level(arrays: tuple, widths: list[int], a: int, b: int, level: int, base: int) -> None:
+    """`_codes_fused`' columns a..b in pieces of widths[level], each piece's errors onto the rest
+    of a..b; `arrays`: its (Ww, St, Zt, gof, Hinv, Qt, E). A module function, not a closure:
+    a closure that calls itself is a reference cycle that keeps every array it reads (Hinv, the
+    working W: ~8 GiB per GLM-5.2 gate/up batch) alive after the solve, until Python's cyclic
+    collector happens to run (scripts/gpu_memory_peak.py found them at the H200's peaks)."""
+    Ww, St, Zt, gof, Hinv, Qt, E = arrays
+    B, N, _ = Ww.shape
+    top = len(widths) - 1
+    for c1 in range(a, b, widths[level]):
+        c2 = min(c1 + widths[level], b)
+        bs = c1 if level == top else base
+        if level == 0:
+            gptq_triton.gptq_block(Ww, St, Zt, gof, Hinv, Qt, E[c1 - bs:c2 - bs], c1, c2 - c1,
+                                   QMIN, QMAX)
+        else:
+            _fused_level(arrays, widths, c1, c2, level - 1, bs)
+        errors = E[c1 - bs:c2 - bs].t().view(B, N, c2 - c1)  # (B, N, c2 - c1)
+        _propagate(Ww, errors, Hinv, c1, c2, b)
 
 
 def gptaq_target(W: torch.Tensor, H: torch.Tensor, D: torch.Tensor, percdamp: float,
