@@ -1236,3 +1236,40 @@ def test_default_scale_refit_is_for_dense_and_shared_linears(tmp_path):
     assert not torch.equal(t["default"][p + "shared_experts.gate_proj.weight_scale"],
                            t["off"][p + "shared_experts.gate_proj.weight_scale"])
     assert verify(src, tmp_path / "default").ok
+
+
+def test_layers_loaded_ahead_give_the_same_calibration(ckpt_dir, monkeypatch):
+    """Each decoder layer after the first is loaded during the previous layer's last forward
+    (`LayerRunner.load_ahead`): the same INT4 tensors and report bit for bit as loading every
+    layer when it starts, and the timings say which layers were loaded ahead (every decoder
+    layer but the first; not the MTP layer, which has its own skeleton)."""
+    import quantize.calib.layer as layer_mod
+
+    rep_a, out_a = _calibrate_results(ckpt_dir, method="gptq")
+    monkeypatch.setattr(layer_mod.LayerRunner, "load_ahead", lambda self, L: None)
+    rep_s, out_s = _calibrate_results(ckpt_dir, method="gptq")
+    _assert_same_tensors(out_a, out_s)
+    assert _layers(rep_a) == _layers(rep_s)
+    n = json.loads((ckpt_dir / "config.json").read_text())["num_hidden_layers"]
+    assert [lay["loaded_ahead"] for lay in rep_a["layers"] if "loaded_ahead" in lay] == \
+        [0 < lay["layer"] < n for lay in rep_a["layers"] if "loaded_ahead" in lay]
+    assert sum(lay["loaded_ahead"] for lay in rep_a["layers"] if "loaded_ahead" in lay) >= 1
+    assert not any(lay.get("loaded_ahead") for lay in rep_s["layers"])
+
+
+def test_a_layer_loaded_ahead_for_another_layer_is_freed(ckpt_dir):
+    """Where the layer to run is not the one loaded ahead (resume moved the calibration), that
+    one is freed (its parameters back on the meta device) and the right one loaded."""
+    ck = open_checkpoint(ckpt_dir)
+    opts = ConvertOptions(**CALIB, method="gptq")
+    c = Calibrator(ck, make_plan(ck, opts), opts, torch.device("cpu"))
+    try:
+        c.runner.load_ahead(2)
+        assert c.runner._ahead is not None and c.runner._ahead[0] == 2
+        layer = c.runner._take(1)
+        assert layer is c.skeleton.model.layers[1]
+        assert all(p.device.type == "cpu" for p in layer.parameters())
+        assert all(p.device.type == "meta" for p in c.skeleton.model.layers[2].parameters())
+        assert c.runner._ahead is None
+    finally:
+        c.close()

@@ -1,7 +1,8 @@
 """One decoder layer's calibration, the body of the calibration's loop (loop.py runs it
 layer after layer on its thread):
 
-    layer   = load_layer(...)                          the source's weights, dequantized
+    layer   = load_layer(...)                          the source's weights, dequantized (loaded
+                                                       ahead: during the previous layer's pass 2)
     pass 1  statistics of the MLP's inputs             capture.py (Hessians, routed tokens, samples)
     round   the MLP's target Linears                   rounding.LayerRounding (AWQ / GPTQ / RTN)
     check   the MLP's output error against RTN's       REGRESSION_MARGIN: stop, or --rtn-fallback
@@ -18,10 +19,11 @@ candidates against the unrounded model's layer output, the target GPTAQ fits.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,8 +62,8 @@ __all__ = ["PROFILE_ENV", "REGRESSION_MARGIN", "Carry", "LayerRunner", "mlp_targ
 PROFILE_ENV = "QUANTIZE_TORCH_PROFILE"
 # The rounded Linears' packed outputs on the GPU waiting for the copy thread at most (bytes).
 # A layer's are ~5 GB for GLM-5.2; unbounded, a copy thread slower than the solves would hold
-# them on top of the rounding's own peak (the likely cause of one H200 run's first MoE layer
-# peaking 8.4 GiB above the other layers once the solves got faster; not measured directly).
+# them on top of the rounding's own peak. (The H200 runs' occasional 8 GiB above the usual
+# peak were not these but a reference cycle in the fused GPTQ solve: gptq._fused_level.)
 D2H_PENDING = 1 << 30
 # A calibrated layer whose MLP output error (chunk 0, against the unrounded layer) exceeds this
 # many times round-to-nearest's on the same tokens stops the run (`--rtn-fallback`: that layer is
@@ -178,6 +180,9 @@ class LayerRunner:
         self.host = ThreadPoolExecutor(1, thread_name_prefix="quantize-d2h")
         # the packed outputs waiting for the copy thread stay on the GPU: at most D2H_PENDING
         self.copies = Bounded(self.host, D2H_PENDING)
+        # the next decoder layer's weights, loaded during this layer's pass 2 (`load_ahead`)
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="quantize-load")
+        self._ahead: tuple[int, Future] | None = None
         self._profiled: set[int] = set()  # (torch_profile: the layers profiled)
 
     @torch.no_grad()
@@ -189,14 +194,16 @@ class LayerRunner:
         every_key = every_key_on()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        layer = load_layer(self.skeleton, self.ckpt, self.units, L, self.device, self.dtype)
+        ahead = self._ahead is not None and self._ahead[0] == L
+        layer = self._take(L)
         t_loaded = time.perf_counter()  # (load_layer ends on a device sync: its finite check)
         self.warm(L + 1)  # the next layer's bytes into the page cache while this one runs
         kind = mlp_kind(layer.mlp)
         targets = mlp_targets(self.units, L)
         active = any(t.quantize for t in targets.values())
-        entry: dict = {"layer": L, "mlp": kind, "load_s": round(t_loaded - t0, 3)}
+        entry: dict = {"layer": L, "mlp": kind, "load_s": round(t_loaded - t0, 3), "loaded_ahead": ahead}
         if not active:
+            self.load_ahead(L + 1)  # (a forward only: little memory of its own)
             self.before_overwrite()
             streams = [(self.carry.hidden, self.carry.topk)]
             if self.carry.fp is not None:
@@ -230,6 +237,52 @@ class LayerRunner:
                  + (f", experts {[f['expert'] for f in fb]} below --min-expert-tokens: all-token "
                     "statistics" if fb else "") + f", {entry['seconds']} s")
         return entry, self.results
+
+    def load_ahead(self, L: int) -> None:
+        """Start loading decoder layer L (the next one) on the loader thread: the disk reads,
+        copies to the device and dequantization overlap this layer's last forward, and `run(L)`
+        takes the layer instead of loading it. Not the MTP layer (L == num_layers: its own
+        skeleton, set up when it starts). Only where the free memory holds twice the layer (a
+        small GPU keeps its room for the forward). Its kernels share the device's default
+        stream with this thread's (no memory crosses streams); its host reads release the GIL."""
+        if L >= self.num_layers or self._ahead is not None:
+            return
+        p, item = f"model.layers.{L}.", torch.empty(0, dtype=self.dtype).element_size()
+        need = sum(math.prod(self.ckpt.tensors[n].shape) * item for n in self.units if n.startswith(p))
+        if free_bytes(self.device) < 2 * need:
+            return
+        skeleton, dev = self.skeleton, self.device
+
+        def load() -> torch.nn.Module:
+            if dev.type == "cuda" and dev.index is not None:
+                torch.cuda.set_device(dev)  # (the thread's current device: cuda:N)
+            with torch.no_grad():
+                return load_layer(skeleton, self.ckpt, self.units, L, dev, self.dtype)
+
+        self._ahead = (L, self.loader.submit(load))
+
+    def _take(self, L: int) -> torch.nn.Module:
+        """Layer L: the one loaded ahead (its load's error raised here, as a load's would be),
+        else loaded now (a layer loaded ahead for another L, after resume jumped, is freed)."""
+        if self._ahead is not None and self._ahead[0] == L:
+            fut, self._ahead = self._ahead[1], None
+            return fut.result()
+        self.drop_ahead()
+        return load_layer(self.skeleton, self.ckpt, self.units, L, self.device, self.dtype)
+
+    def drop_ahead(self) -> None:
+        """A layer loaded ahead that will not run (a stop, an error, a resume's jump): waited
+        for and freed."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            with contextlib.suppress(BaseException):  # (its error belongs to a run that is not)
+                free_layer(ahead[1].result())
+
+    def close(self) -> None:
+        """The threads stopped: queued host copies cancelled, a layer loaded ahead freed."""
+        self.host.shutdown(cancel_futures=True)
+        self.drop_ahead()
+        self.loader.shutdown()
 
     def _calibrate(self, L: int, layer, kind: str, targets: dict[str, Target]) -> dict:
         o = self.opts
@@ -282,6 +335,7 @@ class LayerRunner:
             self.results.rescaled[n] = t.cpu()
             self._set_weight(L, layer, n, t.float())
         clock.lap("rounding")
+        self.load_ahead(L + 1)  # past the rounding's peak: the next layer's weights meanwhile
 
         # ---- the calibrated layer against round-to-nearest, on chunk 0 (in sample)
         err = self._err(self._chunk0_output(layer, halves) - h0, want)

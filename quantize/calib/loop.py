@@ -260,7 +260,7 @@ class Calibrator:
             self._runner.join(timeout=0.05)
         with contextlib.suppress(BaseException):
             self.resume.wait()
-        self.runner.host.shutdown(cancel_futures=True)
+        self.runner.close()
         self._prefetch.shutdown(cancel_futures=True)
 
     def _check_stop(self) -> None:
