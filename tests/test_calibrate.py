@@ -1239,22 +1239,32 @@ def test_default_scale_refit_is_for_dense_and_shared_linears(tmp_path):
 
 
 def test_layers_loaded_ahead_give_the_same_calibration(ckpt_dir, monkeypatch):
-    """Each decoder layer after the first is loaded during the previous layer's last forward
-    (`LayerRunner.load_ahead`): the same INT4 tensors and report bit for bit as loading every
-    layer when it starts, and the timings say which layers were loaded ahead (every decoder
-    layer but the first; not the MTP layer, which has its own skeleton)."""
+    """Each decoder layer after the first is loaded during the previous layer's last forward,
+    on the loader thread (`LayerRunner.load_ahead`): the same INT4 tensors and report bit for
+    bit as loading every layer when it starts. Not the MTP layer (its own skeleton)."""
+    import threading
+
     import quantize.calib.layer as layer_mod
 
+    loads: list[tuple[int, str]] = []
+    real = layer_mod.load_layer
+
+    def load_layer(skeleton, ckpt, units, L, *a):
+        loads.append((L, threading.current_thread().name.split("_")[0]))
+        return real(skeleton, ckpt, units, L, *a)
+
+    monkeypatch.setattr(layer_mod, "load_layer", load_layer)
     rep_a, out_a = _calibrate_results(ckpt_dir, method="gptq")
+    n = json.loads((ckpt_dir / "config.json").read_text())["num_hidden_layers"]
+    assert loads == [(0, "quantize-calibrate")] + [(L, "quantize-load") for L in range(1, n)] + \
+        [(L, "quantize-calibrate") for L, _ in loads[n:]], loads
+    assert len(loads) > n  # (the MTP layer: loaded when it starts)
+    loads.clear()
     monkeypatch.setattr(layer_mod.LayerRunner, "load_ahead", lambda self, L: None)
     rep_s, out_s = _calibrate_results(ckpt_dir, method="gptq")
+    assert all(thread == "quantize-calibrate" for _, thread in loads) and len(loads) > n
     _assert_same_tensors(out_a, out_s)
     assert _layers(rep_a) == _layers(rep_s)
-    n = json.loads((ckpt_dir / "config.json").read_text())["num_hidden_layers"]
-    assert [lay["loaded_ahead"] for lay in rep_a["layers"] if "loaded_ahead" in lay] == \
-        [0 < lay["layer"] < n for lay in rep_a["layers"] if "loaded_ahead" in lay]
-    assert sum(lay["loaded_ahead"] for lay in rep_a["layers"] if "loaded_ahead" in lay) >= 1
-    assert not any(lay.get("loaded_ahead") for lay in rep_s["layers"])
 
 
 def test_a_layer_loaded_ahead_for_another_layer_is_freed(ckpt_dir):
@@ -1273,3 +1283,24 @@ def test_a_layer_loaded_ahead_for_another_layer_is_freed(ckpt_dir):
         assert c.runner._ahead is None
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_routed_results_published_by_batch_equal_one_by_one(ckpt_dir, monkeypatch, symmetric):
+    """A batch of routed experts' results is dequantized into the layer and packed at once
+    (`LayerRunner._emit_rows`): the same INT4 tensors and report, bit for bit, as publishing
+    each Linear on its own (asymmetric codes take that path inside it)."""
+    import quantize.calib.layer as layer_mod
+    from quantize.calib.round_layer import part_of
+
+    rep_b, out_b = _calibrate_results(ckpt_dir, method="gptq", symmetric=symmetric)
+
+    def one_by_one(self, L, layer, w, parts):
+        for n, i, rows in parts:
+            self._emit(L, layer, n, part_of(w, i, rows))
+
+    monkeypatch.setattr(layer_mod.LayerRunner, "_emit_rows", one_by_one)
+    rep_o, out_o = _calibrate_results(ckpt_dir, method="gptq", symmetric=symmetric)
+    _assert_same_tensors(out_b, out_o)
+    assert any(".experts." in n for n in out_b)
+    assert _layers(rep_b) == _layers(rep_o)

@@ -24,8 +24,8 @@ from quantize.names import AWQ_SCALES, CALIB_REPORT, CALIB_TIMINGS, ROUTED_PICTU
 __all__ = ["TIMING_KEYS", "write_reports"]
 # Per layer: wall-clock seconds and peak GPU memory (CALIB_TIMINGS, a report beside the output,
 # like verify.json: not in the manifest, so that the same inputs give the same checksummed bytes)
-TIMING_KEYS = ("seconds", "load_s", "loaded_ahead", "finish_s", "timing_s", "peak_gpu_gib",
-               "peak_gpu_gib_by_phase", "rounding_sections_s")
+TIMING_KEYS = ("seconds", "load_s", "finish_s", "timing_s", "peak_gpu_gib", "peak_gpu_gib_by_phase",
+               "rounding_sections_s")
 
 
 def write_reports(out: Path, full: dict, carry: Carry, method: str) -> list[str]:

@@ -54,8 +54,8 @@ from quantize.rounding.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
 from quantize.rounding.int4 import Int4Weight, dequantize, quantize_rtn
 from quantize.source.checkpoint import Checkpoint, torch_dtype
 
-__all__ = ["AWQ_SEARCH_EXPERTS", "GPTQ_BATCH", "LayerRounding", "LayerWeights", "Target",
-           "awq_expected", "gptq_batch", "gptq_reserve"]
+__all__ = ["AWQ_SEARCH_EXPERTS", "GPTQ_BATCH", "LayerRounding", "LayerWeights", "Part", "Target",
+           "awq_expected", "gptq_batch", "gptq_reserve", "part_of"]
 # Experts per batched GPTQ solve at most: 32 GLM-5.2 experts (6144^2 factorizations, 2 x 2048
 # rows each) already keep an H200 busy (measured: a batch of 32 takes 0.6 s, 19 ms/expert),
 # and a larger batch only adds memory (~0.5 GB per expert).
@@ -159,7 +159,12 @@ def gptq_reserve(shape: tuple[int, ...], E: int) -> int:
     return 4 * min(E, GPTQ_BATCH) * (2 * K * K + 4 * I * K) * 4
 
 
-def _split(w: Int4Weight, i, sl=slice(None)) -> Int4Weight:
+# One Linear's part of a batch of experts' results: (its name, the expert's index in the batch,
+# its rows of that expert's rows)
+Part = tuple[str, int, slice]
+
+
+def part_of(w: Int4Weight, i, sl=slice(None)) -> Int4Weight:
     zp = None if w.zero_point is None else w.zero_point[i][sl]
     return Int4Weight(w.q[i][sl], w.scale[i][sl], zp)
 
@@ -188,6 +193,7 @@ class LayerRounding:
         self.L, self.mlp, self.kind, self.targets, self.stats = L, mlp, kind, targets, stats
         self.ckpt, self.opts, self.device, self.dtype, self.dist = ckpt, opts, device, dtype, dist
         self.check_stop = check_stop
+        self.done_rows: Callable[[Int4Weight, list[Part]], None] | None = None  # (run's)
         self.gptq_cfg = GPTQConfig(group_size=opts.group_size, symmetric=opts.symmetric,
                                    percdamp=opts.percdamp, mse_clip=opts.mse_clip,
                                    mse_norm=opts.mse_norm, scale_refit=opts.scale_refit,
@@ -218,9 +224,13 @@ class LayerRounding:
     # -- the layer ------------------------------------------------------------------------------
 
     def run(self, done: Callable[[str, Int4Weight], None],
-            lap: Callable[[str], None] = lambda phase: None) -> dict:
+            lap: Callable[[str], None] = lambda phase: None,
+            done_rows: Callable[[Int4Weight, list[Part]], None] | None = None) -> dict:
         """Round the layer; `lap("awq_search")` once the AWQ scales are folded (the report's
-        phase timing)."""
+        phase timing). `done_rows(w, parts)`, where given, takes a batch of routed experts'
+        results at once (w (e, R, K); each part one Linear's rows of one expert) instead of
+        `done` per Linear (one process only: several hand results on by expert)."""
+        self.done_rows = done_rows
         stats = self.stats
         report: dict = {"tokens": stats.tokens}
         if self.kind == "moe":
@@ -352,7 +362,7 @@ class LayerRounding:
                 rows = w.q.shape[0] // len(gu)
                 for i, n in enumerate(gu):
                     rows_i = slice(i * rows, (i + 1) * rows)
-                    rounded[n] = (W_gu[rows_i], _split(w, rows_i))
+                    rounded[n] = (W_gu[rows_i], part_of(w, rows_i))
                     done(n, rounded[n][1])
             for n in rest:
                 if n.endswith("down_proj.weight"):
@@ -416,6 +426,14 @@ class LayerRounding:
         order = [name(e, proj) for c in range(0, len(mine), nb)
                  for proj in ("gate_proj", "up_proj", "down_proj") for e in mine[c: c + nb]]
         steps = max(-(-len(x) // nb) for x in own)
+
+        def publish(w: Int4Weight, parts: list[Part], emit: Callable[[str, Int4Weight], None]) -> None:
+            if d is None and self.done_rows is not None:  # the batch at once
+                self.done_rows(w, parts)
+            else:
+                for n, i, rows in parts:
+                    emit(n, part_of(w, i, rows))
+
         with ReadAhead(W.__getitem__, order, depth=min(2 * nb, 64)) as R:
             for j in range(steps):
                 if d is None:
@@ -442,9 +460,8 @@ class LayerRounding:
                             w = self._solve(Ws, H_gu, routed=True)
                     del Ws, H_gu
                     with sec("publish"):
-                        for i, e in enumerate(es):
-                            emit(name(e, "gate_proj"), _split(w, i, slice(0, I)))
-                            emit(name(e, "up_proj"), _split(w, i, slice(I, None)))
+                        publish(w, [(name(e, proj), i, rows) for i, e in enumerate(es) for proj, rows
+                                    in (("gate_proj", slice(0, I)), ("up_proj", slice(I, None)))], emit)
                     for i, e in enumerate(es):
                         n = name(e, "down_proj")
                         if e in fb:  # all-token statistics for a starved expert
@@ -456,8 +473,7 @@ class LayerRounding:
                                         routed=True)
                     del H_dn
                     with sec("publish"):
-                        for i, e in enumerate(es):
-                            emit(name(e, "down_proj"), _split(w, i))
+                        publish(w, [(name(e, "down_proj"), i, slice(None)) for i, e in enumerate(es)], emit)
                 if d is not None:  # every solved expert to every rank, in expert order
                     self._share_results(own, j * nb, (j + 1) * nb, got, done)
 
