@@ -1274,13 +1274,14 @@ def test_a_layer_loaded_ahead_for_another_layer_is_freed(ckpt_dir):
     opts = ConvertOptions(**CALIB, method="gptq")
     c = Calibrator(ck, make_plan(ck, opts), opts, torch.device("cpu"))
     try:
-        c.runner.load_ahead(2)
-        assert c.runner._ahead is not None and c.runner._ahead[0] == 2
-        layer = c.runner._take(1)
+        loader = c.runner.loader
+        loader.ahead(c.skeleton, 2)
+        assert loader.pending is not None and loader.pending[0] == 2
+        layer = loader.take(c.skeleton, 1)
         assert layer is c.skeleton.model.layers[1]
         assert all(p.device.type == "cpu" for p in layer.parameters())
         assert all(p.device.type == "meta" for p in c.skeleton.model.layers[2].parameters())
-        assert c.runner._ahead is None
+        assert loader.pending is None
     finally:
         c.close()
 

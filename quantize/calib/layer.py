@@ -168,6 +168,62 @@ class Carry:
     fp_topk: list[torch.Tensor | None] = field(default_factory=list)
 
 
+class LayerLoader:
+    """Decoder layers' weights loaded on a thread of their own, one layer ahead: `ahead(L)`
+    starts loading layer L while the current layer finishes (the disk reads, copies to the
+    device and dequantization overlap its last forward), `take(L)` returns it, or loads it
+    then. Not the MTP layer (L == num_layers: its own skeleton, set up when it starts). The
+    loads' kernels share the device's default stream with the layer thread's (no memory
+    crosses streams); their host reads release the GIL."""
+
+    def __init__(self, ckpt: Checkpoint, units: dict[str, Unit], device: torch.device,
+                 dtype: torch.dtype, num_layers: int) -> None:
+        self.ckpt, self.units, self.device, self.dtype = ckpt, units, device, dtype
+        self.num_layers = num_layers
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="quantize-load")
+        self.pending: tuple[int, Future] | None = None  # (layer, its load)
+
+    def ahead(self, skeleton, L: int) -> None:
+        """Start loading decoder layer L of `skeleton`, where the free memory holds twice the
+        layer (a small GPU keeps its room for the forward) and no load is pending."""
+        if L >= self.num_layers or self.pending is not None:
+            return
+        p, item = f"model.layers.{L}.", torch.empty(0, dtype=self.dtype).element_size()
+        need = sum(math.prod(self.ckpt.tensors[n].shape) * item for n in self.units if n.startswith(p))
+        if free_bytes(self.device) < 2 * need:
+            return
+        dev = self.device
+
+        def load() -> torch.nn.Module:
+            if dev.type == "cuda" and dev.index is not None:
+                torch.cuda.set_device(dev)  # (the thread's current device: cuda:N)
+            with torch.no_grad():
+                return load_layer(skeleton, self.ckpt, self.units, L, dev, self.dtype)
+
+        self.pending = (L, self.pool.submit(load))
+
+    def take(self, skeleton, L: int) -> torch.nn.Module:
+        """Layer L: the one loaded ahead (its load's error raised here, as a load's would be),
+        else loaded now (a layer loaded ahead for another L, after resume jumped, is freed)."""
+        if self.pending is not None and self.pending[0] == L:
+            fut, self.pending = self.pending[1], None
+            return fut.result()
+        self.drop()
+        return load_layer(skeleton, self.ckpt, self.units, L, self.device, self.dtype)
+
+    def drop(self) -> None:
+        """A layer loaded ahead that will not run (a stop, an error, a resume's jump): waited
+        for and freed."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            with contextlib.suppress(BaseException):  # (its error belongs to a run that is not)
+                free_layer(pending[1].result())
+
+    def close(self) -> None:
+        self.drop()
+        self.pool.shutdown()
+
+
 class LayerRunner:
     """Runs one decoder layer's calibration on the carried hidden states (`run`). `skeleton` and
     `inputs` are the model the layer comes from and its rotary / masks (the MTP layer swaps in
@@ -189,8 +245,7 @@ class LayerRunner:
         # the packed outputs waiting for the copy thread stay on the GPU: at most D2H_PENDING
         self.copies = Bounded(self.host, D2H_PENDING)
         # the next decoder layer's weights, loaded during this layer's pass 2 (`load_ahead`)
-        self.loader = ThreadPoolExecutor(1, thread_name_prefix="quantize-load")
-        self._ahead: tuple[int, Future] | None = None
+        self.loader = LayerLoader(ckpt, units, device, dtype, num_layers)
         self._profiled: set[int] = set()  # (torch_profile: the layers profiled)
 
     @torch.no_grad()
@@ -202,7 +257,7 @@ class LayerRunner:
         every_key = every_key_on()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        layer = self._take(L)
+        layer = self.loader.take(self.skeleton, L)
         t_loaded = time.perf_counter()  # (load_layer ends on a device sync: its finite check)
         self.warm(L + 1)  # the next layer's bytes into the page cache while this one runs
         kind = mlp_kind(layer.mlp)
@@ -246,50 +301,13 @@ class LayerRunner:
         return entry, self.results
 
     def load_ahead(self, L: int) -> None:
-        """Start loading decoder layer L (the next one) on the loader thread: the disk reads,
-        copies to the device and dequantization overlap this layer's last forward, and `run(L)`
-        takes the layer instead of loading it. Not the MTP layer (L == num_layers: its own
-        skeleton, set up when it starts). Only where the free memory holds twice the layer (a
-        small GPU keeps its room for the forward). Its kernels share the device's default
-        stream with this thread's (no memory crosses streams); its host reads release the GIL."""
-        if L >= self.num_layers or self._ahead is not None:
-            return
-        p, item = f"model.layers.{L}.", torch.empty(0, dtype=self.dtype).element_size()
-        need = sum(math.prod(self.ckpt.tensors[n].shape) * item for n in self.units if n.startswith(p))
-        if free_bytes(self.device) < 2 * need:
-            return
-        skeleton, dev = self.skeleton, self.device
-
-        def load() -> torch.nn.Module:
-            if dev.type == "cuda" and dev.index is not None:
-                torch.cuda.set_device(dev)  # (the thread's current device: cuda:N)
-            with torch.no_grad():
-                return load_layer(skeleton, self.ckpt, self.units, L, dev, self.dtype)
-
-        self._ahead = (L, self.loader.submit(load))
-
-    def _take(self, L: int) -> torch.nn.Module:
-        """Layer L: the one loaded ahead (its load's error raised here, as a load's would be),
-        else loaded now (a layer loaded ahead for another L, after resume jumped, is freed)."""
-        if self._ahead is not None and self._ahead[0] == L:
-            fut, self._ahead = self._ahead[1], None
-            return fut.result()
-        self.drop_ahead()
-        return load_layer(self.skeleton, self.ckpt, self.units, L, self.device, self.dtype)
-
-    def drop_ahead(self) -> None:
-        """A layer loaded ahead that will not run (a stop, an error, a resume's jump): waited
-        for and freed."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            with contextlib.suppress(BaseException):  # (its error belongs to a run that is not)
-                free_layer(ahead[1].result())
+        """Decoder layer L (the next one) loaded meanwhile on the loader's thread (LayerLoader)."""
+        self.loader.ahead(self.skeleton, L)
 
     def close(self) -> None:
         """The threads stopped: queued host copies cancelled, a layer loaded ahead freed."""
         self.host.shutdown(cancel_futures=True)
-        self.drop_ahead()
-        self.loader.shutdown()
+        self.loader.close()
 
     def _calibrate(self, L: int, layer, kind: str, targets: dict[str, Target]) -> dict:
         o = self.opts
