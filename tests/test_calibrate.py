@@ -642,7 +642,7 @@ def test_layer_thread_runs_one_layer_ahead(ckpt_dir):
         assert L + 1 < c.last_layer  # (the fixture has layers left to run)
         # layer L+1 is done and offered (not taken: the writer holds layer L); L+2 not begun
         assert c.next_layer == L + 2 and c.feed.current.layer == L
-        assert c._handoff._q.qsize() == 1 and c.runner.results.layer == L + 1
+        assert c._handoff._q.qsize() == 1 and c.runner.outputs.results.layer == L + 1
         assert c.result(next(u for u in plan.units if u.source.startswith(
             f"model.layers.{L + 1}.") and u.action == "quantize")) is not None
         while c.next_layer < L + 3 and time.monotonic() < deadline:  # taken: L+2 runs
@@ -1289,18 +1289,18 @@ def test_a_layer_loaded_ahead_for_another_layer_is_freed(ckpt_dir):
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_routed_results_published_by_batch_equal_one_by_one(ckpt_dir, monkeypatch, symmetric):
     """A batch of routed experts' results is dequantized into the layer and packed at once
-    (`LayerRunner._emit_rows`): the same INT4 tensors and report, bit for bit, as publishing
+    (`LayerOutputs.emit_rows`): the same INT4 tensors and report, bit for bit, as publishing
     each Linear on its own (asymmetric codes take that path inside it)."""
-    import quantize.calib.layer as layer_mod
+    from quantize.calib.outputs import LayerOutputs
     from quantize.calib.round_layer import part_of
 
     rep_b, out_b = _calibrate_results(ckpt_dir, method="gptq", symmetric=symmetric)
 
-    def one_by_one(self, L, layer, w, parts):
+    def one_by_one(self, layer, L, w, parts):
         for n, i, rows in parts:
-            self._emit(L, layer, n, part_of(w, i, rows))
+            self.emit(layer, L, n, part_of(w, i, rows))
 
-    monkeypatch.setattr(layer_mod.LayerRunner, "_emit_rows", one_by_one)
+    monkeypatch.setattr(LayerOutputs, "emit_rows", one_by_one)
     rep_o, out_o = _calibrate_results(ckpt_dir, method="gptq", symmetric=symmetric)
     _assert_same_tensors(out_b, out_o)
     assert any(".experts." in n for n in out_b)

@@ -4,7 +4,8 @@ layer after layer on its thread):
     layer   = load_layer(...)                          the source's weights, dequantized (loaded
                                                        ahead: during the previous layer's pass 2)
     pass 1  statistics of the MLP's inputs             capture.py (Hessians, routed tokens, samples)
-    round   the MLP's target Linears                   rounding.LayerRounding (AWQ / GPTQ / RTN)
+    round   the MLP's target Linears                   rounding.LayerRounding (AWQ / GPTQ / RTN),
+                                                       published by outputs.LayerOutputs
     check   the MLP's output error against RTN's       REGRESSION_MARGIN: stop, or --rtn-fallback
     pass 2  the carried hidden states through the rounded layer (the next layer's inputs)
 
@@ -37,7 +38,6 @@ from quantize.calib.decoder import (
     every_key_on,
     free_bytes,
     free_layer,
-    layer_weight,
     load_layer,
     mlp_group_tokens,
     mlp_input_whole,
@@ -48,6 +48,7 @@ from quantize.calib.decoder import (
 from quantize.calib.distributed import Dist
 from quantize.calib.folds import NormFold, find_norm_fold
 from quantize.calib.handoff import LayerResult
+from quantize.calib.outputs import LayerOutputs, set_weight
 from quantize.calib.round_layer import (
     LayerRounding,
     LayerWeights,
@@ -55,24 +56,16 @@ from quantize.calib.round_layer import (
     Sections,
     Target,
     gptq_reserve,
-    part_of,
 )
 from quantize.errors import Problem, QuantizeError
 from quantize.options import ConvertOptions
-from quantize.overlap import Bounded
 from quantize.plan import Unit
-from quantize.rounding.int4 import Int4Weight, dequantize, int4_outputs, pack_int4, quantize_rtn
+from quantize.rounding.int4 import Int4Weight, quantize_rtn
 from quantize.source.checkpoint import Checkpoint, torch_dtype
-from quantize.source.staging import to_host
 
 __all__ = ["PROFILE_ENV", "REGRESSION_MARGIN", "Carry", "LayerRunner", "mlp_targets"]
 # a folder: the first calibrated layer runs under torch.profiler, its tables written there
 PROFILE_ENV = "QUANTIZE_TORCH_PROFILE"
-# The rounded Linears' packed outputs on the GPU waiting for the copy thread at most (bytes).
-# A layer's are ~5 GB for GLM-5.2; unbounded, a copy thread slower than the solves would hold
-# them on top of the rounding's own peak. (The H200 runs' occasional 8 GiB above the usual
-# peak were not these but a reference cycle in the fused GPTQ solve: gptq._fused_level.)
-D2H_PENDING = 1 << 30
 # A calibrated layer whose MLP output error (chunk 0, against the unrounded layer) exceeds this
 # many times round-to-nearest's on the same tokens stops the run (`--rtn-fallback`: that layer is
 # rounded to nearest instead). A coarse guard, verify's layer check the finer one: in sample,
@@ -239,11 +232,9 @@ class LayerRunner:
         self.dist, self.skeleton, self.inputs, self.carry = dist, skeleton, inputs, carry
         self.num_layers, self.log = num_layers, log
         self.check_stop, self.before_overwrite, self.warm = check_stop, before_overwrite, warm
-        self.results = LayerResult(-1)  # the layer in progress's
         self.report_rows = 0  # several ranks: this rank's chunk-0 rows the errors are taken over
-        self.host = ThreadPoolExecutor(1, thread_name_prefix="quantize-d2h")
-        # the packed outputs waiting for the copy thread stay on the GPU: at most D2H_PENDING
-        self.copies = Bounded(self.host, D2H_PENDING)
+        # the rounded weights: into the layer for pass 2, to the host for the writer
+        self.outputs = LayerOutputs(device, dist)
         # the next decoder layer's weights, loaded during this layer's pass 2 (`load_ahead`)
         self.loader = LayerLoader(ckpt, units, device, dtype, num_layers)
         self._profiled: set[int] = set()  # (torch_profile: the layers profiled)
@@ -253,7 +244,7 @@ class LayerRunner:
         """Layer L over the carried hidden states (replaced by its outputs through the rounded
         layer); its report entry and its result for the writer."""
         t0 = time.perf_counter()
-        self.results = LayerResult(L)
+        result = self.outputs.start(L)
         every_key = every_key_on()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -285,7 +276,7 @@ class LayerRunner:
                      "it is computed from here on")
         t_end = time.perf_counter()
         free_layer(layer)
-        self.copies.wait_all()  # the layer's outputs are all on the host
+        self.outputs.wait()  # the layer's outputs are all on the host
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         entry["finish_s"] = round(time.perf_counter() - t_end, 3)  # the host copies' tail
@@ -298,7 +289,7 @@ class LayerRunner:
                  f"{entry.get('quantized', 0)} Linears {self.opts.method}"
                  + (f", experts {[f['expert'] for f in fb]} below --min-expert-tokens: all-token "
                     "statistics" if fb else "") + f", {entry['seconds']} s")
-        return entry, self.results
+        return entry, result
 
     def load_ahead(self, L: int) -> None:
         """Decoder layer L (the next one) loaded meanwhile on the loader's thread (LayerLoader)."""
@@ -306,7 +297,7 @@ class LayerRunner:
 
     def close(self) -> None:
         """The threads stopped: queued host copies cancelled, a layer loaded ahead freed."""
-        self.host.shutdown(cancel_futures=True)
+        self.outputs.close()
         self.loader.close()
 
     def _calibrate(self, L: int, layer, kind: str, targets: dict[str, Target]) -> dict:
@@ -347,12 +338,12 @@ class LayerRunner:
         def done(n: str, w: Int4Weight) -> None:
             nonlocal nq
             nq += 1
-            self._emit(L, layer, n, w)
+            self.outputs.emit(layer, L, n, w)
 
         def done_rows(w: Int4Weight, parts: list[Part]) -> None:
             nonlocal nq
             nq += len(parts)
-            self._emit_rows(L, layer, w, parts)
+            self.outputs.emit_rows(layer, L, w, parts)
 
         report = rounding.run(done, clock.lap, done_rows)
         if kind == "moe" and stats.routed_hessians:  # how the routed gate/up Hessians got their inputs
@@ -362,8 +353,8 @@ class LayerRunner:
         mods = rounding.mods
         for n, t in mods.items():  # the BF16 tensors AWQ rescaled, as they will be written
             t = t.to(torch_dtype(self.units[n].outputs[0].dtype))
-            self.results.rescaled[n] = t.cpu()
-            self._set_weight(L, layer, n, t.float())
+            self.outputs.results.rescaled[n] = t.cpu()
+            set_weight(layer, L, n, t.float())
         clock.lap("rounding")
         self.load_ahead(L + 1)  # past the rounding's peak: the next layer's weights meanwhile
 
@@ -420,69 +411,17 @@ class LayerRunner:
         sums = self.dist.all_reduce(torch.stack([d.pow(2).sum(), ref.pow(2).sum()]).double())
         return float(sums[0].sqrt() / sums[1].sqrt().clamp(min=1e-30))
 
-    def _emit(self, L: int, layer, n: str, w: Int4Weight) -> None:
-        """A rounded weight: into the module for pass 2, packed to the host for the writer."""
-        self._set_weight(L, layer, n, dequantize(w, torch.float32))
-        if self.dist is not None and not self.dist.leader:
-            return  # only rank 0 writes the output
-        outs = int4_outputs(w)  # packed where it was computed: 1/2 of the int8 codes' bytes
-        if self.device.type == "cuda":  # to the host on a copy thread and stream: the
-            # solves queued behind it go on (resolved in `result`, at the latest at layer end)
-            self.results.int4[n] = self.copies.submit(lambda ts: [to_host(t) for t in ts],
-                                                      sum(t.nbytes for t in outs), outs)
-        else:
-            self.results.int4[n] = outs
-
-    def _emit_rows(self, L: int, layer, w: Int4Weight, parts: list[Part]) -> None:
-        """A batch of rounded experts, w (e, R, K), each part one Linear's rows of one expert:
-        as `_emit` for each part, with the batch dequantized and packed at once and moved to
-        the host in one copy (per Linear: ~10 small kernels, a copy and a thread hand-off, for
-        768 Linears a GLM-5.2 layer). One process only (LayerRounding.run's `done_rows`).
-        Asymmetric codes go part by part (their zero points are packed along the rows)."""
-        if w.zero_point is not None:
-            for n, i, rows in parts:
-                self._emit(L, layer, n, part_of(w, i, rows))
-            return
-        e, R, K = w.q.shape
-        flat = Int4Weight(w.q.reshape(e * R, K), w.scale.reshape(e * R, -1), None)
-        deq = dequantize(flat, torch.float32).view(e, R, K)
-        for n, i, rows in parts:
-            self._set_weight(L, layer, n, deq[i, rows])
-        del deq
-        packed = pack_int4(flat.q).view(e, R, -1)
-
-        def outputs(ph: torch.Tensor, sh: torch.Tensor, i: int, rows: slice) -> list[torch.Tensor]:
-            p = ph[i, rows]  # (views of the batch's host copy: contiguous rows)
-            return [p, sh[i, rows], torch.tensor([p.shape[0], K], dtype=torch.int64)]
-
-        futs = {n: Future() for n, _, _ in parts}  # (the CPU too: to_host returns its tensors)
-
-        def split(batch: Future) -> None:  # (on the copy thread, once the batch is on the host)
-            try:
-                ph, sh = batch.result()
-                for n, i, rows in parts:
-                    futs[n].set_result(outputs(ph, sh, i, rows))
-            except BaseException as exc:  # noqa: BLE001 - raised where the writer reads them
-                for f in futs.values():
-                    if not f.done():
-                        f.set_exception(exc)
-
-        batch = self.copies.submit(lambda p, s: (to_host(p), to_host(s)), packed.nbytes + w.scale.nbytes,
-                                   packed, w.scale)
-        batch.add_done_callback(split)
-        self.results.int4.update(futs)
-
     def _fall_back_to_rtn(self, L: int, layer, quant: list[str], mods: dict) -> None:
         """The layer rounded to nearest from the source instead (`--rtn-fallback`): every target
         re-emitted, every tensor AWQ rescaled back to the source's value (and not written:
         the plain path copies it), the layer's AWQ scales dropped."""
         W = LayerWeights(self.ckpt, self.units, self.device)
         for n in quant:
-            self._emit(L, layer, n, quantize_rtn(W.source(n), self.opts.group_size,
-                                                 self.opts.symmetric))
+            self.outputs.emit(layer, L, n, quantize_rtn(W.source(n), self.opts.group_size,
+                                                        self.opts.symmetric))
         for n in mods:
-            self.results.rescaled.pop(n, None)
-            self._set_weight(L, layer, n, W.source(n))
+            self.outputs.results.rescaled.pop(n, None)
+            set_weight(layer, L, n, W.source(n))
 
     def _chunk0_output(self, layer, halves: SplitLayer | None) -> torch.Tensor:
         """Chunk 0's layer output through the layer as it is now (after pass 1: chunk 0 holds
@@ -685,8 +624,3 @@ class LayerRunner:
                 self.carry.hidden.put(start + j, o)
             out0 = parts[0] if start == 0 else out0
         return out0
-
-    def _set_weight(self, L: int, layer, name: str, t: torch.Tensor) -> None:
-        """Copy a written value into the module (fused experts included)."""
-        with torch.no_grad():
-            layer_weight(layer, L, name).copy_(t)
