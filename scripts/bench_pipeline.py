@@ -98,11 +98,14 @@ def parse_log(text: str, start: float) -> dict:
 
 
 def run_convert(src: Path, dst: Path, n: int, seq_len: int, device: str, extra: list[str],
-                log: Path, wrap: list[str], limit: float | None = None) -> dict:
+                log: Path, wrap: list[str], limit: float | None = None, code: Path | None = None) -> dict:
     cmd = [*wrap, sys.executable, "-m", "quantize", "convert", str(src), str(dst), "--method", "gptq",
            "--device", device, "--num-samples", str(n), "--seq-len", str(seq_len), "--tp", "1",
            "--overwrite", *extra]
     env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    if code is not None:  # that tree's quantize first on the path, not the working directory's
+        env["PYTHONPATH"] = os.pathsep.join([str(code.resolve()), *filter(None, [env.get("PYTHONPATH")])])
+        env["PYTHONSAFEPATH"] = "1"
     cold = drop_caches()
     t0 = time.perf_counter()
     now = time.localtime()
@@ -127,7 +130,7 @@ def run_convert(src: Path, dst: Path, n: int, seq_len: int, device: str, extra: 
             timer.cancel()
     wall = time.perf_counter() - t0
     text = log.read_text()
-    res = {"command": " ".join(cmd), "tokens": [n, seq_len], "exit": os.waitstatus_to_exitcode(status),
+    res = {"command": " ".join(cmd), "code": str(code) if code else None, "tokens": [n, seq_len], "exit": os.waitstatus_to_exitcode(status),
            "wall_s": round(wall, 2), "peak_rss_gib": round(usage.ru_maxrss * 1024 / 2**30, 2),
            "cold_cache": cold, **parse_log(text, start)}
     if fired.is_set():
@@ -200,6 +203,10 @@ def main() -> None:
                     "'py-spy record --format raw --threads -o prof.txt --'")
     ap.add_argument("--run-timeout", type=float, default=None, metavar="S",
                     help="stop each convert after S seconds and record what its log has")
+    ap.add_argument("--code", type=Path, default=None, metavar="DIR",
+                    help="convert with the quantize package in DIR instead of this tree's, to time "
+                         "another commit on the same machine (the slice is built by this tree): "
+                         "git archive REV quantize calib_data | tar -x -C DIR")
     ap.add_argument("--keep-output", action="store_true", help="keep each run's output folder")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (figures meaningless)")
     args = ap.parse_args()
@@ -222,7 +229,7 @@ def main() -> None:
         log = args.out.with_name(args.out.stem + tag + ".log")
         wrap = args.wrap.replace("{n}", str(n)).split()
         r = run_convert(src, dst, n, args.seq_len, device, args.extra.split() + flags.split(), log, wrap,
-                        args.run_timeout)
+                        args.run_timeout, args.code)
         if not args.keep_output:
             subprocess.run(["rm", "-rf", str(dst)], check=False)
         res["runs"].append(r)
