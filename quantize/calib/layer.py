@@ -279,10 +279,9 @@ class LayerRunner:
         self.outputs.wait()  # the layer's outputs are all on the host
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        entry["finish_s"] = round(time.perf_counter() - t_end, 3)  # the host copies' tail
-        if self.device.type == "cuda":
             entry["peak_gpu_gib"] = max([round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2),
                                          *entry.get("peak_gpu_gib_by_phase", {}).values()])
+        entry["finish_s"] = round(time.perf_counter() - t_end, 3)  # the host copies' tail
         entry["seconds"] = round(time.perf_counter() - t0, 3)
         fb = entry.get("fallback") or []
         self.log(f"layer {L}{' (MTP)' if L >= self.num_layers else ''}: "

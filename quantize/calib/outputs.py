@@ -84,10 +84,11 @@ class LayerOutputs:
             set_weight(layer, L, n, deq[i, rows])
         del deq
         packed = pack_int4(flat.q).view(e, R, -1)
+        shapes = w.q.to("meta")  # the codes' shapes for int4_outputs, not their memory
 
         def outputs(ph: torch.Tensor, sh: torch.Tensor, i: int, rows: slice) -> list[torch.Tensor]:
-            p = ph[i, rows]  # (views of the batch's host copy: contiguous rows)
-            return [p, sh[i, rows], torch.tensor([p.shape[0], K], dtype=torch.int64)]
+            # (views of the batch's host copy: contiguous rows)
+            return int4_outputs(Int4Weight(shapes[i, rows], sh[i, rows], None), packed=ph[i, rows])
 
         futs = {n: Future() for n, _, _ in parts}  # (the CPU too: to_host returns its tensors)
 

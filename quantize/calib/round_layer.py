@@ -193,7 +193,6 @@ class LayerRounding:
         self.L, self.mlp, self.kind, self.targets, self.stats = L, mlp, kind, targets, stats
         self.ckpt, self.opts, self.device, self.dtype, self.dist = ckpt, opts, device, dtype, dist
         self.check_stop = check_stop
-        self.done_rows: Callable[[Int4Weight, list[Part]], None] | None = None  # (run's)
         self.gptq_cfg = GPTQConfig(group_size=opts.group_size, symmetric=opts.symmetric,
                                    percdamp=opts.percdamp, mse_clip=opts.mse_clip,
                                    mse_norm=opts.mse_norm, scale_refit=opts.scale_refit,
@@ -230,7 +229,6 @@ class LayerRounding:
         phase timing). `done_rows(w, parts)`, where given, takes a batch of routed experts'
         results at once (w (e, R, K); each part one Linear's rows of one expert) instead of
         `done` per Linear (one process only: several hand results on by expert)."""
-        self.done_rows = done_rows
         stats = self.stats
         report: dict = {"tokens": stats.tokens}
         if self.kind == "moe":
@@ -245,7 +243,7 @@ class LayerRounding:
                 for n in quant:
                     done(n, quantize_rtn(R[n], self.opts.group_size, self.opts.symmetric))
         else:
-            report.update(self._gptq(quant, done))
+            report.update(self._gptq(quant, done, done_rows))
             report["rounding_sections_s"] = self.sections.seconds()
         for n, t in self.targets.items():  # BF16 Linears AWQ rescaled, as they will be written
             if not t.quantize and self.W.scaled(n):
@@ -340,7 +338,8 @@ class LayerRounding:
         self._retries += r.retries
         return r.weight
 
-    def _gptq(self, quant: list[str], done: Callable[[str, Int4Weight], None]) -> dict:
+    def _gptq(self, quant: list[str], done: Callable[[str, Int4Weight], None],
+              done_rows: Callable[[Int4Weight, list[Part]], None] | None) -> dict:
         stats, W, p = self.stats, self.W, self.p
         report: dict = {}
         H_in = _H_scaled(stats.H_in, self.s_in)
@@ -349,7 +348,7 @@ class LayerRounding:
                         self.device, self.dist) if routed else 1
         report["gptq_expert_batch"] = nb
         if routed:
-            self._gptq_routed(routed, nb, H_in, done)
+            self._gptq_routed(routed, nb, H_in, done, done_rows)
         rest = [n for n in quant if ".experts." not in n]  # shared experts / dense MLP
         gu = [n for n in rest if n.endswith(("gate_proj.weight", "up_proj.weight"))]
         with self.sections("gptq_shared_or_dense"):
@@ -412,7 +411,8 @@ class LayerRounding:
         return H, D_pass1 + D_within, fig
 
     def _gptq_routed(self, routed: list[int], nb: int, H_in: torch.Tensor,
-                     done: Callable[[str, Int4Weight], None]) -> None:
+                     done: Callable[[str, Int4Weight], None],
+                     done_rows: Callable[[Int4Weight, list[Part]], None] | None) -> None:
         """The routed experts' GPTQ in batches of nb, their owners' batches in step (one
         process: one owner). Per step: each owner's gate/up and down Hessians (summed onto it
         from every rank's tokens), its solves, its results to `done` (every rank: in expert
@@ -428,8 +428,8 @@ class LayerRounding:
         steps = max(-(-len(x) // nb) for x in own)
 
         def publish(w: Int4Weight, parts: list[Part], emit: Callable[[str, Int4Weight], None]) -> None:
-            if d is None and self.done_rows is not None:  # the batch at once
-                self.done_rows(w, parts)
+            if d is None and done_rows is not None:  # the batch at once
+                done_rows(w, parts)
             else:
                 for n, i, rows in parts:
                     emit(n, part_of(w, i, rows))

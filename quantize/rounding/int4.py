@@ -142,12 +142,12 @@ def unpack_int4(packed: torch.Tensor, K: int, dim: int = 1) -> torch.Tensor:
     return (u.to(torch.int16) - 8).to(torch.int8)
 
 
-def int4_outputs(q: Int4Weight) -> list[torch.Tensor]:
+def int4_outputs(q: Int4Weight, packed: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The tensors written for one quantized Linear, in the layout's order: weight_packed,
     weight_scale, weight_shape (on the host) and, when asymmetric, weight_zero_point. Packed
-    on q's device."""
+    on q's device, unless `packed` holds q's codes packed already (a view of a batch's)."""
     N, K = q.q.shape
-    outs = [pack_int4(q.q), q.scale, torch.tensor([N, K], dtype=torch.int64)]
+    outs = [pack_int4(q.q) if packed is None else packed, q.scale, torch.tensor([N, K], dtype=torch.int64)]
     if q.zero_point is not None:
         outs.append(pack_int4(q.zero_point, dim=0))
     return outs
