@@ -25,6 +25,7 @@ from pathlib import Path
 def summarize(trace: list[dict], before: int, top: int = 25) -> dict:
     """The live blocks at the trace's highest point over `before` bytes, grouped."""
     cur, peak, at = 0, 0, -1
+    from_before = freed_before = 0  # blocks from before the history freed: so far, at the peak
     sizes: dict[int, int] = {}
     for i, e in enumerate(trace):
         a = e["action"]
@@ -32,18 +33,19 @@ def summarize(trace: list[dict], before: int, top: int = 25) -> dict:
             sizes[e["addr"]] = e["size"]
             cur += e["size"]
         elif a == "free_requested":
-            cur -= sizes.pop(e["addr"], e["size"])  # (a block from before: it leaves `before`)
+            if e["addr"] in sizes:
+                cur -= sizes.pop(e["addr"])
+            else:  # a block from before: it leaves `before`
+                cur -= e["size"]
+                from_before += e["size"]
         if cur > peak:
-            peak, at = cur, i
+            peak, at, freed_before = cur, i, from_before
     live: dict[int, dict] = {}
     for e in trace[: at + 1]:
         if e["action"] == "alloc":
             live[e["addr"]] = e
         elif e["action"] == "free_requested":
             live.pop(e["addr"], None)
-    freed_before = sum(e["size"] for e in trace[: at + 1]
-                       if e["action"] == "free_requested" and e["addr"] not in live) - \
-        sum(e["size"] for e in trace[: at + 1] if e["action"] == "alloc" and e["addr"] not in live)
     groups: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for e in live.values():
         ours = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in e.get("frames", [])
