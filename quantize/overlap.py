@@ -6,6 +6,10 @@
     with Readahead(ckpt, names) as ra:            the tensors' bytes read into the page cache
         ...; ra.consumed(nbytes)                  in the order given, at most `ahead` bytes
                                                   beyond what the reader has taken
+    with HashAhead(paths) as h:                   files hashed (sha256) in the order given, at
+        ...; h.consumed(nbytes)                   most `ahead` bytes beyond what the reader has
+    h.digests()                                   taken: its reads then come from the page cache
+                                                  (each file read from the disk once)
     copies = Bounded(pool, limit)                 work handed to an executor, at most `limit`
     fut = copies.submit(fn, nbytes, *args)        bytes of it unfinished: submit waits for the
                                                   oldest first (what it holds stays bounded)
@@ -19,11 +23,13 @@ the disk"). No torch here: header-only commands import this module too.
 from __future__ import annotations
 
 import collections
+import hashlib
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
-__all__ = ["Bounded", "Readahead", "background", "readahead_bytes"]
+__all__ = ["Bounded", "HashAhead", "Readahead", "background", "readahead_bytes"]
 
 
 def background(fn: Callable, *args) -> Future:
@@ -125,6 +131,86 @@ class Readahead:
         self._thread.join()
 
     def __enter__(self) -> Readahead:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class HashAhead:
+    """The sha256 of each of `paths`, hashed in the order given on two daemon threads (one
+    reads `chunk`-sized pieces, one hashes them: a thread doing both leaves the disk idle while
+    it hashes), the reads staying at most `ahead` bytes beyond the bytes the consumer reported
+    (`consumed`): a consumer reading the same files in the same order then reads them from the
+    page cache, and each file comes from the disk once however little of it the cache holds.
+    `digests()` waits for all: {path: hexdigest, or the OSError that stopped its read}.
+    `close` (or leaving the `with`) stops it within one chunk."""
+
+    def __init__(self, paths: list, ahead: int | None = None, chunk: int = 16 * 2**20) -> None:
+        self.paths, self.chunk = list(paths), chunk
+        self.ahead = readahead_bytes() if ahead is None else ahead
+        self.read_bytes = 0  # read so far (the last file's hashing may still be under way)
+        self._cv = threading.Condition()
+        self._taken = 0
+        self._stop = False
+        self._pieces: queue.Queue = queue.Queue(maxsize=4)  # read, not yet hashed
+        self._digests: dict = {}
+        self._done = threading.Event()
+        for fn, name in ((self._read, "quantize-hash-read"), (self._hash, "quantize-hash")):
+            threading.Thread(target=fn, daemon=True, name=name).start()
+
+    def consumed(self, nbytes: int) -> None:
+        with self._cv:
+            self._taken += nbytes
+            self._cv.notify()
+
+    def _read(self) -> None:
+        for path in self.paths:
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    while True:
+                        with self._cv:
+                            self._cv.wait_for(lambda: self._stop or self.read_bytes - self._taken < self.ahead)
+                        if self._stop:  # (no digest for a file left part-read)
+                            self._pieces.put(None)
+                            return
+                        piece = f.read(self.chunk)
+                        if not piece:
+                            break
+                        self.read_bytes += len(piece)
+                        self._pieces.put((path, piece))
+            except OSError as e:
+                self._pieces.put((path, e))
+            self._pieces.put((path, None))  # the file's end
+        self._pieces.put(None)
+
+    def _hash(self) -> None:
+        h, failed = hashlib.sha256(), None
+        while (item := self._pieces.get()) is not None:
+            path, piece = item
+            if piece is None:
+                self._digests[path] = failed or h.hexdigest()
+                h, failed = hashlib.sha256(), None
+            elif isinstance(piece, OSError):
+                failed = piece
+            elif failed is None:
+                h.update(piece)  # (releases the GIL)
+        self._done.set()
+
+    def digests(self) -> dict:
+        """{path: sha256 hexdigest, or the OSError that stopped the read}, once all are done
+        (reads past the budget go on regardless: the consumer is finished with them)."""
+        self.consumed(float("inf"))
+        self._done.wait()
+        return dict(self._digests)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._done.wait()  # (the hashing thread empties the queue the reader may wait on)
+
+    def __enter__(self) -> HashAhead:
         return self
 
     def __exit__(self, *exc) -> None:

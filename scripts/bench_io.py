@@ -4,13 +4,16 @@ on the GLM-5.2-shaped slice of scripts/bench_pipeline.py (~21 GB block FP8).
     PYTHONPATH=. python3 scripts/bench_io.py --out benchmarks/h200_io.json
     PYTHONPATH=. python3 scripts/bench_io.py --out x.json --profile DIR   # also under py-spy
     PYTHONPATH=. python3 scripts/bench_io.py --smoke --out /tmp/io.json    # tiny, CPU: checks the script
+    ... --cgroup /sys/fs/cgroup/qb   # the quantize runs in a memory cgroup the caller made and
+                                     # limited (echo 6G > memory.max): the page cache smaller
+                                     # than the output, as on the real model
 
 Runs, each after `sync; echo 3 > /proc/sys/vm/drop_caches`:
   copy     cp -r SRC DST && sync                       the yardstick a user knows
   read     cat SRC/*.safetensors DST/*.safetensors     verify's cold read floor (after an rtn run)
   rtn      python3 -m quantize convert SRC DST --method rtn --overwrite
   verify   python3 -m quantize verify SRC DST --no-layer-check   (and with the layer check)
-Recorded: wall time, peak host RSS, the disk's cold read / fsynced write rates, and every
+Recorded: wall time, peak host RSS, the bytes read from and written to the disk, the disk's cold read / fsynced write rates, and every
 time-stamped stderr line of the CLI as seconds since the process started (where the time goes:
 start-up, streaming, the tail after the last tensor). With --profile, each quantize run once
 more under `py-spy record --format raw` (its collapsed stacks written to DIR).
@@ -30,15 +33,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import STAMP, drop_caches, prepare_slice, seconds_of_day, slice_config
 
 
-def timed(cmd: list[str], log: Path) -> dict:
-    """One cold run of `cmd`: wall, peak RSS, its stamped stderr lines (s since start)."""
+def timed(cmd: list[str], log: Path, cgroup: Path | None = None) -> dict:
+    """One cold run of `cmd`: wall, peak RSS, the bytes it read from and wrote to the disk
+    (the kernel's count of block I/O, page-cache hits not counted), its stamped stderr lines
+    (s since start); run inside `cgroup` (a memory cgroup's folder: its limit bounds the page
+    cache the run may fill, as a model larger than the memory would) when given."""
     env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
     cold = drop_caches()
     now = time.localtime()
     start = now.tm_hour * 3600 + now.tm_min * 60 + now.tm_sec + time.time() % 1
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=env)
+        join = None if cgroup is None else (lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid())))
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=env, preexec_fn=join)
         _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
     lines = []
@@ -46,7 +53,11 @@ def timed(cmd: list[str], log: Path) -> dict:
         if (m := STAMP.match(line)) is not None:
             lines.append([round(seconds_of_day(m) - start, 2), line[m.end():][:160]])
     res = {"command": " ".join(cmd), "exit": os.waitstatus_to_exitcode(status), "wall_s": round(wall, 2),
-           "peak_rss_gib": round(usage.ru_maxrss * 1024 / 2**30, 2), "cold_cache": cold, "lines": lines}
+           "peak_rss_gib": round(usage.ru_maxrss * 1024 / 2**30, 2), "cold_cache": cold,
+           "disk_read_gb": round(usage.ru_inblock * 512 / 1e9, 2),  # (Linux counts 512-byte blocks)
+           "disk_written_gb": round(usage.ru_oublock * 512 / 1e9, 2), "lines": lines}
+    if cgroup is not None:
+        res["cgroup"] = str(cgroup)
     if res["exit"] != 0:
         res["stderr_tail"] = log.read_text(errors="replace")[-3000:]
     return res
@@ -62,6 +73,9 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=None, help="also run each under py-spy, stacks here")
     ap.add_argument("--only", default="copy,rtn,verify,verify-layers", help="which runs, comma list")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (figures meaningless)")
+    ap.add_argument("--cgroup", type=Path, default=None,
+                    help="a memory cgroup folder (made and limited by the caller) to run the "
+                         "quantize commands in: a page cache smaller than the output, as on a real model")
     args = ap.parse_args()
 
     cfg, device, src = slice_config(args)
@@ -80,7 +94,7 @@ def main() -> None:
     }
     for k, name in enumerate(args.only.split(",")):
         key = name if name not in res["runs"] else f"{name}-{k}"  # (a name asked for twice)
-        r = timed(cmds[name], args.workdir / f"{name}.log")
+        r = timed(cmds[name], args.workdir / f"{name}.log", args.cgroup if cmds[name][0] != "bash" else None)
         if name == "copy":
             subprocess.run(["rm", "-rf", str(copy)], check=False)
         if name == "rtn" and dst.exists():

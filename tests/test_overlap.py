@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from quantize.overlap import Bounded, Readahead, background, readahead_bytes
+from quantize.overlap import Bounded, HashAhead, Readahead, background, readahead_bytes
 from quantize.source.checkpoint import open_checkpoint
 from quantize.source.synth import tiny_config, write_checkpoint
 
@@ -134,3 +134,55 @@ def test_bounded_keeps_unfinished_work_within_its_byte_limit_and_reraises():
         b2.submit(boom, 1)
         with pytest.raises(OSError, match="copy failed"):  # the next submission waits on it
             b2.submit(lambda: None, 1)
+
+
+def _files(tmp_path, sizes: list[int], seed: int = 0) -> list:
+    import random
+
+    rng = random.Random(seed)
+    paths = []
+    for i, n in enumerate(sizes):
+        p = tmp_path / f"f{i}.bin"
+        p.write_bytes(rng.randbytes(n))
+        paths.append(p)
+    return paths
+
+
+def test_hash_ahead_gives_each_files_sha256(tmp_path):
+    import hashlib
+
+    # pieces of 64 KiB: files of several pieces, one not a whole number of them, an empty one
+    paths = _files(tmp_path, [5 * 2**16, 3 * 2**16 + 123, 0, 1000])
+    paths.append(tmp_path / "missing.bin")
+    with HashAhead(paths, ahead=2**16, chunk=2**16) as h:
+        got = h.digests()
+    for p in paths[:-1]:
+        assert got[p] == hashlib.sha256(p.read_bytes()).hexdigest(), p.name
+    assert isinstance(got[paths[-1]], OSError)  # said, and the files after it still hashed
+
+
+def test_hash_ahead_reads_within_its_budget_beyond_what_was_consumed(tmp_path):
+    piece = 2**16
+    paths = _files(tmp_path, [4 * piece, 4 * piece], seed=1)
+
+    def settle(h, want: int) -> None:
+        t0 = time.monotonic()
+        while h.read_bytes < want and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        time.sleep(0.1)  # (and no further)
+
+    with HashAhead(paths, ahead=3 * piece, chunk=piece) as h:
+        settle(h, 3 * piece)
+        assert h.read_bytes == 3 * piece  # begins at once, stops at the budget
+        h.consumed(4 * piece)  # the reader is into the second file
+        settle(h, 7 * piece)
+        assert h.read_bytes == 7 * piece
+        assert len(h.digests()) == 2 and h.read_bytes == 8 * piece  # the rest, once asked
+
+
+def test_hash_ahead_closes_with_reads_pending(tmp_path):
+    paths = _files(tmp_path, [8 * 2**16], seed=2)
+    h = HashAhead(paths, ahead=2**16, chunk=2**16)
+    t0 = time.monotonic()
+    h.close()  # the reader waits on the budget: close ends it, no digest of a part-read file
+    assert time.monotonic() - t0 < 5 and h.read_bytes <= 2 * 2**16 and h._digests == {}

@@ -270,6 +270,23 @@ def test_verify_names_any_changed_byte(dsa_fp8, reference, tmp_path, which):
     assert f"{name}: sha256 differs from the manifest" in r.output
 
 
+def test_verify_names_a_changed_shard_its_checks_cannot_read(dsa_fp8, reference, tmp_path):
+    """A shard's bytes are hashed beside the tensor checks that read them (not before): a
+    change that breaks the reading itself (a header that no longer parses) is still reported
+    as the changed file, not as a crash."""
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    p = sorted(out.glob("*.safetensors"))[3]
+    data = bytearray(p.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    data[8 + n // 2: 8 + n // 2 + 4] = b"\xff\xff\xff\xff"  # no longer UTF-8 JSON
+    p.write_bytes(bytes(data))
+    r = runner.invoke(app, ["verify", str(dsa_fp8), str(out)])
+    assert r.exit_code == 1, r.output
+    assert f"{p.name}: sha256 differs from the manifest" in r.output
+    assert "Traceback" not in r.output
+
+
 def test_verify_names_a_missing_file_and_refuses_a_folder_without_manifest(dsa_fp8, reference,
                                                                            tmp_path):
     out = tmp_path / "out"

@@ -57,7 +57,7 @@ from quantize.names import (
     WEIGHT_SUFFIXES,
 )
 from quantize.options import ConvertOptions
-from quantize.overlap import Readahead, background
+from quantize.overlap import HashAhead, Readahead, background
 from quantize.plan import Unit, make_plan
 from quantize.rounding.int4 import REFIT_RANGE, Int4Weight, dequantize, rtn_qparams, unpack_int4
 from quantize.source.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor_table
@@ -266,9 +266,16 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     src_name = ident["repo_id"] or (manifest.get("source") or {}).get("name") or Path(src).name
     report = VerifyReport(src_name, dst.name, min_sqnr_db)
     dev = resolve_device(device)  # auto: the GPU when there is one; cuda without one: exit 2
-    # the output's files are hashed from here on (disk-bound; hashlib releases the GIL), while
-    # this thread imports transformers for the layer check (seconds on a cold start)
-    digests = background(_hash_files, dst, manifest["files"])
+    # Every file of the manifest is hashed, each read from the disk once: the weight shards on
+    # threads that read them in the order of the tensor checks, a bounded stretch ahead of
+    # them (the checks then read the page cache; an output larger than the memory is not read
+    # twice), the small files at once. This thread meanwhile imports transformers for the
+    # layer check (seconds on a cold start).
+    files = manifest["files"]
+    same_size = _same_size(dst, files)
+    streamed = _streamed(dst, same_size)
+    rest = background(_hash_files, dst, [n for n in same_size if n not in streamed])
+    shards = HashAhead([dst / n for n in streamed])
     t0 = time.perf_counter()
     prep = early = None
     if layer_check:  # transformers, the layer classes and the tokenizer load meanwhile
@@ -280,32 +287,71 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
         except (QuantizeError, OSError, ValueError):
             prep = None  # (said where SRC is opened below)
     try:
-        return _verify(report, src, dst, manifest, (digests, t0), early, prep, min_sqnr_db, dev,
-                       on_unit, write, on_start, layer_check, log)
+        return _verify(report, src, dst, manifest, _Hashing(rest, shards, streamed, t0), early,
+                       prep, min_sqnr_db, dev, on_unit, write, on_start, layer_check, log)
     finally:  # never return with the preparation still building on its thread: transformers
         # sets torch's process-wide default dtype while it builds (a later build in this
         # process would take BF16 as the default to restore)
+        shards.close()
         if prep is not None:
             prep.exception()
 
 
-def _verify(report: VerifyReport, src, dst: Path, manifest: dict, hashing: tuple[Future, float],
+@dataclass
+class _Hashing:
+    """The manifest's files being hashed: `rest` (a Future of `_hash_files` of the small
+    files), `shards` (the weight shards `streamed`, read ahead of the tensor checks), since
+    `t0`."""
+
+    rest: Future
+    shards: HashAhead
+    streamed: list[str]
+    t0: float
+
+    def shard_digests(self) -> dict[str, str]:
+        """The shards' digests once all are hashed (one that could not be read: none)."""
+        got = self.shards.digests()
+        return {n: d for n, p in zip(self.streamed, self.shards.paths) if isinstance(d := got.get(p), str)}
+
+
+def _verify(report: VerifyReport, src, dst: Path, manifest: dict, hashing: _Hashing,
             early: Checkpoint | None, prep, min_sqnr_db: float, dev: torch.device, on_unit,
             write: bool, on_start, layer_check: bool, log) -> VerifyReport:
-    """verify()'s checks once the report is started, the files are being hashed (`hashing`:
-    the Future of `_hash_files` and when it began) and the layer check is preparing."""
+    """verify()'s checks once the report is started, the files are being hashed and the
+    layer check is preparing."""
     # compressed-tensors (for config.json's quantization_config; seconds to import) loads while
     # the files are hashed. (transformers, which it imports, is whole already when the layer
     # check is preparing: `prepare_in_background` imports it on this thread first.)
     background(importlib.import_module, "compressed_tensors.quantization")
-    digests, t0 = hashing
-    _files_problems(report, Path(src), dst, manifest["files"], digests.result())
+    files = manifest["files"]
+    _files_problems(report, Path(src), dst, files, hashing.rest.result(), set(hashing.streamed))
     if log:
-        log(f"{len(manifest['files'])} files checked against the manifest's sha256 in "
-            f"{time.perf_counter() - t0:.1f} s")
+        log(f"{len(files) - len(hashing.streamed)} files checked against the manifest's sha256 "
+            f"in {time.perf_counter() - hashing.t0:.1f} s; {len(hashing.streamed)} weight shards "
+            f"are hashed beside the tensor checks")
     if report.problems:
         return _finish(report, dst, write)
+    try:
+        _check_output(report, src, dst, manifest, hashing.shards, early, prep, min_sqnr_db, dev,
+                      on_unit, on_start, layer_check, log)
+    except Exception:
+        # a shard changed after conversion can fail any check that reads it (a header that no
+        # longer parses): the change is what to report
+        if _changed(report, files, hashing.shard_digests(), hashing.streamed):
+            return _finish(report, dst, write)
+        raise
+    _changed(report, files, hashing.shard_digests(), hashing.streamed)
+    if log:
+        log(f"{len(hashing.streamed)} weight shards checked against the manifest's sha256 "
+            f"({hashing.shards.read_bytes / 1e9:.1f} GB) in {time.perf_counter() - hashing.t0:.1f} s")
+    return _finish(report, dst, write)
 
+
+def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, shards: HashAhead,
+                  early: Checkpoint | None, prep, min_sqnr_db: float, dev: torch.device, on_unit,
+                  on_start, layer_check: bool, log) -> None:
+    """The output's layout against the plan, then every tensor and layer against the source;
+    `shards` told how far the tensor checks have read."""
     t0 = time.perf_counter()
     o = manifest["options"]
     opts = ConvertOptions(**{**o, "targets": frozenset(o["targets"])})
@@ -320,7 +366,7 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, hashing: tuple
         log(f"{len(tensors)} tensors, the index and config.json checked against the plan in "
             f"{time.perf_counter() - t0:.1f} s")
     if report.problems:
-        return _finish(report, dst, write)
+        return
 
     awq_scales = None
     if AWQ_SCALES in manifest["files"]:  # AWQ folded scales into norms, routers and weights
@@ -329,35 +375,58 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, hashing: tuple
         awq_scales = read_folds(dst / AWQ_SCALES)
     elif "awq" in opts.method:
         report.problems.append(f"{AWQ_SCALES}: missing, but the manifest says method {opts.method}")
-        return _finish(report, dst, write)
+        return
     checker = _layer_check(src_ckpt, plan, dst, opts, dev, report, layer_check, log, prep)
     _check_tensors_and_layers(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
-                              awq_scales, checker, on_start, on_unit, log)
-    return _finish(report, dst, write)
+                              awq_scales, checker, on_start, on_unit, log, shards)
 
 
-def _hash_files(dst: Path, files: dict) -> dict[str, str]:
-    """sha256 of each of the manifest's files present at its recorded size (the others fail
-    without reading them)."""
-    present = {n: (dst / n).stat().st_size for n in files if (dst / n).is_file()}
-    # the files hashed several at once, largest first (hashlib releases the GIL): one thread
-    # hashing shard after shard waits on each cold read in turn, at half the disk's rate
-    same_size = sorted((n for n in present if present[n] == files[n]["bytes"]), key=lambda n: -present[n])
-    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1, len(same_size)))) as pool:
-        return dict(zip(same_size, pool.map(lambda n: sha256_file(dst / n), same_size)))
+def _same_size(dst: Path, files: dict) -> list[str]:
+    """The manifest's files present at their recorded size (the others fail unread)."""
+    return [n for n in files if (dst / n).is_file() and (dst / n).stat().st_size == files[n]["bytes"]]
+
+
+def _streamed(dst: Path, names: list[str]) -> list[str]:
+    """Of `names`, the weight shards the index maps tensors to, in file-name order (the
+    order in which the tensor checks read them: the plan's)."""
+    try:
+        weight_map = json.loads((dst / INDEX_NAME).read_text()).get("weight_map", {})
+        mapped = set(weight_map.values())
+    except (OSError, ValueError, AttributeError, TypeError):
+        return []  # (an unreadable index fails its own hash and the layout check)
+    return sorted(n for n in names if n in mapped)
+
+
+def _changed(report: VerifyReport, files: dict, digests: dict[str, str], names: list[str]) -> bool:
+    """Adds a problem for each of `names` whose sha256 is not the manifest's; whether any."""
+    bad = [n for n in names if digests.get(n) != files[n]["sha256"]]
+    report.problems += [_CHANGED.format(n) for n in bad]
+    return bool(bad)
+
+
+_CHANGED = ("{}: sha256 differs from the manifest (the file was changed after conversion; "
+            "re-run convert with --overwrite)")
+
+
+def _hash_files(dst: Path, names: list[str]) -> dict[str, str]:
+    """sha256 of each of `names`, several at once, largest first (hashlib releases the GIL:
+    one thread hashing file after file waits on each cold read in turn)."""
+    names = sorted(names, key=lambda n: -(dst / n).stat().st_size)
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1, len(names)))) as pool:
+        return dict(zip(names, pool.map(lambda n: sha256_file(dst / n), names)))
 
 
 def _files_problems(report: VerifyReport, src: Path, dst: Path, files: dict,
-                    digests: dict[str, str]) -> None:
-    """The manifest's files present and unchanged (`digests`: `_hash_files`), no weight file it
-    does not list, the source's files convert copies present; the user's other files noted."""
-    present = {n: (dst / n).stat().st_size for n in files if (dst / n).is_file()}
+                    digests: dict[str, str], pending: set[str]) -> None:
+    """The manifest's files present and unchanged (`digests`: `_hash_files`'s; those in
+    `pending` are hashed later and only their presence and size are checked here), no weight
+    file it does not list, the source's files convert copies present; the user's other files
+    noted."""
     for name, rec in sorted(files.items()):
-        if name not in present:
+        if not (dst / name).is_file():
             report.problems.append(f"{name}: listed in the manifest but missing")
-        elif digests.get(name) != rec["sha256"]:
-            report.problems.append(f"{name}: sha256 differs from the manifest (the file was changed "
-                                   f"after conversion; re-run convert with --overwrite)")
+        elif name not in pending and digests.get(name) != rec["sha256"]:
+            report.problems.append(_CHANGED.format(name))
     unlisted = _unlisted(dst, files)
     report.problems += [f"{n}: a weight file the manifest does not list (an engine may load it "
                         f"with the checkpoint); delete it, or reconvert with --overwrite"
@@ -416,20 +485,21 @@ def _check_tensors_and_layers(report: VerifyReport, src_ckpt: Checkpoint, dst_ck
                               dev: torch.device, awq_scales, checker,
                               on_start: Callable[[int], None] | None,
                               on_unit: Callable[[Unit], None] | None,
-                              log: Callable[[str], None] | None) -> None:
+                              log: Callable[[str], None] | None, shards: HashAhead) -> None:
     """Every planned unit checked tensor by tensor, in plan order; each decoder layer run by
-    `checker` (or none) once its tensors are checked, from the same reads."""
+    `checker` (or none) once its tensors are checked, from the same reads; `shards` (the
+    output's hashing, reading ahead) told how far they have read."""
     if checker is not None:  # a layer's reads, kept until its forward ran: the per-tensor
         # checks read DST's stored tensors, the layers its dequantized view of the same ones
         src_ckpt.memo = {}
         dst_ckpt.memo = checker.dst.memo = {}
     if on_start:
         on_start(sum(u.source_bytes for u in plan.units))
-    # the source read ahead into the page cache in the order of the checks (the output was
-    # just read by the hashing)
+    # the source read ahead into the page cache in the order of the checks (the output is,
+    # by its hashing)
     with Readahead(src_ckpt, [n for u in plan.units for n in (u.source, u.scale) if n]) as ahead:
         checker = _check_units(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
-                               awq_scales, checker, on_unit, log, ahead)
+                               awq_scales, checker, on_unit, log, (ahead, shards))
     if checker is not None:
         checker = _run_layers(checker, checker.num_layers - 1, report, opts, log)
     if dst_ckpt.memo is not None:
@@ -443,9 +513,10 @@ def _check_tensors_and_layers(report: VerifyReport, src_ckpt: Checkpoint, dst_ck
 def _check_units(report: VerifyReport, src_ckpt: Checkpoint, dst_ckpt: Checkpoint, plan,
                  opts: ConvertOptions, min_sqnr_db: float, dev: torch.device, awq_scales, checker,
                  on_unit: Callable[[Unit], None] | None, log: Callable[[str], None] | None,
-                 ahead: Readahead):
+                 ahead: tuple[Readahead, HashAhead]):
     """The units in plan order, each decoder layer run by `checker` once the next layer's
-    units begin; the checker (None once the layers turned out unbuildable)."""
+    units begin; the checker (None once the layers turned out unbuildable). `ahead`: the
+    source's and the output's reads ahead, told what each unit took."""
     current = None
     for unit in plan.units:
         L = layer_of(unit.source)
@@ -460,7 +531,8 @@ def _check_units(report: VerifyReport, src_ckpt: Checkpoint, dst_ckpt: Checkpoin
             current = L
         report.tensors.append(_check_unit(src_ckpt, dst_ckpt, unit, opts, min_sqnr_db, dev,
                                           awq_scales))
-        ahead.consumed(unit.source_bytes)
+        ahead[0].consumed(unit.source_bytes)
+        ahead[1].consumed(unit.nbytes)
         if on_unit:
             on_unit(unit)
     return checker
