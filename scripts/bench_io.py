@@ -44,8 +44,9 @@ def timed(cmd: list[str], log: Path, cgroup: Path | None = None) -> dict:
     start = now.tm_hour * 3600 + now.tm_min * 60 + now.tm_sec + time.time() % 1
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        join = None if cgroup is None else (lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid())))
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=env, preexec_fn=join)
+        if cgroup is not None:  # the shell joins the cgroup, then becomes the command
+            cmd = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *cmd]
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=env)
         _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
     lines = []
