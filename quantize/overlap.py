@@ -83,15 +83,56 @@ class Bounded:
 
 def readahead_bytes(limit: int = 2 * 2**30) -> int:
     """How far ahead to read: `limit`, or an eighth of the memory available when that is less
-    (pages read too far ahead would be evicted before their use and read twice)."""
+    (pages read too far ahead would be evicted before their use and read twice). Available:
+    the host's, or what this process's memory cgroup has left below its limit when that is
+    less (the page cache counts against the cgroup)."""
+    avail = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return max(64 * 2**20, min(limit, int(line.split()[1]) * 1024 // 8))
+                    avail = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return limit
+    if (room := _cgroup_room()) is not None:
+        avail = room if avail is None else min(avail, room)
+    return limit if avail is None else max(64 * 2**20, min(limit, avail // 8))
+
+
+def _cgroup_room() -> int | None:
+    """Bytes below this process's memory cgroup's limit (cgroup v2 memory.max, v1
+    memory.limit_in_bytes) not taken by its memory other than the page cache; None without a
+    limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            entries = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    for _, controllers, path in entries:
+        if controllers == "":  # v2
+            base, limit_f, use_f, stat_key = f"/sys/fs/cgroup{path}", "memory.max", "memory.current", "file"
+        elif "memory" in controllers.split(","):  # v1
+            base, limit_f, use_f, stat_key = (f"/sys/fs/cgroup/memory{path}", "memory.limit_in_bytes",
+                                              "memory.usage_in_bytes", "cache")
+        else:
+            continue
+        try:
+            with open(f"{base}/{limit_f}") as f:
+                text = f.read().strip()
+            if text == "max" or int(text) >= 2**60:
+                continue
+            with open(f"{base}/{use_f}") as f:
+                used = int(f.read())
+            cache = 0
+            with open(f"{base}/memory.stat") as f:
+                for line in f:
+                    k, _, v = line.partition(" ")
+                    if k == stat_key:
+                        cache = int(v)
+            return max(0, int(text) - used + cache)
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 class Readahead:

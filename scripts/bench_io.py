@@ -33,12 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import STAMP, drop_caches, prepare_slice, seconds_of_day, slice_config
 
 
-def timed(cmd: list[str], log: Path, cgroup: Path | None = None) -> dict:
+def timed(cmd: list[str], log: Path, cgroup: Path | None = None, code: Path | None = None) -> dict:
     """One cold run of `cmd`: wall, peak RSS, the bytes it read from and wrote to the disk
     (the kernel's count of block I/O, page-cache hits not counted), its stamped stderr lines
     (s since start); run inside `cgroup` (a memory cgroup's folder: its limit bounds the page
-    cache the run may fill, as a model larger than the memory would) when given."""
+    cache the run may fill, as a model larger than the memory would) when given, with the
+    quantize package of the tree `code` when given."""
     env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    if code is not None:  # that tree's quantize first on the path, not the working directory's
+        env["PYTHONPATH"] = os.pathsep.join([str(code.resolve()), *filter(None, [env.get("PYTHONPATH")])])
+        env["PYTHONSAFEPATH"] = "1"
     cold = drop_caches()
     now = time.localtime()
     start = now.tm_hour * 3600 + now.tm_min * 60 + now.tm_sec + time.time() % 1
@@ -59,6 +63,8 @@ def timed(cmd: list[str], log: Path, cgroup: Path | None = None) -> dict:
            "disk_written_gb": round(usage.ru_oublock * 512 / 1e9, 2), "lines": lines}
     if cgroup is not None:
         res["cgroup"] = str(cgroup)
+    if code is not None:
+        res["code"] = str(code)
     if res["exit"] != 0:
         res["stderr_tail"] = log.read_text(errors="replace")[-3000:]
     return res
@@ -77,6 +83,9 @@ def main() -> None:
     ap.add_argument("--cgroup", type=Path, default=None,
                     help="a memory cgroup folder (made and limited by the caller) to run the "
                          "quantize commands in: a page cache smaller than the output, as on a real model")
+    ap.add_argument("--code", type=Path, default=None, metavar="DIR",
+                    help="run the quantize commands with the quantize package in DIR instead of "
+                         "this tree's (an A/B on one machine): git archive REV quantize calib_data | tar -x -C DIR")
     args = ap.parse_args()
 
     cfg, device, src = slice_config(args)
@@ -95,7 +104,9 @@ def main() -> None:
     }
     for k, name in enumerate(args.only.split(",")):
         key = name if name not in res["runs"] else f"{name}-{k}"  # (a name asked for twice)
-        r = timed(cmds[name], args.workdir / f"{name}.log", args.cgroup if cmds[name][0] != "bash" else None)
+        ours = cmds[name][0] != "bash"
+        r = timed(cmds[name], args.workdir / f"{name}.log", args.cgroup if ours else None,
+                  args.code if ours else None)
         if name == "copy":
             subprocess.run(["rm", "-rf", str(copy)], check=False)
         if name == "rtn" and dst.exists():

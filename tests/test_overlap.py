@@ -186,3 +186,23 @@ def test_hash_ahead_closes_with_reads_pending(tmp_path):
     t0 = time.monotonic()
     h.close()  # the reader waits on the budget: close ends it, no digest of a part-read file
     assert time.monotonic() - t0 < 5 and h.read_bytes <= 2 * 2**16 and h._digests == {}
+
+
+def test_a_read_that_drops_its_pages_gives_the_same_bytes(ckpt):
+    import torch
+
+    names = sorted(ckpt.tensors)[:20]
+    want = {n: ckpt.read(n).clone() for n in names}
+    ckpt.drop_read = True
+    try:
+        for n in names:  # (posix_fadvise DONTNEED after each: a hint, never the bytes)
+            got = ckpt.read(n)
+            assert got.dtype == want[n].dtype and torch.equal(got.view(torch.uint8), want[n].view(torch.uint8))
+    finally:
+        ckpt.drop_read = False
+
+
+def test_readahead_budget_is_bounded_by_the_memory():
+    b = readahead_bytes(2**50)  # the memory's eighth, not the limit asked for
+    assert 64 * 2**20 <= b < 2**50
+    assert readahead_bytes(100 * 2**20) <= 100 * 2**20

@@ -57,7 +57,7 @@ from quantize.names import (
     WEIGHT_SUFFIXES,
 )
 from quantize.options import ConvertOptions
-from quantize.overlap import HashAhead, Readahead, background
+from quantize.overlap import HashAhead, Readahead, background, readahead_bytes
 from quantize.plan import Unit, make_plan
 from quantize.rounding.int4 import REFIT_RANGE, Int4Weight, dequantize, rtn_qparams, unpack_int4
 from quantize.source.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor_table
@@ -266,57 +266,87 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     src_name = ident["repo_id"] or (manifest.get("source") or {}).get("name") or Path(src).name
     report = VerifyReport(src_name, dst.name, min_sqnr_db)
     dev = resolve_device(device)  # auto: the GPU when there is one; cuda without one: exit 2
-    # Every file of the manifest is hashed, each read from the disk once: the weight shards on
-    # threads that read them in the order of the tensor checks, a bounded stretch ahead of
-    # them (the checks then read the page cache; an output larger than the memory is not read
-    # twice), the small files at once. This thread meanwhile imports transformers for the
-    # layer check (seconds on a cold start).
-    files = manifest["files"]
-    same_size = _same_size(dst, files)
-    streamed = _streamed(dst, same_size)
-    rest = background(_hash_files, dst, [n for n in same_size if n not in streamed])
-    shards = HashAhead([dst / n for n in streamed])
-    t0 = time.perf_counter()
-    prep = early = None
-    if layer_check:  # transformers, the layer classes and the tokenizer load meanwhile
-        try:
-            from quantize.check.layercheck import prepare_in_background
+    reads = _Reads.start(src, dst, manifest)
+    prep = None
+    if layer_check and reads.src is not None:  # transformers, the layer classes and the
+        # tokenizer load meanwhile
+        from quantize.check.layercheck import prepare_in_background
 
-            early = open_checkpoint(src)
-            prep = prepare_in_background(early)
-        except (QuantizeError, OSError, ValueError):
-            prep = None  # (said where SRC is opened below)
+        prep = prepare_in_background(reads.src)
     try:
-        return _verify(report, src, dst, manifest, _Hashing(rest, shards, streamed, t0), early,
-                       prep, min_sqnr_db, dev, on_unit, write, on_start, layer_check, log)
+        return _verify(report, src, dst, manifest, reads, prep, min_sqnr_db, dev, on_unit,
+                       write, on_start, layer_check, log)
     finally:  # never return with the preparation still building on its thread: transformers
         # sets torch's process-wide default dtype while it builds (a later build in this
         # process would take BF16 as the default to restore)
-        shards.close()
+        reads.close()
         if prep is not None:
             prep.exception()
 
 
+# how far verify reads ahead of its checks, in each of the source and the output (or an
+# eighth of the memory available, when that is less): far enough that the disk works through
+# the seconds of imports before the first check
+VERIFY_AHEAD = 16 * 2**30
+
+
 @dataclass
-class _Hashing:
-    """The manifest's files being hashed: `rest` (a Future of `_hash_files` of the small
-    files), `shards` (the weight shards `streamed`, read ahead of the tensor checks), since
-    `t0`."""
+class _Reads:
+    """verify's reads, started before anything else (each file read from the disk once, the
+    disk kept busy while this thread imports transformers and compressed-tensors):
+
+        rest      the small files of the manifest hashed at once (a Future of `_hash_files`)
+        shards    the weight shards (`streamed`) hashed in the order of the tensor checks,
+                  at most VERIFY_AHEAD beyond them: the checks then read the page cache, and
+                  an output larger than the memory is not read twice
+        source    the source's tensors read ahead in the same order (None where SRC or its
+                  plan could not be made here: said where the checks open it)
+    """
 
     rest: Future
     shards: HashAhead
     streamed: list[str]
     t0: float
+    src: Checkpoint | None = None
+    plan: object = None
+    source: Readahead | None = None
+
+    @classmethod
+    def start(cls, src, dst: Path, manifest: dict) -> _Reads:
+        files = manifest["files"]
+        same_size = _same_size(dst, files)
+        streamed = _streamed(dst, same_size)
+        ahead = readahead_bytes(VERIFY_AHEAD)
+        reads = cls(background(_hash_files, dst, [n for n in same_size if n not in streamed]),
+                    HashAhead([dst / n for n in streamed], ahead=ahead), streamed, time.perf_counter())
+        try:
+            reads.src = open_checkpoint(src)
+            reads.plan = make_plan(reads.src, _options(manifest))
+        except (QuantizeError, OSError, ValueError, TypeError, KeyError):
+            return reads
+        reads.source = Readahead(reads.src, [n for u in reads.plan.units for n in (u.source, u.scale) if n],
+                                 ahead=ahead)
+        return reads
 
     def shard_digests(self) -> dict[str, str]:
         """The shards' digests once all are hashed (one that could not be read: none)."""
         got = self.shards.digests()
         return {n: d for n, p in zip(self.streamed, self.shards.paths) if isinstance(d := got.get(p), str)}
 
+    def close(self) -> None:
+        self.shards.close()
+        if self.source is not None:
+            self.source.close()
 
-def _verify(report: VerifyReport, src, dst: Path, manifest: dict, hashing: _Hashing,
-            early: Checkpoint | None, prep, min_sqnr_db: float, dev: torch.device, on_unit,
-            write: bool, on_start, layer_check: bool, log) -> VerifyReport:
+
+def _options(manifest: dict) -> ConvertOptions:
+    o = manifest["options"]
+    return ConvertOptions(**{**o, "targets": frozenset(o["targets"])})
+
+
+def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: _Reads, prep,
+            min_sqnr_db: float, dev: torch.device, on_unit, write: bool, on_start,
+            layer_check: bool, log) -> VerifyReport:
     """verify()'s checks once the report is started, the files are being hashed and the
     layer check is preparing."""
     # compressed-tensors (for config.json's quantization_config; seconds to import) loads while
@@ -324,39 +354,38 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, hashing: _Hash
     # check is preparing: `prepare_in_background` imports it on this thread first.)
     background(importlib.import_module, "compressed_tensors.quantization")
     files = manifest["files"]
-    _files_problems(report, Path(src), dst, files, hashing.rest.result(), set(hashing.streamed))
+    _files_problems(report, Path(src), dst, files, reads.rest.result(), set(reads.streamed))
     if log:
-        log(f"{len(files) - len(hashing.streamed)} files checked against the manifest's sha256 "
-            f"in {time.perf_counter() - hashing.t0:.1f} s; {len(hashing.streamed)} weight shards "
+        log(f"{len(files) - len(reads.streamed)} files checked against the manifest's sha256 "
+            f"in {time.perf_counter() - reads.t0:.1f} s; {len(reads.streamed)} weight shards "
             f"are hashed beside the tensor checks")
     if report.problems:
         return _finish(report, dst, write)
     try:
-        _check_output(report, src, dst, manifest, hashing.shards, early, prep, min_sqnr_db, dev,
-                      on_unit, on_start, layer_check, log)
+        _check_output(report, src, dst, manifest, reads, prep, min_sqnr_db, dev, on_unit,
+                      on_start, layer_check, log)
     except Exception:
         # a shard changed after conversion can fail any check that reads it (a header that no
         # longer parses): the change is what to report
-        if _changed(report, files, hashing.shard_digests(), hashing.streamed):
+        if _changed(report, files, reads.shard_digests(), reads.streamed):
             return _finish(report, dst, write)
         raise
-    _changed(report, files, hashing.shard_digests(), hashing.streamed)
+    _changed(report, files, reads.shard_digests(), reads.streamed)
     if log:
-        log(f"{len(hashing.streamed)} weight shards checked against the manifest's sha256 "
-            f"({hashing.shards.read_bytes / 1e9:.1f} GB) in {time.perf_counter() - hashing.t0:.1f} s")
+        log(f"{len(reads.streamed)} weight shards checked against the manifest's sha256 "
+            f"({reads.shards.read_bytes / 1e9:.1f} GB) in {time.perf_counter() - reads.t0:.1f} s")
     return _finish(report, dst, write)
 
 
-def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, shards: HashAhead,
-                  early: Checkpoint | None, prep, min_sqnr_db: float, dev: torch.device, on_unit,
-                  on_start, layer_check: bool, log) -> None:
-    """The output's layout against the plan, then every tensor and layer against the source;
-    `shards` told how far the tensor checks have read."""
+def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, reads: _Reads, prep,
+                  min_sqnr_db: float, dev: torch.device, on_unit, on_start, layer_check: bool,
+                  log) -> None:
+    """The output's layout against the plan, then every tensor and layer against the source,
+    from `reads` (told how far the checks have read)."""
     t0 = time.perf_counter()
-    o = manifest["options"]
-    opts = ConvertOptions(**{**o, "targets": frozenset(o["targets"])})
-    src_ckpt = early if early is not None else open_checkpoint(src)
-    plan = make_plan(src_ckpt, opts)
+    opts = _options(manifest)
+    src_ckpt = reads.src if reads.plan is not None else open_checkpoint(src)
+    plan = reads.plan if reads.plan is not None else make_plan(src_ckpt, opts)
     tensors, files, sizes = read_tensor_table(dst)
     config = json.loads((dst / "config.json").read_text())
     dst_ckpt = Checkpoint(dst, str(dst), config, tensors, files, sizes, "compressed-tensors")
@@ -378,7 +407,7 @@ def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, shards: 
         return
     checker = _layer_check(src_ckpt, plan, dst, opts, dev, report, layer_check, log, prep)
     _check_tensors_and_layers(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
-                              awq_scales, checker, on_start, on_unit, log, shards)
+                              awq_scales, checker, on_start, on_unit, log, reads)
 
 
 def _same_size(dst: Path, files: dict) -> list[str]:
@@ -485,21 +514,26 @@ def _check_tensors_and_layers(report: VerifyReport, src_ckpt: Checkpoint, dst_ck
                               dev: torch.device, awq_scales, checker,
                               on_start: Callable[[int], None] | None,
                               on_unit: Callable[[Unit], None] | None,
-                              log: Callable[[str], None] | None, shards: HashAhead) -> None:
+                              log: Callable[[str], None] | None, reads: _Reads) -> None:
     """Every planned unit checked tensor by tensor, in plan order; each decoder layer run by
-    `checker` (or none) once its tensors are checked, from the same reads; `shards` (the
-    output's hashing, reading ahead) told how far they have read."""
+    `checker` (or none) once its tensors are checked, from the same reads; `reads` (the
+    output's hashing and the source's read-ahead) told how far they have got."""
     if checker is not None:  # a layer's reads, kept until its forward ran: the per-tensor
         # checks read DST's stored tensors, the layers its dequantized view of the same ones
         src_ckpt.memo = {}
         dst_ckpt.memo = checker.dst.memo = {}
     if on_start:
         on_start(sum(u.source_bytes for u in plan.units))
-    # the source read ahead into the page cache in the order of the checks (the output is,
-    # by its hashing)
-    with Readahead(src_ckpt, [n for u in plan.units for n in (u.source, u.scale) if n]) as ahead:
+    # each byte is read once: what a check has read is dropped from the page cache, which
+    # keeps it for the reads ahead (a memory cgroup, or a model larger than the memory,
+    # evicted those first and read them twice: a page read twice counts as in use)
+    src_ckpt.drop_read = dst_ckpt.drop_read = True
+    source = reads.source or Readahead(src_ckpt, [n for u in plan.units for n in (u.source, u.scale) if n])
+    try:
         checker = _check_units(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
-                               awq_scales, checker, on_unit, log, (ahead, shards))
+                               awq_scales, checker, on_unit, log, (source, reads.shards))
+    finally:
+        source.close()
     if checker is not None:
         checker = _run_layers(checker, checker.num_layers - 1, report, opts, log)
     if dst_ckpt.memo is not None:

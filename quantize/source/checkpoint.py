@@ -110,6 +110,10 @@ class Checkpoint:
     # a layer's tensors for its per-tensor checks, then again for its layer forward; the caller
     # empties it between layers, so it holds at most one layer). Callers never modify a result.
     memo: dict | None = field(default=None, repr=False)
+    # True: each tensor's bytes are dropped from the OS page cache once read (a reader that
+    # reads each byte once, with a thread reading ahead of it: the cache keeps the pages read
+    # ahead instead of the ones done with, which it would otherwise count as in use)
+    drop_read: bool = field(default=False, repr=False)
 
     @property
     def model_type(self) -> str:
@@ -157,6 +161,8 @@ class Checkpoint:
             else:
                 t = torch.empty(info.nbytes, dtype=torch.uint8)
                 _read_exact(f.fileno(), memoryview(t.numpy()), info, 0)
+            if self.drop_read:
+                os.posix_fadvise(f.fileno(), info.begin, info.nbytes, os.POSIX_FADV_DONTNEED)
         return t.view(dtype).reshape(info.shape)
 
 
