@@ -284,23 +284,27 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
             prep.exception()
 
 
-# how far verify reads ahead of its checks, in each of the source and the output (or an
-# eighth of the memory available, when that is less): far enough that the disk works through
-# the seconds of imports before the first check
+# how far verify reads ahead of its checks, in each of the output and the source (or an
+# eighth of the memory available, when that is less): the output's hashing works through the
+# seconds of imports before the first check (on the slice of BENCHMARKS.md, all of it)
 VERIFY_AHEAD = 16 * 2**30
 
 
 @dataclass
 class _Reads:
-    """verify's reads, started before anything else (each file read from the disk once, the
-    disk kept busy while this thread imports transformers and compressed-tensors):
+    """verify's reads of the output, started before anything else (each file read from the
+    disk once, the disk kept busy while this thread imports transformers and
+    compressed-tensors), and the source opened and planned (None where that failed: said where
+    the checks open it again):
 
         rest      the small files of the manifest hashed at once (a Future of `_hash_files`)
         shards    the weight shards (`streamed`) hashed in the order of the tensor checks,
                   at most VERIFY_AHEAD beyond them: the checks then read the page cache, and
                   an output larger than the memory is not read twice
-        source    the source's tensors read ahead in the same order (None where SRC or its
-                  plan could not be made here: said where the checks open it)
+
+    The source is read ahead only once the checks begin (`_check_tensors_and_layers`): read
+    from the start as well, its reads beside the hashing saturated the disk and the imports'
+    own small reads waited behind them (verify 42.3 -> 52.7 s on the H200; BENCHMARKS.md).
     """
 
     rest: Future
@@ -309,7 +313,6 @@ class _Reads:
     t0: float
     src: Checkpoint | None = None
     plan: object = None
-    source: Readahead | None = None
 
     @classmethod
     def start(cls, src, dst: Path, manifest: dict) -> _Reads:
@@ -323,9 +326,7 @@ class _Reads:
             reads.src = open_checkpoint(src)
             reads.plan = make_plan(reads.src, _options(manifest))
         except (QuantizeError, OSError, ValueError, TypeError, KeyError):
-            return reads
-        reads.source = Readahead(reads.src, [n for u in reads.plan.units for n in (u.source, u.scale) if n],
-                                 ahead=ahead)
+            pass
         return reads
 
     def shard_digests(self) -> dict[str, str]:
@@ -335,8 +336,6 @@ class _Reads:
 
     def close(self) -> None:
         self.shards.close()
-        if self.source is not None:
-            self.source.close()
 
 
 def _options(manifest: dict) -> ConvertOptions:
@@ -528,7 +527,8 @@ def _check_tensors_and_layers(report: VerifyReport, src_ckpt: Checkpoint, dst_ck
     # keeps it for the reads ahead (a memory cgroup, or a model larger than the memory,
     # evicted those first and read them twice: a page read twice counts as in use)
     src_ckpt.drop_read = dst_ckpt.drop_read = True
-    source = reads.source or Readahead(src_ckpt, [n for u in plan.units for n in (u.source, u.scale) if n])
+    source = Readahead(src_ckpt, [n for u in plan.units for n in (u.source, u.scale) if n],
+                       ahead=readahead_bytes(VERIFY_AHEAD))
     try:
         checker = _check_units(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
                                awq_scales, checker, on_unit, log, (source, reads.shards))
