@@ -184,8 +184,9 @@ class HashAhead:
     it hashes), the reads staying at most `ahead` bytes beyond the bytes the consumer reported
     (`consumed`): a consumer reading the same files in the same order then reads them from the
     page cache, and each file comes from the disk once however little of it the cache holds.
-    `digests()` waits for all: {path: hexdigest, or the OSError that stopped its read}.
-    `close` (or leaving the `with`) stops it within one chunk."""
+    `digests()` waits for all: {path: hexdigest, or the OSError that stopped its read};
+    `digests(started=True)` only for the files whose reading has begun (at most the budget
+    beyond the consumer). `close` (or leaving the `with`) stops it within one chunk."""
 
     def __init__(self, paths: list, ahead: int | None = None, chunk: int = 16 * 2**20) -> None:
         self.paths, self.chunk = list(paths), chunk
@@ -194,6 +195,7 @@ class HashAhead:
         self._cv = threading.Condition()
         self._taken = 0
         self._stop = False
+        self._no_more = False  # set: no file is opened after the one being read
         self._pieces: queue.Queue = queue.Queue(maxsize=4)  # read, not yet hashed
         self._digests: dict = {}
         self._done = threading.Event()
@@ -207,6 +209,8 @@ class HashAhead:
 
     def _read(self) -> None:
         for path in self.paths:
+            if self._no_more:
+                break
             try:
                 with open(path, "rb", buffering=0) as f:
                     while True:
@@ -238,9 +242,11 @@ class HashAhead:
                 h.update(piece)  # (releases the GIL)
         self._done.set()
 
-    def digests(self) -> dict:
+    def digests(self, started: bool = False) -> dict:
         """{path: sha256 hexdigest, or the OSError that stopped the read}, once all are done
-        (reads past the budget go on regardless: the consumer is finished with them)."""
+        (reads past the budget go on regardless: the consumer is finished with them);
+        `started`: only the files whose reading had begun (no later file is read)."""
+        self._no_more = self._no_more or started
         self.consumed(float("inf"))
         self._done.wait()
         return dict(self._digests)

@@ -206,3 +206,16 @@ def test_readahead_budget_is_bounded_by_the_memory():
     b = readahead_bytes(2**50)  # the memory's eighth, not the limit asked for
     assert 64 * 2**20 <= b < 2**50
     assert readahead_bytes(100 * 2**20) <= 100 * 2**20
+
+
+def test_hash_ahead_can_finish_only_the_files_it_began(tmp_path):
+    import hashlib
+
+    piece = 2**16
+    paths = _files(tmp_path, [3 * piece, 3 * piece, 3 * piece], seed=3)
+    with HashAhead(paths, ahead=piece, chunk=piece) as h:
+        t0 = time.monotonic()
+        while h.read_bytes < piece and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        got = h.digests(started=True)  # the first file is being read: it alone is finished
+    assert list(got) == [paths[0]] and got[paths[0]] == hashlib.sha256(paths[0].read_bytes()).hexdigest()

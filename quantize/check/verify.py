@@ -329,9 +329,10 @@ class _Reads:
             pass
         return reads
 
-    def shard_digests(self) -> dict[str, str]:
-        """The shards' digests once all are hashed (one that could not be read: none)."""
-        got = self.shards.digests()
+    def shard_digests(self, started: bool = False) -> dict[str, str]:
+        """The shards' digests once all are hashed (one that could not be read: none);
+        `started`: only those whose hashing had begun."""
+        got = self.shards.digests(started)
         return {n: d for n, p in zip(self.streamed, self.shards.paths) if isinstance(d := got.get(p), str)}
 
     def close(self) -> None:
@@ -363,10 +364,15 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: _Reads,
     try:
         _check_output(report, src, dst, manifest, reads, prep, min_sqnr_db, dev, on_unit,
                       on_start, layer_check, log)
-    except Exception:
+    except Exception as e:
         # a shard changed after conversion can fail any check that reads it (a header that no
-        # longer parses): the change is what to report
-        if _changed(report, files, reads.shard_digests(), reads.streamed):
+        # longer parses): the change is what to report. Hashed for that: the shards the error
+        # names and those already being read (not the whole output: on a large model that is
+        # minutes, for an error that may be the source's)
+        digests = reads.shard_digests(started=True)
+        named = {Path(p.file).name for p in getattr(e, "problems", [])}
+        digests |= {n: sha256_file(dst / n) for n in reads.streamed if n in named and n not in digests}
+        if _changed(report, files, digests, [n for n in reads.streamed if n in digests]):
             return _finish(report, dst, write)
         raise
     _changed(report, files, reads.shard_digests(), reads.streamed)
