@@ -12,8 +12,9 @@
    the in-domain evaluation text. Calibration sets, written to the workdir: narrow = the other
    language-reference records (Python documentation only); broad = every other record of the
    default set (language reference, code, prose, dialogue). Out of domain: each `--ood` file
-   (default `calib_data/heldout_english.md`, general English written for the project and in no
-   calibration set).
+   (default `calib_data/heldout_english.md` and `heldout_english_2.md`, general English written
+   for the project and in no calibration set; `ood:all` pools their reported halves, and the
+   validation score weighs in domain and the pooled out-of-domain validation halves equally).
 3. Calibration token ids: `quantize.calib.data.load_calibration(file, tokenizer, N, L, seed)`,
    the function `convert` itself calls with the same file and seed; the same tensor goes to
    llm-compressor's `oneshot` as its dataset (input_ids), so both tools see the same tokens.
@@ -117,9 +118,31 @@ def commit() -> str | None:
                           capture_output=True, text=True, check=False).stdout.strip() or None
 
 
+def pooled(scores: dict, prefix: str) -> dict | None:
+    """The texts whose names begin with `prefix` scored as one text: perplexities and KL over
+    all their tokens together (what `score` gives for their windows concatenated); None
+    without any."""
+    parts = [v for k, v in scores.items() if k.startswith(prefix) and not k.endswith(POOLED)]
+    if not parts:
+        return None
+    n = sum(p["tokens"] for p in parts)
+    ppl = math.exp(sum(math.log(p["ppl"]) * p["tokens"] for p in parts) / n)
+    ppl_src = math.exp(sum(math.log(p["ppl_source"]) * p["tokens"] for p in parts) / n)
+    return {"ppl": ppl, "ppl_source": ppl_src, "ppl_added": ppl / ppl_src - 1,
+            "kl": sum(p["kl"] * p["tokens"] for p in parts) / n, "tokens": n}
+
+
+POOLED = "all"  # "ood:all": every out-of-domain text's reported half as one text
+
+
 def validation_score(row: dict) -> float:
-    """What a configuration is chosen by: the mean KL over the validation texts."""
-    v = [x["kl"] for k, x in row["scores"].items() if k.startswith("val:")]
+    """What a configuration is chosen by: the mean of the validation KL in domain and out of
+    domain (the out-of-domain validation halves pooled, so that more out-of-domain files do
+    not outweigh the in-domain text; with one file, the mean over the validation texts)."""
+    sc = row["scores"]
+    v = [x["kl"] for k, x in sc.items() if k.startswith("val:") and not k.startswith("val:ood:")]
+    if (ood := pooled(sc, "val:ood:")) is not None:
+        v.append(ood["kl"])
     return sum(v) / len(v)
 
 
@@ -270,7 +293,8 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=10)
     ap.add_argument("--eval-len", type=int, default=2048)
     ap.add_argument("--ood", type=Path, action="append", default=None,
-                    help="out-of-domain text file (repeatable); default calib_data/heldout_english.md")
+                    help="out-of-domain text file (repeatable; with several, ood:all pools their "
+                         "reported halves); default calib_data/heldout_english.md and heldout_english_2.md")
     ap.add_argument("--ood-len", type=int, default=512)
     ap.add_argument("--append", action="store_true", help="add to --out's runs instead of replacing")
     args = ap.parse_args()
@@ -297,7 +321,7 @@ def main() -> None:
     # validation texts choose each tool's configuration (`-best` runs); the others are reported
     texts = {"val:in_domain": windows_of(doc_ids(split["validation"]), args.eval_windows, args.eval_len),
              "in_domain": windows_of(doc_ids(split["held_out"]), args.eval_windows, args.eval_len)}
-    oods = args.ood or [ROOT / "calib_data" / "heldout_english.md"]
+    oods = args.ood or [ROOT / "calib_data" / "heldout_english.md", ROOT / "calib_data" / "heldout_english_2.md"]
     for p in oods:  # first half: validation, second half: reported
         ids = tok(p.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
         half = len(ids) // 2
@@ -355,6 +379,8 @@ def main() -> None:
                         q = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                                  trust_remote_code=False).to(dev).eval()
                         row["scores"] = {k: score(src_model, q, w, dev) for k, w in texts.items()}
+                        if len(oods) > 1:  # the reported out-of-domain figure over every file
+                            row["scores"][f"ood:{POOLED}"] = pooled(row["scores"], "ood:")
                         del q
                     except Exception as e:  # noqa: BLE001 - record and go on to the next run
                         row["error"] = f"{type(e).__name__}: {e}"

@@ -61,3 +61,38 @@ def test_summary_counts_a_repeated_seed_once(tmp_path, capsys):
     assert row["seeds"] == [0, 1, 2] and row["n"] == 3
     assert row["in_domain"]["ppl_added_pct_mean"] == pytest.approx(50.0)  # (30 + 50 + 70) / 3
     assert "| 32 | broad | gptq | 3 |" in capsys.readouterr().out
+
+
+def _tiny_lm(seed: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_pooled_scores_equal_the_score_of_the_texts_together():
+    import torch
+
+    src, q = _tiny_lm(1), _tiny_lm(2)  # two different models: KL and perplexities differ
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    a = torch.randint(0, 97, (3, 16), generator=gen)
+    b = torch.randint(0, 97, (2, 16), generator=gen)
+    dev = torch.device("cpu")
+    scores = {"ood:a.md": bq.score(src, q, a, dev), "ood:b.md": bq.score(src, q, b, dev),
+              "in_domain": bq.score(src, q, b[:1], dev)}
+    got, want = bq.pooled(scores, "ood:"), bq.score(src, q, torch.cat([a, b]), dev)
+    assert got["tokens"] == want["tokens"] == 5 * 15
+    for k in ("ppl", "ppl_source", "ppl_added", "kl"):
+        assert got[k] == pytest.approx(want[k], rel=1e-9), k
+    assert got["kl"] > 0 and got["ppl_added"] != 0
+
+
+def test_validation_weighs_in_domain_and_out_of_domain_equally():
+    row = _row("gptq", 32, 0, 0.2, 0.3)
+    one = bq.validation_score(row)
+    assert one == pytest.approx(0.2)  # one file each: the plain mean, as before
+    row["scores"]["val:ood:y.md"] = dict(row["scores"]["val:ood:x.md"], kl=0.8)  # same tokens
+    assert bq.validation_score(row) == pytest.approx((0.2 + (0.2 + 0.8) / 2) / 2)

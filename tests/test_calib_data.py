@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,15 +44,23 @@ def test_small_set_checksum_matches_readme():
     assert any(isinstance(d, list) for d in docs) and any(isinstance(d, str) for d in docs)
 
 
-def test_heldout_english_is_in_no_calibration_set():
-    """eval's out-of-domain text: shipped, CC0 as its header says, and no sentence of it in the
-    small calibration set (which would make it in-domain; the large set: its own test)."""
-    text = HELDOUT_ENGLISH.read_text(encoding="utf-8")
+# bench_quality's second out-of-domain text (not shipped: the benchmark's, beside eval's)
+HELDOUT_ENGLISH_2 = Path(__file__).resolve().parent.parent / "calib_data" / "heldout_english_2.md"
+
+
+@pytest.mark.parametrize("path", [HELDOUT_ENGLISH, HELDOUT_ENGLISH_2], ids=lambda p: p.name)
+def test_heldout_english_is_in_no_calibration_set(path):
+    """eval's out-of-domain text (and the benchmark's second one): CC0 as its header says, and
+    no sentence of it in the small calibration set (which would make it in-domain; the large
+    set: its own test) nor in the other held-out text."""
+    text = path.read_text(encoding="utf-8")
     assert "CC0-1.0" in text.split("-->")[0] and len(text.split()) > 4000
+    other = (HELDOUT_ENGLISH_2 if path == HELDOUT_ENGLISH else HELDOUT_ENGLISH).read_text(encoding="utf-8")
+    other = other.split("-->", 1)[1]  # (the two headers say the same)
     calib = SHIPPED_SETS["small"].read_text(encoding="utf-8")
     sentences = [x.strip() for x in re.split(r"[.!?]\s", text) if len(x.strip()) > 40]
     assert len(sentences) > 150
-    assert not [x for x in sentences if x in calib]
+    assert not [x for x in sentences if x in calib or x in other]
 
 
 def test_default_sampling_is_deterministic(tok):
@@ -245,8 +254,9 @@ def test_the_large_shipped_set(tok):
     assert sum(isinstance(d, list) for d in docs) > 150 and "def " in text
     cs = load_calibration("shipped:large", tok, 2, 32, seed=0)
     assert cs.source == "large.jsonl.xz" and cs.eval_reserve == len(docs) // EVAL_EVERY
-    heldout = HELDOUT_ENGLISH.read_text(encoding="utf-8")
-    sentences = [x.strip() for x in re.split(r"[.!?]\s", heldout) if len(x.strip()) > 40]
-    assert not [x for x in sentences if x in text]  # eval's out-of-domain text stays out
+    for path in (HELDOUT_ENGLISH, HELDOUT_ENGLISH_2):  # the out-of-domain texts stay out
+        heldout = path.read_text(encoding="utf-8")
+        sentences = [x.strip() for x in re.split(r"[.!?]\s", heldout) if len(x.strip()) > 40]
+        assert not [x for x in sentences if x in text], path.name
     with pytest.raises(QuantizeError, match="shipped:large, shipped:small"):
         load_calibration("shipped:huge", tok, 2, 32, seed=0)
