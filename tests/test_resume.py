@@ -273,15 +273,15 @@ def test_verify_names_any_changed_byte(dsa_fp8, reference, tmp_path, which):
 def test_verify_hashes_the_output_in_the_order_its_checks_read_it(dsa_fp8, reference):
     """What lets verify read the output once: its hashing reads the shards in the order of the
     tensor checks (the plan's), and each shard holds its tensors in that order."""
-    from quantize.check.verify import _options, _same_size, _streamed
+    from quantize.check.integrity import options_of, same_size, streamed_shards
     from quantize.plan import make_plan
     from quantize.source.checkpoint import open_checkpoint, read_tensor_table
     from quantize.write.manifest import finished_manifest
 
     manifest = finished_manifest(reference)
-    plan = make_plan(open_checkpoint(dsa_fp8), _options(manifest))
+    plan = make_plan(open_checkpoint(dsa_fp8), options_of(manifest))
     assert len(plan.shards) > 3
-    assert _streamed(reference, _same_size(reference, manifest["files"])) == [s.file for s in plan.shards]
+    assert streamed_shards(reference, same_size(reference, manifest["files"])) == [s.file for s in plan.shards]
     tensors = read_tensor_table(reference)[0]
     for shard in plan.shards:
         begins = [tensors[t.name].begin for t in shard.tensors]
@@ -297,9 +297,9 @@ def test_verify_names_a_changed_shard_its_checks_cannot_read(dsa_fp8, reference,
     as the changed file, not as a crash; also when the hashing had not reached that shard
     (one byte ahead: the shard the error names is hashed then)."""
     if ahead == "one byte":
-        import quantize.check.verify as verify_module
+        from quantize.check import integrity
 
-        monkeypatch.setattr(verify_module, "readahead_bytes", lambda limit: 1)
+        monkeypatch.setattr(integrity, "readahead_bytes", lambda limit: 1)
     out = tmp_path / "out"
     shutil.copytree(reference, out)
     p = sorted(out.glob("*.safetensors"))[3]

@@ -19,11 +19,12 @@ in the manifest):
                3x round-to-nearest's; a fold into the wrong norm agrees with every weight
                check above and fails this
 
-plus: the manifest is `complete` and every file's sha256 matches it, no weight file lies in
-the folder that the manifest does not list (an engine globbing `*.safetensors` would load a
-stray shard with the checkpoint; the reports written after conversion, README.md, verify.json,
-eval.json, are not weights), the index lists exactly the planned tensors in the planned shards,
-`total_size` is right, and config.json carries the expected `quantization_config`.
+plus: the manifest is `complete` and every file's sha256 matches it, each file read from the
+disk once (quantize/check/integrity.py), no weight file lies in the folder that the manifest
+does not list (an engine globbing `*.safetensors` would load a stray shard with the
+checkpoint; the reports written after conversion, README.md, verify.json, eval.json, are not
+weights), the index lists exactly the planned tensors in the planned shards, `total_size` is
+right, and config.json carries the expected `quantization_config`.
 """
 
 from __future__ import annotations
@@ -31,30 +32,21 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from quantize import SCHEMA_VERSION
+from quantize.check.integrity import VERIFY_AHEAD, Reads, changed, files_problems, options_of
 from quantize.errors import QuantizeError
 from quantize.names import (
     AWQ_SCALES,
-    CALIB_STATE,
-    CALIB_TIMINGS,
-    CARD,
-    EVAL_JSON,
-    PARTIAL,
-    PICTURES,
     ROUTED_PICTURE,
-    RUN_RECORD,
     SQNR_PICTURE,
     VERIFY_JSON,
-    WEIGHT_SUFFIXES,
 )
 from quantize.options import ConvertOptions
 from quantize.overlap import HashAhead, Readahead, background, readahead_bytes
@@ -62,7 +54,7 @@ from quantize.plan import Unit, make_plan
 from quantize.rounding.int4 import REFIT_RANGE, Int4Weight, dequantize, rtn_qparams, unpack_int4
 from quantize.source.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor_table
 from quantize.source.layout import layer_of
-from quantize.source.weights import aux_files, resolve_device, source_weight
+from quantize.source.weights import resolve_device, source_weight
 from quantize.write.manifest import MANIFEST, finished_manifest
 from quantize.write.qconfig import quantization_config
 from quantize.write.shards import sha256_file
@@ -266,7 +258,7 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     src_name = ident["repo_id"] or (manifest.get("source") or {}).get("name") or Path(src).name
     report = VerifyReport(src_name, dst.name, min_sqnr_db)
     dev = resolve_device(device)  # auto: the GPU when there is one; cuda without one: exit 2
-    reads = _Reads.start(src, dst, manifest)
+    reads = Reads.start(src, dst, manifest)
     prep = None
     if layer_check and reads.src is not None:  # transformers, the layer classes and the
         # tokenizer load meanwhile
@@ -284,67 +276,7 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
             prep.exception()
 
 
-# how far verify reads ahead of its checks, in each of the output and the source (or an
-# eighth of the memory available, when that is less): the output's hashing works through the
-# seconds of imports before the first check (on the slice of BENCHMARKS.md, all of it)
-VERIFY_AHEAD = 16 * 2**30
-
-
-@dataclass
-class _Reads:
-    """verify's reads of the output, started before anything else (each file read from the
-    disk once, the disk kept busy while this thread imports transformers and
-    compressed-tensors), and the source opened and planned (None where that failed: said where
-    the checks open it again):
-
-        rest      the small files of the manifest hashed at once (a Future of `_hash_files`)
-        shards    the weight shards (`streamed`) hashed in the order of the tensor checks,
-                  at most VERIFY_AHEAD beyond them: the checks then read the page cache, and
-                  an output larger than the memory is not read twice
-
-    The source is read ahead only once the checks begin (`_check_tensors_and_layers`): read
-    from the start as well, its reads beside the hashing saturated the disk and the imports'
-    own small reads waited behind them (verify 42.3 -> 52.7 s on the H200; BENCHMARKS.md).
-    """
-
-    rest: Future
-    shards: HashAhead
-    streamed: list[str]
-    t0: float
-    src: Checkpoint | None = None
-    plan: object = None
-
-    @classmethod
-    def start(cls, src, dst: Path, manifest: dict) -> _Reads:
-        files = manifest["files"]
-        same_size = _same_size(dst, files)
-        streamed = _streamed(dst, same_size)
-        ahead = readahead_bytes(VERIFY_AHEAD)
-        reads = cls(background(_hash_files, dst, [n for n in same_size if n not in streamed]),
-                    HashAhead([dst / n for n in streamed], ahead=ahead), streamed, time.perf_counter())
-        try:
-            reads.src = open_checkpoint(src)
-            reads.plan = make_plan(reads.src, _options(manifest))
-        except (QuantizeError, OSError, ValueError, TypeError, KeyError):
-            pass
-        return reads
-
-    def shard_digests(self, started: bool = False) -> dict[str, str]:
-        """The shards' digests once all are hashed (one that could not be read: none);
-        `started`: only those whose hashing had begun."""
-        got = self.shards.digests(started)
-        return {n: d for n, p in zip(self.streamed, self.shards.paths) if isinstance(d := got.get(p), str)}
-
-    def close(self) -> None:
-        self.shards.close()
-
-
-def _options(manifest: dict) -> ConvertOptions:
-    o = manifest["options"]
-    return ConvertOptions(**{**o, "targets": frozenset(o["targets"])})
-
-
-def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: _Reads, prep,
+def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads, prep,
             min_sqnr_db: float, dev: torch.device, on_unit, write: bool, on_start,
             layer_check: bool, log) -> VerifyReport:
     """verify()'s checks once the report is started, the files are being hashed and the
@@ -354,7 +286,9 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: _Reads,
     # check is preparing: `prepare_in_background` imports it on this thread first.)
     background(importlib.import_module, "compressed_tensors.quantization")
     files = manifest["files"]
-    _files_problems(report, Path(src), dst, files, reads.rest.result(), set(reads.streamed))
+    problems, notes = files_problems(Path(src), dst, files, reads.rest.result(), set(reads.streamed))
+    report.problems += problems
+    report.notes += notes
     if log:
         log(f"{len(files) - len(reads.streamed)} files checked against the manifest's sha256 "
             f"in {time.perf_counter() - reads.t0:.1f} s; {len(reads.streamed)} weight shards "
@@ -372,23 +306,24 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: _Reads,
         digests = reads.shard_digests(started=True)
         named = {Path(p.file).name for p in getattr(e, "problems", [])}
         digests |= {n: sha256_file(dst / n) for n in reads.streamed if n in named and n not in digests}
-        if _changed(report, files, digests, [n for n in reads.streamed if n in digests]):
+        if bad := changed(files, digests, [n for n in reads.streamed if n in digests]):
+            report.problems += bad
             return _finish(report, dst, write)
         raise
-    _changed(report, files, reads.shard_digests(), reads.streamed)
+    report.problems += changed(files, reads.shard_digests(), reads.streamed)
     if log:
         log(f"{len(reads.streamed)} weight shards checked against the manifest's sha256 "
             f"({reads.shards.read_bytes / 1e9:.1f} GB) in {time.perf_counter() - reads.t0:.1f} s")
     return _finish(report, dst, write)
 
 
-def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, reads: _Reads, prep,
+def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads, prep,
                   min_sqnr_db: float, dev: torch.device, on_unit, on_start, layer_check: bool,
                   log) -> None:
     """The output's layout against the plan, then every tensor and layer against the source,
     from `reads` (told how far the checks have read)."""
     t0 = time.perf_counter()
-    opts = _options(manifest)
+    opts = options_of(manifest)
     src_ckpt = reads.src if reads.plan is not None else open_checkpoint(src)
     plan = reads.plan if reads.plan is not None else make_plan(src_ckpt, opts)
     tensors, files, sizes = read_tensor_table(dst)
@@ -413,62 +348,6 @@ def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, reads: _
     checker = _layer_check(src_ckpt, plan, dst, opts, dev, report, layer_check, log, prep)
     _check_tensors_and_layers(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
                               awq_scales, checker, on_start, on_unit, log, reads)
-
-
-def _same_size(dst: Path, files: dict) -> list[str]:
-    """The manifest's files present at their recorded size (the others fail unread)."""
-    return [n for n in files if (dst / n).is_file() and (dst / n).stat().st_size == files[n]["bytes"]]
-
-
-def _streamed(dst: Path, names: list[str]) -> list[str]:
-    """Of `names`, the weight shards the index maps tensors to, in file-name order (the
-    order in which the tensor checks read them: the plan's)."""
-    try:
-        weight_map = json.loads((dst / INDEX_NAME).read_text()).get("weight_map", {})
-        mapped = set(weight_map.values())
-    except (OSError, ValueError, AttributeError, TypeError):
-        return []  # (an unreadable index fails its own hash and the layout check)
-    return sorted(n for n in names if n in mapped)
-
-
-def _changed(report: VerifyReport, files: dict, digests: dict[str, str], names: list[str]) -> bool:
-    """Adds a problem for each of `names` whose sha256 is not the manifest's; whether any."""
-    bad = [n for n in names if digests.get(n) != files[n]["sha256"]]
-    report.problems += [_CHANGED.format(n) for n in bad]
-    return bool(bad)
-
-
-_CHANGED = ("{}: sha256 differs from the manifest (the file was changed after conversion; "
-            "re-run convert with --overwrite)")
-
-
-def _hash_files(dst: Path, names: list[str]) -> dict[str, str]:
-    """sha256 of each of `names`, several at once, largest first (hashlib releases the GIL:
-    one thread hashing file after file waits on each cold read in turn)."""
-    names = sorted(names, key=lambda n: -(dst / n).stat().st_size)
-    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1, len(names)))) as pool:
-        return dict(zip(names, pool.map(lambda n: sha256_file(dst / n), names)))
-
-
-def _files_problems(report: VerifyReport, src: Path, dst: Path, files: dict,
-                    digests: dict[str, str], pending: set[str]) -> None:
-    """The manifest's files present and unchanged (`digests`: `_hash_files`'s; those in
-    `pending` are hashed later and only their presence and size are checked here), no weight
-    file it does not list, the source's files convert copies present; the user's other files
-    noted."""
-    for name, rec in sorted(files.items()):
-        if not (dst / name).is_file():
-            report.problems.append(f"{name}: listed in the manifest but missing")
-        elif name not in pending and digests.get(name) != rec["sha256"]:
-            report.problems.append(_CHANGED.format(name))
-    unlisted = _unlisted(dst, files)
-    report.problems += [f"{n}: a weight file the manifest does not list (an engine may load it "
-                        f"with the checkpoint); delete it, or reconvert with --overwrite"
-                        for n in unlisted if n.endswith(WEIGHT_SUFFIXES)]
-    report.problems += _source_files_problems(src, dst, files)
-    report.notes += [f"{n}: in the folder, not part of the conversion (push does not upload it)"
-                     for n in unlisted if not n.endswith((*WEIGHT_SUFFIXES, PARTIAL))
-                     and n not in _OURS and not n.startswith(".")]
 
 
 def _layout_problems(report: VerifyReport, src_ckpt: Checkpoint, plan, dst: Path,
@@ -519,7 +398,7 @@ def _check_tensors_and_layers(report: VerifyReport, src_ckpt: Checkpoint, dst_ck
                               dev: torch.device, awq_scales, checker,
                               on_start: Callable[[int], None] | None,
                               on_unit: Callable[[Unit], None] | None,
-                              log: Callable[[str], None] | None, reads: _Reads) -> None:
+                              log: Callable[[str], None] | None, reads: Reads) -> None:
     """Every planned unit checked tensor by tensor, in plan order; each decoder layer run by
     `checker` (or none) once its tensors are checked, from the same reads; `reads` (the
     output's hashing and the source's read-ahead) told how far they have got."""
@@ -534,7 +413,7 @@ def _check_tensors_and_layers(report: VerifyReport, src_ckpt: Checkpoint, dst_ck
     # evicted those first and read them twice: a page read twice counts as in use)
     src_ckpt.drop_read = dst_ckpt.drop_read = True
     source = Readahead(src_ckpt, [n for u in plan.units for n in (u.source, u.scale) if n],
-                       ahead=readahead_bytes(VERIFY_AHEAD))
+                       ahead=readahead_bytes(VERIFY_AHEAD))  # (started here: `Reads` says why)
     try:
         checker = _check_units(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
                                awq_scales, checker, on_unit, log, (source, reads.shards))
@@ -617,38 +496,6 @@ def _layer_check(src: Checkpoint, plan, dst: Path, opts: ConvertOptions, device:
                           prep)
     except QuantizeError as e:
         return _unbuildable(e, report, opts, log)
-
-
-def _unlisted(dst: Path, listed: dict) -> list[str]:
-    """Files under `dst` (links included; links to folders not followed; the calibration's
-    checkpoints aside) that are not among `listed`."""
-    found = []
-    for folder, dirs, files in os.walk(dst):
-        rel = Path(folder).relative_to(dst)
-        dirs[:] = sorted(d for d in dirs if (rel / d).as_posix() != CALIB_STATE)
-        found += [(rel / f).as_posix() for f in sorted(files)]
-    return [n for n in found if n not in listed]
-
-
-def _source_files_problems(src: Path, dst: Path, listed: dict) -> list[str]:
-    """The source's non-weight files convert copies (tokenizer, generation config, chat
-    template, ...): each in the output, in its manifest, byte for byte the source's."""
-    if not src.is_dir():
-        return []
-    problems = []
-    for p in aux_files(src):
-        o = dst / p.name
-        if not o.is_file() or p.name not in listed:
-            where = "missing from the output" if not o.is_file() else "not in the manifest"
-            problems.append(f"{p.name}: in the source, {where} (convert copies it; engines and "
-                            "tokenizers read it); reconvert with --overwrite")
-        elif o.stat().st_size != p.stat().st_size or sha256_file(o) != sha256_file(p):
-            problems.append(f"{p.name}: differs from the source's; reconvert with --overwrite")
-    return problems
-
-
-# what verify, eval and convert write beside the manifest's files
-_OURS = {MANIFEST, CARD, VERIFY_JSON, EVAL_JSON, RUN_RECORD, CALIB_TIMINGS, *PICTURES}
 
 
 def _finish(report: VerifyReport, dst: Path, write: bool) -> VerifyReport:
