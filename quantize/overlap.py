@@ -184,7 +184,7 @@ class HashAhead:
     it hashes), the reads staying at most `ahead` bytes beyond the bytes the consumer reported
     (`consumed`): a consumer reading the same files in the same order then reads them from the
     page cache, and each file comes from the disk once however little of it the cache holds.
-    `digests()` waits for all: {path: hexdigest, or the OSError that stopped its read};
+    `digests()` waits for all: {path: hexdigest, or the error that stopped its read};
     `digests(started=True)` only for the files whose reading has begun (at most the budget
     beyond the consumer). `close` (or leaving the `with`) stops it within one chunk."""
 
@@ -208,42 +208,45 @@ class HashAhead:
             self._cv.notify()
 
     def _read(self) -> None:
-        for path in self.paths:
-            if self._no_more:
-                break
-            try:
-                with open(path, "rb", buffering=0) as f:
-                    while True:
-                        with self._cv:
-                            self._cv.wait_for(lambda: self._stop or self.read_bytes - self._taken < self.ahead)
-                        if self._stop:  # (no digest for a file left part-read)
-                            self._pieces.put(None)
-                            return
-                        piece = f.read(self.chunk)
-                        if not piece:
-                            break
-                        self.read_bytes += len(piece)
-                        self._pieces.put((path, piece))
-            except OSError as e:
-                self._pieces.put((path, e))
-            self._pieces.put((path, None))  # the file's end
-        self._pieces.put(None)
+        try:
+            for path in self.paths:
+                if self._no_more:
+                    break
+                try:
+                    with open(path, "rb", buffering=0) as f:
+                        while True:
+                            with self._cv:
+                                self._cv.wait_for(lambda: self._stop or self.read_bytes - self._taken < self.ahead)
+                            if self._stop:  # (no digest for a file left part-read)
+                                return
+                            piece = f.read(self.chunk)
+                            if not piece:
+                                break
+                            self.read_bytes += len(piece)
+                            self._pieces.put((path, piece))
+                except Exception as e:  # noqa: BLE001 - the file's result: its digest or the error
+                    self._pieces.put((path, e))
+                self._pieces.put((path, None))  # the file's end
+        finally:  # the end, however the reading ended (else `digests` and `close` would wait)
+            self._pieces.put(None)
 
     def _hash(self) -> None:
-        h, failed = hashlib.sha256(), None
-        while (item := self._pieces.get()) is not None:
-            path, piece = item
-            if piece is None:
-                self._digests[path] = failed or h.hexdigest()
-                h, failed = hashlib.sha256(), None
-            elif isinstance(piece, OSError):
-                failed = piece
-            elif failed is None:
-                h.update(piece)  # (releases the GIL)
-        self._done.set()
+        try:
+            h, failed = hashlib.sha256(), None
+            while (item := self._pieces.get()) is not None:
+                path, piece = item
+                if piece is None:
+                    self._digests[path] = failed or h.hexdigest()
+                    h, failed = hashlib.sha256(), None
+                elif isinstance(piece, Exception):
+                    failed = piece
+                elif failed is None:
+                    h.update(piece)  # (releases the GIL)
+        finally:
+            self._done.set()
 
     def digests(self, started: bool = False) -> dict:
-        """{path: sha256 hexdigest, or the OSError that stopped the read}, once all are done
+        """{path: sha256 hexdigest, or the error that stopped the read}, once all are done
         (reads past the budget go on regardless: the consumer is finished with them);
         `started`: only the files whose reading had begun (no later file is read)."""
         self._no_more = self._no_more or started

@@ -219,3 +219,15 @@ def test_hash_ahead_can_finish_only_the_files_it_began(tmp_path):
             time.sleep(0.01)
         got = h.digests(started=True)  # the first file is being read: it alone is finished
     assert list(got) == [paths[0]] and got[paths[0]] == hashlib.sha256(paths[0].read_bytes()).hexdigest()
+
+
+def test_hash_ahead_gives_an_unexpected_error_as_that_files_result(tmp_path):
+    import hashlib
+
+    paths = _files(tmp_path, [2**16], seed=4)
+    h = HashAhead([paths[0], 1.5], ahead=2**20, chunk=2**16)  # open(1.5): a TypeError, not an OSError
+    fut = background(h.digests)
+    got = fut.result(timeout=10)  # returns (a reader that died would leave it waiting)
+    assert got[paths[0]] == hashlib.sha256(paths[0].read_bytes()).hexdigest()
+    assert isinstance(got[1.5], TypeError)  # the error is that file's result
+    h.close()
