@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -264,6 +265,9 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
         # tokenizer load meanwhile
         from quantize.check.layercheck import prepare_in_background
 
+        if log and "transformers" not in sys.modules:  # (seconds, tens on a cold busy disk)
+            log(f"loading transformers for the layer check; the output ({_shards(reads)}) is "
+                f"hashed meanwhile")
         prep = prepare_in_background(reads.src)
     try:
         return _verify(report, src, dst, manifest, reads, prep, min_sqnr_db, dev, on_unit,
@@ -274,6 +278,11 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
         reads.close()
         if prep is not None:
             prep.exception()
+
+
+def _shards(reads: Reads) -> str:
+    n = len(reads.streamed)
+    return f"{n} weight shard{'' if n == 1 else 's'}"
 
 
 def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads, prep,
@@ -291,8 +300,8 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads, 
     report.notes += notes
     if log:
         log(f"{len(files) - len(reads.streamed)} files checked against the manifest's sha256 "
-            f"in {time.perf_counter() - reads.t0:.1f} s; {len(reads.streamed)} weight shards "
-            f"are hashed beside the tensor checks")
+            f"in {time.perf_counter() - reads.t0:.1f} s; {_shards(reads)} "
+            f"hashed beside the tensor checks")
     if report.problems:
         return _finish(report, dst, write)
     try:
@@ -312,7 +321,7 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads, 
         raise
     report.problems += changed(files, reads.shard_digests(), reads.streamed)
     if log:
-        log(f"{len(reads.streamed)} weight shards checked against the manifest's sha256 "
+        log(f"{_shards(reads)} checked against the manifest's sha256 "
             f"({reads.shards.read_bytes / 1e9:.1f} GB) in {time.perf_counter() - reads.t0:.1f} s")
     return _finish(report, dst, write)
 
@@ -322,6 +331,8 @@ def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, reads: R
                   log) -> None:
     """The output's layout against the plan, then every tensor and layer against the source,
     from `reads` (told how far the checks have read)."""
+    if log and "compressed_tensors.quantization" not in sys.modules:  # (the layout check needs it)
+        log("loading compressed-tensors for the config check; the output is hashed meanwhile")
     t0 = time.perf_counter()
     opts = options_of(manifest)
     src_ckpt = reads.src if reads.plan is not None else open_checkpoint(src)
