@@ -392,6 +392,10 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
     kept = {s.file for s in plan.shards if manifest.holds(s.file)}
     ahead = Readahead(ckpt, [n for s in plan.shards if s.file not in kept for u in s.units
                              for n in (u.source, u.scale) if n]) if calib is None else None
+    # and each tensor it has read leaves the page cache, which keeps the pages read ahead (with
+    # a source larger than the memory, or a memory cgroup, those were evicted first and read
+    # twice: BENCHMARKS.md, "verify reads the output once")
+    ckpt.drop_read = calib is None
 
     def seen(u: Unit) -> None:
         if ahead is not None:
@@ -416,6 +420,7 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
     finally:
         if ahead is not None:
             ahead.close()
+        ckpt.drop_read = False
 
     stall_point("finish")
     report = _write_rest(ckpt, plan, out, aux, manifest, qconfig, calib)

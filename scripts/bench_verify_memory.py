@@ -1,5 +1,6 @@
-"""verify under a memory limit smaller than its reads: how many bytes it reads from the disk,
-this tree's quantize against another tree's, whole processes with the page cache dropped.
+"""verify (and RTN convert) under a memory limit smaller than their reads: how many bytes they
+read from the disk, this tree's quantize against another tree's, whole processes with the page
+cache dropped.
 
     mkdir -p .dev/old && git archive e4b8a9b quantize calib_data | tar -x -C .dev/old
     mkdir /sys/fs/cgroup/memory/qb && echo 1500M > /sys/fs/cgroup/memory/qb/memory.limit_in_bytes  # cgroup v1
@@ -11,8 +12,9 @@ Builds a block-FP8 glm_moe_dsa of ~0.8 GB (hidden 2048, 32 experts of width 768,
 a 32k vocabulary) on the CPU, converts it with RTN (0.64 GB in 6 shards), then runs `quantize
 verify --device cpu --no-layer-check` `--rounds` times per tree, with and without the cgroup
 (whose limit, made by the caller, should hold the process, ~1.1 GiB, but not its output as well).
-Recorded per run (scripts/bench_io.py's `timed`): wall, peak RSS, GB read from and written to
-the disk.
+`--runs verify,convert` also times `quantize convert --method rtn` of the same source into a
+second folder the same way. Recorded per run (scripts/bench_io.py's `timed`): wall, peak RSS,
+GB read from and written to the disk.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--old", type=Path, default=None, help="another tree's quantize (git archive REV quantize calib_data)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench-verify-memory"))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--runs", default="verify", help="verify, convert or both (comma list)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -53,14 +56,16 @@ def main() -> None:
            "source_bytes": sum(f.stat().st_size for f in src.glob("*.safetensors")),
            "output_bytes": sum(f.stat().st_size for f in dst.glob("*.safetensors")), "runs": []}
     trees = [Path(".")] + ([args.old] if args.old else [])
+    cmds = {"verify": [*q, "verify", str(src), str(dst), "--device", "cpu", "--no-layer-check"],
+            "convert": [*q, "convert", str(src), str(args.workdir / "out-again"), "--method", "rtn",
+                        "--device", "cpu", "--overwrite", "--max-shard-size", "100MB"]}
     for _ in range(args.rounds):
         for code in reversed(trees):
-            for cgroup in (None, args.cgroup):
-                r = timed([*q, "verify", str(src), str(dst), "--device", "cpu", "--no-layer-check"],
-                          args.workdir / "verify.log", cgroup, code)
-                r["code"] = str(code)
+            for run, cgroup in ((run, cg) for run in args.runs.split(",") for cg in (None, args.cgroup)):
+                r = timed(cmds[run], args.workdir / f"{run}.log", cgroup, code)
+                r["code"], r["run"] = str(code), run
                 res["runs"].append(r)
-                print(f"{code} {'in the cgroup' if cgroup else 'no limit'}: exit {r['exit']}, "
+                print(f"{run} {code} {'in the cgroup' if cgroup else 'no limit'}: exit {r['exit']}, "
                       f"{r['wall_s']} s, {r['disk_read_gb']} GB read, RSS {r['peak_rss_gib']} GiB", flush=True)
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(res, indent=1))
