@@ -135,50 +135,65 @@ def _cgroup_room() -> int | None:
     return None
 
 
-class Readahead:
-    """Reads the named tensors of `ckpt` (a source_checkpoint.Checkpoint) into the OS page
-    cache on a daemon thread, in the order given, staying at most `ahead` bytes beyond the
-    bytes the consumer reported (`consumed`). Read errors are left to the real reads; `close`
-    (or leaving the `with`) stops it within one chunk."""
+class _Ahead:
+    """A reader that stays at most `ahead` bytes beyond the bytes its consumer reported
+    (`consumed`): `_wait(done)` blocks while `done` bytes read are that far ahead and says
+    whether to go on (False once `close` asked it to stop)."""
 
-    def __init__(self, ckpt, names: list[str], ahead: int | None = None) -> None:
-        self.ckpt, self.names = ckpt, [n for n in names if n in ckpt.tensors]
+    def __init__(self, ahead: int | None) -> None:
         self.ahead = readahead_bytes() if ahead is None else ahead
         self._cv = threading.Condition()
         self._taken = 0
         self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True, name="quantize-readahead")
-        self._thread.start()
 
     def consumed(self, nbytes: int) -> None:
         with self._cv:
             self._taken += nbytes
             self._cv.notify()
 
-    def _run(self) -> None:
-        done = 0
-        for name in self.names:
-            with self._cv:
-                self._cv.wait_for(lambda d=done: self._stop or d - self._taken < self.ahead)
-                if self._stop:
-                    return
-            self.ckpt.prefetch([name], stop=lambda: self._stop)
-            done += self.ckpt.tensors[name].nbytes
+    def _wait(self, done: int) -> bool:
+        with self._cv:
+            self._cv.wait_for(lambda: self._stop or done - self._taken < self.ahead)
+            return not self._stop
 
-    def close(self) -> None:
+    def _signal_stop(self) -> None:
         with self._cv:
             self._stop = True
             self._cv.notify()
-        self._thread.join()
 
-    def __enter__(self) -> Readahead:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-class HashAhead:
+class Readahead(_Ahead):
+    """Reads the named tensors of `ckpt` (a source_checkpoint.Checkpoint) into the OS page
+    cache on a daemon thread, in the order given, staying at most `ahead` bytes beyond the
+    bytes the consumer reported (`consumed`). Read errors are left to the real reads; `close`
+    (or leaving the `with`) stops it within one chunk."""
+
+    def __init__(self, ckpt, names: list[str], ahead: int | None = None) -> None:
+        super().__init__(ahead)
+        self.ckpt, self.names = ckpt, [n for n in names if n in ckpt.tensors]
+        self._thread = threading.Thread(target=self._run, daemon=True, name="quantize-readahead")
+        self._thread.start()
+
+    def _run(self) -> None:
+        done = 0
+        for name in self.names:
+            if not self._wait(done):
+                return
+            self.ckpt.prefetch([name], stop=lambda: self._stop)
+            done += self.ckpt.tensors[name].nbytes
+
+    def close(self) -> None:
+        self._signal_stop()
+        self._thread.join()
+
+
+class HashAhead(_Ahead):
     """The sha256 of each of `paths`, hashed in the order given on two daemon threads (one
     reads `chunk`-sized pieces, one hashes them: a thread doing both leaves the disk idle while
     it hashes), the reads staying at most `ahead` bytes beyond the bytes the consumer reported
@@ -189,23 +204,15 @@ class HashAhead:
     beyond the consumer). `close` (or leaving the `with`) stops it within one chunk."""
 
     def __init__(self, paths: list, ahead: int | None = None, chunk: int = 16 * 2**20) -> None:
+        super().__init__(ahead)
         self.paths, self.chunk = list(paths), chunk
-        self.ahead = readahead_bytes() if ahead is None else ahead
         self.read_bytes = 0  # read so far (the last file's hashing may still be under way)
-        self._cv = threading.Condition()
-        self._taken = 0
-        self._stop = False
         self._no_more = False  # set: no file is opened after the one being read
         self._pieces: queue.Queue = queue.Queue(maxsize=4)  # read, not yet hashed
         self._digests: dict = {}
         self._done = threading.Event()
         for fn, name in ((self._read, "quantize-hash-read"), (self._hash, "quantize-hash")):
             threading.Thread(target=fn, daemon=True, name=name).start()
-
-    def consumed(self, nbytes: int) -> None:
-        with self._cv:
-            self._taken += nbytes
-            self._cv.notify()
 
     def _read(self) -> None:
         try:
@@ -215,9 +222,7 @@ class HashAhead:
                 try:
                     with open(path, "rb", buffering=0) as f:
                         while True:
-                            with self._cv:
-                                self._cv.wait_for(lambda: self._stop or self.read_bytes - self._taken < self.ahead)
-                            if self._stop:  # (no digest for a file left part-read)
+                            if not self._wait(self.read_bytes):  # (no digest for a file left part-read)
                                 return
                             piece = f.read(self.chunk)
                             if not piece:
@@ -255,13 +260,5 @@ class HashAhead:
         return dict(self._digests)
 
     def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
+        self._signal_stop()
         self._done.wait()  # (the hashing thread empties the queue the reader may wait on)
-
-    def __enter__(self) -> HashAhead:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
