@@ -67,6 +67,7 @@ class Reads:
     shards: HashAhead
     streamed: list[str]
     t0: float
+    ahead: int  # the read-ahead budget (the source's too, once the checks begin)
     src: Checkpoint | None = None
     plan: Plan | None = None
 
@@ -77,7 +78,8 @@ class Reads:
         streamed = streamed_shards(dst, whole)
         ahead = readahead_bytes(VERIFY_AHEAD)
         reads = cls(background(hash_files, dst, [n for n in whole if n not in streamed]),
-                    HashAhead([dst / n for n in streamed], ahead=ahead), streamed, time.perf_counter())
+                    HashAhead([dst / n for n in streamed], ahead=ahead), streamed, time.perf_counter(),
+                    ahead)
         try:
             reads.src = open_checkpoint(src)
             reads.plan = make_plan(reads.src, options_of(manifest))

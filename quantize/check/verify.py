@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from quantize import SCHEMA_VERSION
-from quantize.check.integrity import VERIFY_AHEAD, Reads, changed, files_problems, options_of
+from quantize.check.integrity import Reads, changed, files_problems, options_of
 from quantize.errors import QuantizeError
 from quantize.names import (
     AWQ_SCALES,
@@ -50,7 +50,7 @@ from quantize.names import (
     VERIFY_JSON,
 )
 from quantize.options import ConvertOptions
-from quantize.overlap import HashAhead, Readahead, background, readahead_bytes
+from quantize.overlap import HashAhead, Readahead, background
 from quantize.plan import Unit, make_plan
 from quantize.rounding.int4 import REFIT_RANGE, Int4Weight, dequantize, rtn_qparams, unpack_int4
 from quantize.source.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor_table
@@ -335,7 +335,7 @@ def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, reads: R
         log("loading compressed-tensors for the config check; the output is hashed meanwhile")
     t0 = time.perf_counter()
     opts = options_of(manifest)
-    src_ckpt = reads.src if reads.plan is not None else open_checkpoint(src)
+    src_ckpt = reads.src if reads.src is not None else open_checkpoint(src)
     plan = reads.plan if reads.plan is not None else make_plan(src_ckpt, opts)
     tensors, files, sizes = read_tensor_table(dst)
     config = json.loads((dst / "config.json").read_text())
@@ -424,7 +424,7 @@ def _check_tensors_and_layers(report: VerifyReport, src_ckpt: Checkpoint, dst_ck
     # evicted those first and read them twice: a page read twice counts as in use)
     src_ckpt.drop_read = dst_ckpt.drop_read = True
     source = Readahead(src_ckpt, [n for u in plan.units for n in (u.source, u.scale) if n],
-                       ahead=readahead_bytes(VERIFY_AHEAD))  # (started here: `Reads` says why)
+                       ahead=reads.ahead)  # (started here: `Reads` says why)
     try:
         checker = _check_units(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
                                awq_scales, checker, on_unit, log, (source, reads.shards))
