@@ -111,11 +111,14 @@ def fingerprint(root: Path) -> str:
 
 
 def commit() -> str | None:
-    """The checkout's commit as `git describe --always --dirty` gives it (None outside git)."""
+    """The checkout's commit as `git describe --always --dirty` gives it; outside git (a copy
+    of the tree on another machine) the environment's BENCH_COMMIT, else None."""
+    import os
     import subprocess
 
     return subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-                          capture_output=True, text=True, check=False).stdout.strip() or None
+                          capture_output=True, text=True, check=False).stdout.strip() or \
+        os.environ.get("BENCH_COMMIT") or None
 
 
 def pooled(scores: dict, prefix: str) -> dict | None:
