@@ -254,19 +254,19 @@ def summarize(files: list[Path], out: Path) -> None:
             cell[text] = {"ppl_added_pct_mean": sum(vals) / len(vals), "min": min(vals), "max": max(vals),
                           "kl_mean": sum(kls) / len(kls)}
         rows.append({"group_size": g, "calib": cset, "run": spec, "seeds": seeds, "n": len(rs),
-                     "chosen_on_validation": any(r.get("chosen_on_validation") for r in rs), **cell})
+                     "chosen_on_validation": any(r.get("chosen_on_validation") for r in rs),
+                     "validation_score": sum(map(validation_score, rs)) / len(rs), **cell})
     out.write_text(json.dumps({"sources": heads, "files": [f.name for f in files], "summary": rows,
                                "runs": runs}, indent=1))
     texts = [k for k in rows[0] if k.startswith(("in_domain", "ood:"))]
-    vals = [k for k in rows[0] if k.startswith("val:")]
-    print("| group | calibration | run | seeds | validation KL | " + " | ".join(
+    print("| group | calibration | run | seeds | validation score | " + " | ".join(
         f"{t}: ppl added % mean (min..max) | {t}: KL" for t in texts) + " |")
     for r in rows:
         cells = [f"{r[t]['ppl_added_pct_mean']:.2f} ({r[t]['min']:.2f}..{r[t]['max']:.2f}) | "
                  f"{r[t]['kl_mean']:.4f}" for t in texts]
-        val = sum(r[t]["kl_mean"] for t in vals) / len(vals) if vals else float("nan")
         name = f"**{r['run']}** (chosen)" if r["chosen_on_validation"] else r["run"]
-        print(f"| {r['group_size']} | {r['calib']} | {name} | {len(r['seeds']) or '-'} | {val:.4f} | "
+        print(f"| {r['group_size']} | {r['calib']} | {name} | {len(r['seeds']) or '-'} | "
+              f"{r['validation_score']:.4f} | "
               + " | ".join(cells) + " |")
 
 
