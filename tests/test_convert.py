@@ -317,3 +317,50 @@ def test_verify_catches_a_few_doubled_group_scales(dsa_fp8, dsa_out, tmp_path):
     assert [t.name for t in failed] == ["model.layers.1.mlp.experts.0.gate_proj.weight"]
     assert failed[0].sqnr_db > 12  # what the tensor-wide check alone would have passed
     assert f"4 of {s.numel():,} group scales differ" in failed[0].note and "row 3, group 1" in failed[0].note
+
+
+@pytest.mark.parametrize("lag", [True, False])
+def test_tensor_checks_go_on_while_the_layer_check_prepares(dsa_fp8, dsa_out, monkeypatch, lag):
+    """While the layer check's classes are still being built on their thread, the tensor
+    checks go on and the checked layers wait with their reads kept (up to a budget; with none,
+    the next layer's checks wait for the classes instead); the layers' figures are those of a
+    run in which nothing waited."""
+    import threading
+
+    from quantize.check import layercheck
+    from quantize.check import verify as verify_module
+    from quantize.source.layout import layer_of
+
+    ref = verify(dsa_fp8, dsa_out, write=False)
+    assert ref.ok and len(ref.layer_check["layers"]) >= 2
+
+    go = threading.Event()
+    real = layercheck.prepare
+
+    def slow_prepare(src, seed=0):
+        assert go.wait(timeout=60)
+        return real(src, seed)
+
+    monkeypatch.setattr(layercheck, "prepare", slow_prepare)
+    if not lag:  # no budget: the first unit of layer 1 waits until layer 0 has run
+        monkeypatch.setattr(verify_module, "_lag_bytes", lambda ahead, dev: 0)
+        threading.Timer(0.5, go.set).start()
+    events = []
+
+    def on_unit(u):
+        events.append(("unit", layer_of(u.source)))
+        if lag and layer_of(u.source) == 1:
+            go.set()
+
+    def log(msg):
+        if m := re.match(r"layer (\d+): output error", msg):
+            events.append(("layer", int(m.group(1))))
+
+    rep = verify(dsa_fp8, dsa_out, write=False, on_unit=on_unit, log=log)
+    assert rep.ok, rep.problems
+    first_unit_1 = events.index(("unit", 1))
+    layer_0 = events.index(("layer", 0))
+    assert (first_unit_1 < layer_0) if lag else (layer_0 < first_unit_1), events[:40]
+    got = [(e["layer"], e["rel_error"], e.get("rtn_rel_error")) for e in rep.layer_check["layers"]]
+    assert got == [(e["layer"], e["rel_error"], e.get("rtn_rel_error")) for e in ref.layer_check["layers"]]
+    assert [t.sqnr_db for t in rep.tensors] == [t.sqnr_db for t in ref.tensors]

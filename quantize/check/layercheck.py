@@ -117,14 +117,22 @@ def prepare(src: Checkpoint, seed: int = 0) -> Prepared:
     return Prepared(skeleton, tokens, text)
 
 
-def prepare_in_background(src: Checkpoint) -> Future:
-    """`prepare(src)` on its own thread; the Future holds its result or its error. transformers'
-    package itself is imported here first: two threads initializing it at once (verify's own
-    imports of compressed-tensors import it too) can see it half-made ("cannot import name
-    'AutoConfig'"); its model classes and the tokenizer then load on the thread."""
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+def prepare_in_background(src: Checkpoint | None, then: Callable[[], object] | None = None) -> Future:
+    """`prepare(src)` on its own thread, transformers imported there first; the Future holds
+    its result (None without `src`: the imports alone) or its error. `then()` is started on
+    a second thread once transformers is whole: two threads initializing transformers at once
+    (compressed-tensors imports it too) can see it half-made ("cannot import name
+    'AutoConfig'"). The calling thread goes on meanwhile; it must not import transformers
+    itself until the Future is done."""
 
-    return background(prepare, src)
+    def run() -> Prepared | None:
+        from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+
+        if then is not None:
+            background(then)
+        return prepare(src) if src is not None else None
+
+    return background(run)
 
 
 class LayerCheck:
@@ -155,6 +163,11 @@ class LayerCheck:
                 self.targets.setdefault(L, []).append(n)
             elif u.action == "dequant":
                 self.widened.setdefault(L, []).append(n)
+
+    def preparing(self) -> bool:
+        """Whether the skeleton and tokens are still being prepared on their thread (`run`
+        would wait for them)."""
+        return isinstance(self._prepared, Future) and not self._prepared.done()
 
     def _ready(self) -> None:
         """The prepared skeleton and tokens (raises `prepare`'s error, e.g. a QuantizeError for

@@ -35,6 +35,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,7 +51,7 @@ from quantize.names import (
     VERIFY_JSON,
 )
 from quantize.options import ConvertOptions
-from quantize.overlap import HashAhead, Readahead, background
+from quantize.overlap import HashAhead, Readahead
 from quantize.plan import Unit, make_plan
 from quantize.rounding.int4 import REFIT_RANGE, Int4Weight, dequantize, rtn_qparams, unpack_int4
 from quantize.source.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor_table
@@ -260,24 +261,21 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     report = VerifyReport(src_name, dst.name, min_sqnr_db)
     dev = resolve_device(device)  # auto: the GPU when there is one; cuda without one: exit 2
     reads = Reads.start(src, dst, manifest)
-    prep = None
-    if layer_check and reads.src is not None:  # transformers, the layer classes and the
-        # tokenizer load meanwhile
-        from quantize.check.layercheck import prepare_in_background
+    # transformers (seconds to import, tens on a cold busy disk), then compressed-tensors (for
+    # config.json's quantization_config, checked after the tensors) and the layer check's
+    # classes and tokens load on threads while this one checks the tensors
+    from quantize.check.layercheck import prepare_in_background
 
-        if log and "transformers" not in sys.modules:  # (seconds, tens on a cold busy disk)
-            log(f"loading transformers for the layer check; the output ({_shards(reads)}) is "
-                f"hashed meanwhile")
-        prep = prepare_in_background(reads.src)
+    loading = prepare_in_background(reads.src if layer_check else None,
+                                    lambda: importlib.import_module("compressed_tensors.quantization"))
     try:
-        return _verify(report, src, dst, manifest, reads, prep, min_sqnr_db, dev, on_unit,
+        return _verify(report, src, dst, manifest, reads, loading, min_sqnr_db, dev, on_unit,
                        write, on_start, layer_check, log)
     finally:  # never return with the preparation still building on its thread: transformers
         # sets torch's process-wide default dtype while it builds (a later build in this
         # process would take BF16 as the default to restore)
         reads.close()
-        if prep is not None:
-            prep.exception()
+        loading.exception()
 
 
 def _shards(reads: Reads) -> str:
@@ -285,15 +283,11 @@ def _shards(reads: Reads) -> str:
     return f"{n} weight shard{'' if n == 1 else 's'}"
 
 
-def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads, prep,
+def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads, loading: Future,
             min_sqnr_db: float, dev: torch.device, on_unit, write: bool, on_start,
             layer_check: bool, log) -> VerifyReport:
     """verify()'s checks once the report is started, the files are being hashed and the
-    layer check is preparing."""
-    # compressed-tensors (for config.json's quantization_config; seconds to import) loads while
-    # the files are hashed. (transformers, which it imports, is whole already when the layer
-    # check is preparing: `prepare_in_background` imports it on this thread first.)
-    background(importlib.import_module, "compressed_tensors.quantization")
+    imports and the layer check's preparation are `loading`."""
     files = manifest["files"]
     problems, notes = files_problems(Path(src), dst, files, reads.rest.result(), set(reads.streamed))
     report.problems += problems
@@ -305,7 +299,7 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads, 
     if report.problems:
         return _finish(report, dst, write)
     try:
-        _check_output(report, src, dst, manifest, reads, prep, min_sqnr_db, dev, on_unit,
+        _check_output(report, src, dst, manifest, reads, loading, min_sqnr_db, dev, on_unit,
                       on_start, layer_check, log)
     except Exception as e:
         # a shard changed after conversion can fail any check that reads it (a header that no
@@ -326,13 +320,12 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads, 
     return _finish(report, dst, write)
 
 
-def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads, prep,
-                  min_sqnr_db: float, dev: torch.device, on_unit, on_start, layer_check: bool,
-                  log) -> None:
+def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads,
+                  loading: Future, min_sqnr_db: float, dev: torch.device, on_unit, on_start,
+                  layer_check: bool, log) -> None:
     """The output's layout against the plan, then every tensor and layer against the source,
-    from `reads` (told how far the checks have read)."""
-    if log and "compressed_tensors.quantization" not in sys.modules:  # (the layout check needs it)
-        log("loading compressed-tensors for the config check; the output is hashed meanwhile")
+    from `reads` (told how far the checks have read), then config.json's quantization_config
+    (compressed-tensors, seconds to import, `loading` meanwhile)."""
     t0 = time.perf_counter()
     opts = options_of(manifest)
     src_ckpt = reads.src if reads.src is not None else open_checkpoint(src)
@@ -343,11 +336,19 @@ def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, reads: R
 
     _layout_problems(report, src_ckpt, plan, dst, tensors, config)
     if log:
-        log(f"{len(tensors)} tensors, the index and config.json checked against the plan in "
-            f"{time.perf_counter() - t0:.1f} s")
-    if report.problems:
-        return
+        log(f"{len(tensors)} tensors, the index and config.json's fields checked against the "
+            f"plan in {time.perf_counter() - t0:.1f} s")
+    if not report.problems:
+        _check_against_source(report, src_ckpt, dst_ckpt, plan, dst, manifest, opts, reads,
+                              loading, min_sqnr_db, dev, on_unit, on_start, layer_check, log)
+    _config_problems(report, plan, config, tensors, loading, log)
 
+
+def _check_against_source(report: VerifyReport, src_ckpt: Checkpoint, dst_ckpt: Checkpoint,
+                          plan, dst: Path, manifest: dict, opts: ConvertOptions, reads: Reads,
+                          loading: Future, min_sqnr_db: float, dev: torch.device, on_unit,
+                          on_start, layer_check: bool, log) -> None:
+    """Every tensor and layer of the output against the source's."""
     awq_scales = None
     if AWQ_SCALES in manifest["files"]:  # AWQ folded scales into norms, routers and weights
         from quantize.calib.folds import read_folds
@@ -356,15 +357,16 @@ def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, reads: R
     elif "awq" in opts.method:
         report.problems.append(f"{AWQ_SCALES}: missing, but the manifest says method {opts.method}")
         return
-    checker = _layer_check(src_ckpt, plan, dst, opts, dev, report, layer_check, log, prep)
+    checker = _layer_check(src_ckpt, plan, dst, opts, dev, report, layer_check, log,
+                           loading if reads.src is not None else None, loading)
     _check_tensors_and_layers(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
                               awq_scales, checker, on_start, on_unit, log, reads)
 
 
 def _layout_problems(report: VerifyReport, src_ckpt: Checkpoint, plan, dst: Path,
                      tensors: dict, config: dict) -> None:
-    """The output's tensors, index total, quantization_config and every other config field
-    as the plan implies; the known-bad layouts (lint)."""
+    """The output's tensors, index total and every config field but quantization_config
+    (`_config_problems`) as the plan implies."""
     planned = {t.name: (s.file, t.dtype, t.shape) for s in plan.shards for t in s.tensors}
     actual = {n: (t.file, t.dtype, t.shape) for n, t in tensors.items()}
     L0 = src_ckpt.num_hidden_layers
@@ -383,6 +385,26 @@ def _layout_problems(report: VerifyReport, src_ckpt: Checkpoint, plan, dst: Path
     if index.get("metadata", {}).get("total_size") != total:
         report.problems.append(f"{INDEX_NAME}: total_size {index.get('metadata', {}).get('total_size')}"
                                f" != {total} bytes of tensors")
+    # every other field is the source's, as convert copies it (an edited routed_scaling_factor
+    # or rms_norm_eps would change what the engines compute, with every weight intact)
+    want = {**src_ckpt.config, "torch_dtype": src_ckpt.config.get("torch_dtype", "bfloat16")}
+    for k in sorted((set(want) | set(config)) - {"quantization_config"}):
+        if config.get(k, _ABSENT) != want.get(k, _ABSENT):
+            shown = [repr(v) if v is not _ABSENT else "(absent)"
+                     for v in (config.get(k, _ABSENT), want.get(k, _ABSENT))]
+            report.problems.append(f"config.json: {k} = {shown[0][:80]}, the source has {shown[1][:80]}")
+
+
+def _config_problems(report: VerifyReport, plan, config: dict, tensors: dict, loading: Future,
+                     log: Callable[[str], None] | None) -> None:
+    """config.json's quantization_config as the plan implies, and the known-bad layouts (lint):
+    after the tensors, while which compressed-tensors (which builds the expected config) was
+    imported on its thread (`loading`: transformers, which it imports, is whole once that
+    is done)."""
+    loading.exception()
+    if log and "compressed_tensors.quantization" not in sys.modules:
+        log("loading compressed-tensors for the config check")
+    t0 = time.perf_counter()
     expect_qc = quantization_config(plan)
     got_qc = dict(config.get("quantization_config") or {})
     for k in ("version", "quantization_method"):
@@ -392,16 +414,12 @@ def _layout_problems(report: VerifyReport, src_ckpt: Checkpoint, plan, dst: Path
         report.problems.append("config.json: quantization_config differs from the one the plan implies")
     from quantize.lint import lint
 
+    actual = {n: (t.file, t.dtype, t.shape) for n, t in tensors.items()}
     report.problems += [f"config.json / index: {c.what}: {c.detail}"
                         for c in lint(config.get("quantization_config") or {}, actual) if c.level == "fail"]
-    # every other field is the source's, as convert copies it (an edited routed_scaling_factor
-    # or rms_norm_eps would change what the engines compute, with every weight intact)
-    want = {**src_ckpt.config, "torch_dtype": src_ckpt.config.get("torch_dtype", "bfloat16")}
-    for k in sorted((set(want) | set(config)) - {"quantization_config"}):
-        if config.get(k, _ABSENT) != want.get(k, _ABSENT):
-            shown = [repr(v) if v is not _ABSENT else "(absent)"
-                     for v in (config.get(k, _ABSENT), want.get(k, _ABSENT))]
-            report.problems.append(f"config.json: {k} = {shown[0][:80]}, the source has {shown[1][:80]}")
+    if log:
+        log(f"config.json's quantization_config checked against the plan in "
+            f"{time.perf_counter() - t0:.1f} s")
 
 
 def _check_tensors_and_layers(report: VerifyReport, src_ckpt: Checkpoint, dst_ckpt: Checkpoint,
@@ -427,7 +445,8 @@ def _check_tensors_and_layers(report: VerifyReport, src_ckpt: Checkpoint, dst_ck
                        ahead=reads.ahead)  # (started here: `Reads` says why)
     try:
         checker = _check_units(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
-                               awq_scales, checker, on_unit, log, (source, reads.shards))
+                               awq_scales, checker, on_unit, log, (source, reads.shards),
+                               _lag_bytes(reads.ahead, dev))
     finally:
         source.close()
     if checker is not None:
@@ -440,27 +459,43 @@ def _check_tensors_and_layers(report: VerifyReport, src_ckpt: Checkpoint, dst_ck
         report.problems += checker.problems()
 
 
+def _lag_bytes(ahead: int, dev: torch.device) -> int:
+    """How many bytes of checked tensors may wait for the layer check while its classes are
+    still being built: half the read-ahead budget, on a GPU (where they wait) at most a
+    quarter of its free memory."""
+    lag = ahead // 2
+    if dev.type == "cuda":
+        lag = min(lag, torch.cuda.mem_get_info(dev)[0] // 4)
+    return lag
+
+
 def _check_units(report: VerifyReport, src_ckpt: Checkpoint, dst_ckpt: Checkpoint, plan,
                  opts: ConvertOptions, min_sqnr_db: float, dev: torch.device, awq_scales, checker,
                  on_unit: Callable[[Unit], None] | None, log: Callable[[str], None] | None,
-                 ahead: tuple[Readahead, HashAhead]):
+                 ahead: tuple[Readahead, HashAhead], lag: int):
     """The units in plan order, each decoder layer run by `checker` once the next layer's
-    units begin; the checker (None once the layers turned out unbuildable). `ahead`: the
-    source's and the output's reads ahead, told what each unit took."""
+    units begin; the checker (None once the layers turned out unbuildable). While the
+    checker's classes are still being built on their thread, the checks go on and the layers
+    wait, their reads kept, up to `lag` bytes. `ahead`: the source's and the output's reads
+    ahead, told what each unit took."""
     current = None
+    kept = 0  # bytes read since the layers last ran (the memo's)
     for unit in plan.units:
         L = layer_of(unit.source)
         if checker is not None and L != current:
-            if current is not None:  # the previous layer's tensors were all checked: run it
+            if current is not None and (kept > lag or not checker.preparing()):
+                # the tensors of the layers up to `current` were all checked: run them
                 checker = _run_layers(checker, current, report, opts, log)
-            if checker is None:  # (skipped: nothing more to keep)
-                src_ckpt.memo = dst_ckpt.memo = None
-            else:
-                src_ckpt.memo.clear()
-                dst_ckpt.memo.clear()  # (the view's too: one dict)
+                kept = 0
+                if checker is None:  # (skipped: nothing more to keep)
+                    src_ckpt.memo = dst_ckpt.memo = None
+                else:
+                    src_ckpt.memo.clear()
+                    dst_ckpt.memo.clear()  # (the view's too: one dict)
             current = L
         report.tensors.append(_check_unit(src_ckpt, dst_ckpt, unit, opts, min_sqnr_db, dev,
                                           awq_scales))
+        kept += unit.source_bytes + unit.nbytes
         ahead[0].consumed(unit.source_bytes)
         ahead[1].consumed(unit.nbytes)
         if on_unit:
@@ -492,16 +527,20 @@ def _unbuildable(e: QuantizeError, report: VerifyReport, opts: ConvertOptions,
 
 def _layer_check(src: Checkpoint, plan, dst: Path, opts: ConvertOptions, device: torch.device,
                  report: VerifyReport, wanted: bool, log: Callable[[str], None] | None,
-                 prep=None):
+                 prep: Future | None, loading: Future):
     """The function check (quantize/check/layercheck.py), or None with the reason in the report:
     turned off, or a model whose layers the installed transformers cannot build (RTN outputs
-    of such models are checked tensor by tensor only; calibrated ones cannot exist)."""
+    of such models are checked tensor by tensor only; calibrated ones cannot exist). `prep`:
+    its preparation on a thread; None: prepared here, once `loading` (transformers' import on
+    its thread) is done."""
     if not wanted:
         report.layer_check = {"skipped": "--no-layer-check"}
         return None
     from quantize.check.int4view import open_output
     from quantize.check.layercheck import LayerCheck
 
+    if prep is None:
+        loading.exception()
     try:
         return LayerCheck(src, {u.source: u for u in plan.units}, open_output(dst), opts, device,
                           prep)
