@@ -398,9 +398,9 @@ def _layout_problems(report: VerifyReport, src_ckpt: Checkpoint, plan, dst: Path
 def _config_problems(report: VerifyReport, plan, config: dict, tensors: dict, loading: Future,
                      log: Callable[[str], None] | None) -> None:
     """config.json's quantization_config as the plan implies, and the known-bad layouts (lint):
-    after the tensors, while which compressed-tensors (which builds the expected config) was
-    imported on its thread (`loading`: transformers, which it imports, is whole once that
-    is done)."""
+    after the tensors, compressed-tensors (which builds the expected config) having loaded on
+    its thread meanwhile (`loading`: once it is done, transformers, which compressed-tensors
+    imports, is whole)."""
     loading.exception()
     if log and "compressed_tensors.quantization" not in sys.modules:
         log("loading compressed-tensors for the config check")
@@ -508,6 +508,8 @@ def _run_layers(checker, upto: int, report: VerifyReport, opts: ConvertOptions,
                 log: Callable[[str], None] | None):
     """The layer check up to layer `upto`; the checker, or None once it turned out that the
     layers cannot be built (an RTN output of a model transformers does not know: skipped)."""
+    if log and checker.preparing():  # (silent otherwise: tens of seconds beside a busy disk)
+        log("the layer check waits for transformers to build the model's layer classes")
     try:
         checker.run(upto, log)
         return checker
