@@ -75,6 +75,10 @@ class ConvertOptions:
     # beats 0.01 out of domain at both group sizes and both calibration sets; on Gemma-3-270M
     # (off the 4-bit grid) 0.1 had the lower validation KL at group 128 (BENCHMARKS.md).
     percdamp: float = 0.1
+    # GPTQ against (1 - hessian_shrink) H + hessian_shrink diag(H): the Hessian's cross-channel
+    # terms, which GPTQ's compensation fits to the calibration text, shrunk toward its
+    # diagonal (gptq.py `GPTQConfig.shrink`). 0: plain GPTQ.
+    hessian_shrink: float = 0.0
     # GPTQ group scales from the clipped range (1.00 ... 0.80) x [min, max] that minimizes the
     # group's Hessian-weighted error (power mse_norm), instead of the full range (gptq.py `mse_clip`).
     # None: on for gptq and awq+gptq (held-out perplexity added 11-14 % -> 3-5 % in domain on
@@ -158,6 +162,8 @@ class ConvertOptions:
             raise ValueError("--min-expert-tokens must be >= 0")
         if not 0 < self.percdamp < 1:
             raise ValueError("--percdamp must be in (0, 1)")
+        if not 0 <= self.hessian_shrink < 1:
+            raise ValueError(f"--hessian-shrink must be in [0, 1), got {self.hessian_shrink}")
         for v in (self.scale_refit, self.scale_refit_routed):
             if not 0 <= v <= 8:
                 raise ValueError(f"--scale-refit must be 0 (off) to 8 rounds, got {v}")

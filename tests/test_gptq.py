@@ -473,3 +473,33 @@ def test_gptaq_lowers_the_error_against_the_unrounded_models_outputs(symmetric):
         GPTQConfig(gptaq=1.5)
     with pytest.raises(ValueError, match="shaped as H"):
         gptq_quantize(W, H, GPTQConfig(**cfg, gptaq=0.25), torch.zeros(K, K + 1))
+
+
+@pytest.mark.parametrize("extras", [{}, {"scale_refit": 2}, {"gptaq": 0.5}])
+def test_hessian_shrink_is_gptq_against_the_shrunk_hessian(extras):
+    """shrink s == plain GPTQ against (1 - s) H + s diag(H) (the dampening's mean diagonal is
+    the same), through the column loop, the re-fit and the GPTAQ target; it leaves H as it was;
+    it costs calibration-set error (it gives up fitting the cross terms), s = 0 is GPTQ."""
+    E, N, K, T = 2, 32, 128, 512
+    W = torch.randn(E, N, K, generator=_gen(21))
+    X = torch.stack([_correlated_inputs(T, K, seed=30 + e) for e in range(E)])
+    H, _ = accumulate_hessian(torch.zeros(E, K, K), X, 0)
+    D = None
+    if extras.get("gptaq"):
+        Xf = X + 0.1 * torch.randn(X.shape, generator=_gen(22))
+        D = 2 * (Xf - X).mT @ X / T
+    s = 0.3
+    H0 = H.clone()
+    got = gptq_quantize(W, H, GPTQConfig(shrink=s, mse_clip=True, **extras), D=D)
+    assert torch.equal(H, H0)
+    Hs = H * (1 - s)
+    Hs.diagonal(dim1=-2, dim2=-1).copy_(H.diagonal(dim1=-2, dim2=-1))
+    want = gptq_quantize(W, Hs, GPTQConfig(mse_clip=True, **extras), D=D)
+    assert torch.equal(got.weight.scale, want.weight.scale)
+    assert torch.equal(got.weight.q, want.weight.q)
+    plain = gptq_quantize(W, H, GPTQConfig(mse_clip=True, **extras), D=D)
+    if not extras:
+        err = [sum(_output_error(W[e], _expert(r.weight, e), X[e]) for e in range(E)) for r in (plain, got)]
+        assert err[0] < err[1], err
+    with pytest.raises(ValueError, match="shrink"):
+        GPTQConfig(shrink=1.0)

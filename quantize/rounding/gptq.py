@@ -130,6 +130,11 @@ class GPTQConfig:
     # Asymmetric calibration: GPTQ fits W* = W + gptaq · W D Hd⁻¹ (the module docstring) when the
     # caller passes D; 0: off (options.py: the CLI's default), 1: the whole step.
     gptaq: float = 0.0
+    # Hessian shrinkage toward its diagonal: the off-diagonal terms times (1 - shrink) before
+    # dampening, i.e. GPTQ against (1 - shrink) H + shrink diag(H). The cross-channel
+    # correlations are what GPTQ's compensation learns from the calibration text, and the
+    # part least likely to hold on other text; 0: off (plain GPTQ), 1: RTN with H's weights.
+    shrink: float = 0.0
     # CUDA: run the MSE clip search as one Triton kernel (bit-identical scales), each block's
     # column loop as one Triton kernel (same arithmetic; the update may be fused into an FMA)
     # with the errors handed on in levels (FUSED_WIDTHS: the same sums regrouped), and factor H by a
@@ -149,6 +154,8 @@ class GPTQConfig:
             raise ValueError(f"gptaq must be in [0, 1], got {self.gptaq}")
         if not self.percdamp > 0:
             raise ValueError(f"percdamp must be > 0 (a retry multiplies it), got {self.percdamp}")
+        if not 0 <= self.shrink < 1:
+            raise ValueError(f"shrink must be in [0, 1), got {self.shrink}")
 
 
 class GPTQResult(NamedTuple):
@@ -405,9 +412,10 @@ def _damp(diag: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
     return diag + (frac * diag.mean(-1))[:, None]
 
 
-def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, percdamp: float, flipped: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Hinv = chol((P H Pᵀ + damp I)⁻¹)ᵀ for H (Bh, K, K) in the processing order perm (Bh, K).
+def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, percdamp: float, flipped: bool = False,
+                      shrink: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Hinv = chol((P H Pᵀ + damp I)⁻¹)ᵀ for H (Bh, K, K) in the processing order perm (Bh, K)
+    (`shrink`: H's off-diagonal terms times 1 - shrink first).
 
     Dead columns get H_ii = 1 first. A failed expert is rebuilt from H (left untouched) and
     retried with percdamp x 10. Memory: one (Bh, K, K) buffer beyond H, factored in place.
@@ -428,6 +436,8 @@ def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, percdamp: float, flip
         A = torch.empty(len(todo), K, K, dtype=H.dtype, device=H.device)  # permuted copies
         for j, (h, pj) in enumerate(zip(todo.tolist(), p)):  # (advanced indexing of the whole
             A[j] = H[h].index_select(0, pj).index_select(1, pj)  # batch builds batch-sized indices)
+        if shrink:
+            A.mul_(1 - shrink)  # (the diagonal is set below)
         d = _damp(diag[todo], frac[todo])
         torch.diagonal(A, dim1=-2, dim2=-1).copy_(d.flip(-1) if flipped else d)
         ok = _factor_flipped_inplace(A) if flipped else _factor_inplace(A)
@@ -466,11 +476,14 @@ def _propagate(Ww: torch.Tensor, Err1: torch.Tensor, Hinv: torch.Tensor, i1: int
             Ww.view(B * N, K)[:, i2:end].addmm_(Err1.reshape(B * N, -1), Hinv[0, i1:i2, i2:end], alpha=-1)
 
 
-def _damped(H: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
-    """H (Bh, K, K) + frac · mean(diag H) · I per Hessian, dead inputs' H_ii = 1 first: the
-    matrix `_inverse_cholesky` factors (in the original column order)."""
+def _damped(H: torch.Tensor, frac: torch.Tensor, shrink: float = 0.0) -> torch.Tensor:
+    """H (Bh, K, K) + frac · mean(diag H) · I per Hessian, dead inputs' H_ii = 1 first, its
+    off-diagonal terms times 1 - shrink: the matrix `_inverse_cholesky` factors (in the
+    original column order)."""
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
     Hd = H.clone()
+    if shrink:
+        Hd.mul_(1 - shrink)
     torch.diagonal(Hd, dim1=-2, dim2=-1).copy_(_damp(diag.masked_fill(diag == 0, 1.0), frac))
     return Hd
 
@@ -483,7 +496,7 @@ def _row_error(W: torch.Tensor, R: torch.Tensor, Hd: torch.Tensor) -> torch.Tens
 
 def refit_scales(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                  zp: torch.Tensor | None, group_size: int, frac: torch.Tensor,
-                 rule_of: torch.Tensor | None = None) -> torch.Tensor:
+                 rule_of: torch.Tensor | None = None, shrink: float = 0.0) -> torch.Tensor:
     """Group scales (B, N, G) re-fitted to fixed codes q (B, N, K): per row w, the scales s that
     minimise e Hd eᵀ, e = w - Σ_g s_g q̂_g (q̂ = q - zp, group g's columns), Hd = H damped as
     GPTQ factored it (`frac` per Hessian). That is the G x G system A s = b with
@@ -495,7 +508,7 @@ def refit_scales(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: torch
     Experts in chunks of at most REFIT_CHUNK_BYTES per float64 (b, N, K) tensor. `rule_of`: the
     weight whose rounding rule bounds the scales (default W)."""
     B, N, K = W.shape
-    Hd = _damped(H, frac.to(H.dtype)).double()  # (Bh, K, K)
+    Hd = _damped(H, frac.to(H.dtype), shrink).double()  # (Bh, K, K)
     ref = W if rule_of is None else rule_of  # (`gptaq`: the source's rule, not the target's)
     rule = rtn_qparams(ref.reshape(B * N, K), group_size, zp is None)[0].reshape(B, N, K // group_size)
     step = max(1, REFIT_CHUNK_BYTES // (N * K * 8))
@@ -640,13 +653,13 @@ def _fused_level(arrays: tuple, widths: list[int], a: int, b: int, level: int, b
 
 
 def gptaq_target(W: torch.Tensor, H: torch.Tensor, D: torch.Tensor, percdamp: float,
-                 a: float) -> torch.Tensor:
+                 a: float, shrink: float = 0.0) -> torch.Tensor:
     """W* = W + a · W D Hd⁻¹ for W (B, N, K), H and D (Bh, K, K) (Bh = B or 1), Hd = H damped
     as GPTQ factors it (`_damped` with `percdamp`): the target whose GPTQ rounding minimises the
     error against the unrounded model's outputs (module docstring, `gptaq`). Solved in float64
     (a Cholesky of Hd; an LU solve where that fails); returned in W's dtype."""
     frac = torch.full((H.shape[0],), percdamp, dtype=H.dtype, device=H.device)
-    Hd = _damped(H, frac).double()
+    Hd = _damped(H, frac, shrink).double()
     Dt = D.double().mT  # (Bh, K, K)
     L, info = torch.linalg.cholesky_ex(Hd)
     Z = torch.cholesky_solve(Dt, L) if not bool(info.any()) else torch.linalg.solve(Hd, Dt)
@@ -690,7 +703,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig
     if D is not None and cfg.gptaq > 0:
         if D.shape != H.shape:
             raise ValueError(f"gptq_quantize: D {tuple(D.shape)} must be shaped as H {tuple(H.shape)}")
-        Wt = gptaq_target(Wb, Hb, D.reshape(-1, K, K).to(torch.float32), cfg.percdamp, cfg.gptaq)
+        Wt = gptaq_target(Wb, Hb, D.reshape(-1, K, K).to(torch.float32), cfg.percdamp, cfg.gptaq,
+                          cfg.shrink)
 
     if cfg.actorder:
         perm = torch.argsort(Hdiag, dim=-1, descending=True, stable=True)  # (Bh, K) order
@@ -698,10 +712,12 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig = GPTQConfig
         perm = torch.arange(K, device=W.device).expand(Bh, K)
     fused = cfg.fused and gptq_triton.available(Wb)
     # (Bh, K, K) upper; the fused (CUDA) path also takes the cheaper factorization
-    Hinv, dead, damp, retries = _inverse_cholesky(Hb, perm, cfg.percdamp, flipped=fused)
+    Hinv, dead, damp, retries = _inverse_cholesky(Hb, perm, cfg.percdamp, flipped=fused,
+                                                    shrink=cfg.shrink)
     q = _codes(Wt, scale, zp, Hinv, perm, dead, g, cfg.blocksize, fused)
     for r in range(cfg.scale_refit):  # each round: scales fitted to the codes; between rounds,
-        scale = refit_scales(Wt, Hb, q, scale, zp, g, damp, rule_of=Wb)  # codes under them
+        scale = refit_scales(Wt, Hb, q, scale, zp, g, damp, rule_of=Wb,
+                             shrink=cfg.shrink)  # codes under them
         if r + 1 < cfg.scale_refit:
             q = _codes(Wt, scale, zp, Hinv, perm, dead, g, cfg.blocksize, fused)
     G = K // g
