@@ -180,15 +180,7 @@ def sha256_file(path: Path, chunk: int = 2**24) -> str:
 # with the conversion waiting for it. sync_file_range(SYNC_FILE_RANGE_WRITE) queues the range
 # and returns; the fsync at the end still makes the shard durable.
 WRITEBACK_BYTES = 64 * 2**20
-# At most this many bytes queued for writeback and not yet on the disk: past it the writer
-# waits for the oldest range (SYNC_FILE_RANGE_WAIT_BEFORE | WRITE | WAIT_AFTER). With the disk
-# also reading the source, the queued writes otherwise fell behind: an RTN conversion of the
-# GLM-5.2-shaped slice read everything at the disk's pace and then spent ~8 s in the last
-# shard's fsync, writing alone (BENCHMARKS.md, "RTN and verify against the disk"). Waiting
-# here slows the reads instead, so reads and writes share the disk to the end.
-WRITEBACK_LAG_BYTES = 512 * 2**20
 _SYNC_FILE_RANGE_WRITE = 2
-_SYNC_FILE_RANGE_WAIT = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER
 
 
 def _sync_file_range():
@@ -215,13 +207,6 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sfr(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
-def wait_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Until [offset, offset + nbytes) of `fd` is written to disk (not durable: no metadata,
-    no disk cache flush; the final fsync does that). A no-op where `start_writeback` is one."""
-    if _sfr is not None:
-        _sfr(fd, offset, nbytes, _SYNC_FILE_RANGE_WAIT)
-
-
 class ShardWriter:
     """Stream one planned shard: header first, then each tensor in plan order.
 
@@ -239,7 +224,6 @@ class ShardWriter:
         self.sha256: str | None = None
         self.nbytes = 0
         self.flushed = 0  # bytes handed to the kernel's writeback so far
-        self.written = 0  # bytes waited for on the disk so far (WRITEBACK_LAG_BYTES behind)
         self._hash_pool: ThreadPoolExecutor | None = None
 
     def __enter__(self) -> ShardWriter:
@@ -273,10 +257,6 @@ class ShardWriter:
         if self.nbytes - self.flushed >= WRITEBACK_BYTES:
             start_writeback(self.f.fileno(), self.flushed, self.nbytes - self.flushed)
             self.flushed = self.nbytes
-            if self.flushed - self.written > WRITEBACK_LAG_BYTES:
-                upto = self.flushed - WRITEBACK_LAG_BYTES
-                wait_writeback(self.f.fileno(), self.written, upto - self.written)
-                self.written = upto
 
     def _hasher(self) -> ThreadPoolExecutor:
         if self._hash_pool is None:
