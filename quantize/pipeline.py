@@ -19,7 +19,7 @@ import json
 import shutil
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,7 +42,7 @@ from quantize.names import (
     WEIGHT_SUFFIXES,
 )
 from quantize.options import ConvertOptions
-from quantize.overlap import Readahead, background
+from quantize.overlap import Readahead
 from quantize.plan import Plan, Shard, Unit, make_plan
 from quantize.rounding.int4 import int4_outputs, quantize_rtn
 from quantize.source.checkpoint import Checkpoint, open_checkpoint
@@ -284,11 +284,9 @@ def convert(
         calib = Calibrator(ckpt, plan, opts, dev, log=log,  # log: one line per layer
                            checkpoint_interval=checkpoint_interval, dist=dist,
                            max_gpu_memory=max_gpu_memory)
-    # config.json's quantization_config needs compressed-tensors, whose import (transformers,
-    # accelerate: seconds) would otherwise come after the last shard: built during the stream.
-    # (After the Calibrator, which imports transformers on this thread: two threads initializing
-    # that package at once can see it half-made, "cannot import name 'AutoConfig'".)
-    qconfig = background(quantization_config, plan)
+    # config.json's quantization_config: compressed-tensors' schema, built without importing it
+    # (write/qconfig.py: its import cost an RTN conversion seconds after its last shard)
+    qconfig = quantization_config(plan)
     try:
         with folder_lock(out):  # one conversion per output folder at a time
             previous = _prepare_out(out, overwrite, _our_partials(plan, aux))
@@ -333,17 +331,17 @@ def _write_shard(ckpt: Checkpoint, shard: Shard, out: Path, opts: ConvertOptions
 
 
 def _write_rest(ckpt: Checkpoint, plan: Plan, out: Path, aux: list[Path], manifest: Manifest,
-                qconfig: Future, calib: Calibrator | None) -> dict | None:
-    """After the shards: the index, config.json (`qconfig`: its quantization_config, being
-    built), the source's other files and the calibration's report, each recorded in the
-    manifest; the calibration report (None: none)."""
+                qconfig: dict, calib: Calibrator | None) -> dict | None:
+    """After the shards: the index, config.json (`qconfig`: its quantization_config), the
+    source's other files and the calibration's report, each recorded in the manifest; the
+    calibration report (None: none)."""
     weight_map = {t.name: s.file for s in plan.shards for t in s.tensors}
     write_json_atomic(out / INDEX_NAME, {
         "metadata": {"total_size": plan.output_bytes},
         "weight_map": dict(sorted(weight_map.items())),
     })
     config = dict(ckpt.config)
-    config["quantization_config"] = qconfig.result()
+    config["quantization_config"] = qconfig
     config.setdefault("torch_dtype", "bfloat16")
     write_json_atomic(out / "config.json", config)
     for p in aux:
@@ -366,7 +364,7 @@ def _write_rest(ckpt: Checkpoint, plan: Plan, out: Path, aux: list[Path], manife
 
 def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: list[Path],
            opts: ConvertOptions, dev: torch.device, on_unit: Callable[[Unit], None] | None,
-           extra: dict, qconfig: Future, calib: Calibrator | None = None,
+           extra: dict, qconfig: dict, calib: Calibrator | None = None,
            base_model: str | None = None, at_once: int = 0) -> ConvertResult:
     """Steps 5 and 6 of the recipe, in the prepared and locked output folder (`at_once`: the
     calibration checkpoints the disk has room for)."""

@@ -90,3 +90,85 @@ def test_the_config_names_the_observer_that_chose_the_scales(dsa_fp8, method, ms
     qc = quantization_config(make_plan(open_checkpoint(dsa_fp8), opts, 1))
     assert qc["config_groups"]["group_0"]["weights"]["observer"] == observer
     QuantizationConfig.model_validate(qc)  # compressed-tensors' own schema takes it
+
+
+def _built_by_compressed_tensors(plan) -> QuantizationConfig:
+    """The quantization_config of a plan built with compressed-tensors' own classes (what
+    quantize.write.qconfig wrote before it stopped importing them)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from quantize.source.checkpoint import SourceFormat
+
+    o = plan.options
+    observer = "mse" if o.mse_clip and "gptq" in o.method else "minmax"
+    args = QuantizationArgs(num_bits=o.num_bits, type="int", symmetric=o.symmetric, strategy="group",
+                            group_size=o.group_size, dynamic=False, actorder=None, observer=observer)
+    acts = None
+    if o.scheme == "w4afp8":
+        acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token",
+                                dynamic=True, observer=None)
+    groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)}
+    if plan.fp8_targets:
+        if plan.source_format == SourceFormat.FP8_BLOCK:
+            w8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block",
+                                  block_structure=list(plan.block_size), dynamic=False, observer=None)
+            a8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group",
+                                  group_size=128, dynamic=True, observer=None)
+        else:
+            w8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel",
+                                  dynamic=False, observer=None)
+            a8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token",
+                                  dynamic=True, observer=None)
+        groups["group_0"].format = "pack-quantized"
+        groups["group_1"] = QuantizationScheme(targets=list(plan.fp8_targets), weights=w8,
+                                               input_activations=a8, format="float-quantized")
+    return QuantizationConfig(config_groups=groups,
+                              format="mixed-precision" if plan.fp8_targets else "pack-quantized",
+                              quantization_status="compressed", ignore=list(plan.ignore),
+                              kv_cache_scheme=None)
+
+
+@pytest.fixture(scope="module")
+def tiled_sources(tmp_path_factory):
+    """Both FP8 layouts with every Linear's in_features a multiple of 128 (group 128, W4AFP8)."""
+    d = tmp_path_factory.mktemp("tiled")
+    return {"fp8-block": write_checkpoint(d / "dsa", tiny_config("glm_moe_dsa", intermediate_size=512,
+                                                                 moe_intermediate_size=256), "fp8-block"),
+            "fp8-channel": write_checkpoint(d / "glm4", tiny_config("glm4_moe", intermediate_size=512,
+                                                                    moe_intermediate_size=256), "fp8-channel")}
+
+
+@pytest.mark.parametrize("source", ["fp8-block", "fp8-channel"])
+@pytest.mark.parametrize("kw", [
+    {}, {"method": "gptq"}, {"method": "gptq", "mse_clip": False}, {"method": "awq"},
+    {"method": "awq+gptq"}, {"symmetric": False}, {"group_size": 128}, {"group_size": 64},
+    {"group_size": 128, "scheme": "w4afp8"}, {"keep_fp8": True}, {"keep_fp8": True, "method": "gptq"},
+    {"mtp": "keep"}, {"targets": frozenset({"routed", "shared", "dense"})}])
+def test_the_written_config_is_what_compressed_tensors_builds(tiled_sources, source, kw):
+    """quantization_config is written without importing compressed-tensors (seconds of
+    transformers' import): compressed-tensors' own schema parses it into the very model its
+    classes build for the same plan, for every option that changes it (CI: the lowest and the
+    newest compressed-tensors), and verify's comparison takes the one for the other."""
+    import compressed_tensors
+
+    from quantize.plan import make_plan
+    from quantize.source.checkpoint import open_checkpoint
+    from quantize.write.qconfig import quantization_config, same_quantization_config
+
+    ckpt = open_checkpoint(tiled_sources[source])
+    try:
+        opts = ConvertOptions(**kw)
+    except ValueError as e:  # a pairing the options refuse has no config to write
+        pytest.skip(str(e))
+    plan = make_plan(ckpt, opts, 1)
+    ours = quantization_config(plan)
+    ref = _built_by_compressed_tensors(plan)
+    assert QuantizationConfig.model_validate(ours).model_dump() == ref.model_dump()
+    assert ours["version"] == compressed_tensors.__version__
+    assert ours["quantization_method"] == opts.method
+    dumped = ref.model_dump()
+    dumped["config_groups"]["group_0"]["weights"]["actorder"] = None
+    assert same_quantization_config(dumped, ours)  # a config written by the classes verifies
+    changed = json.loads(json.dumps(ours))
+    changed["config_groups"]["group_0"]["weights"]["group_size"] = opts.group_size * 2
+    assert not same_quantization_config(changed, ours)

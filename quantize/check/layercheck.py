@@ -117,19 +117,15 @@ def prepare(src: Checkpoint, seed: int = 0) -> Prepared:
     return Prepared(skeleton, tokens, text)
 
 
-def prepare_in_background(src: Checkpoint | None, then: Callable[[], object] | None = None) -> Future:
+def prepare_in_background(src: Checkpoint | None) -> Future:
     """`prepare(src)` on its own thread, transformers imported there first; the Future holds
-    its result (None without `src`: the imports alone) or its error. `then()` is started on
-    a second thread once transformers is whole: two threads initializing transformers at once
-    (compressed-tensors imports it too) can see it half-made ("cannot import name
-    'AutoConfig'"). The calling thread goes on meanwhile; it must not import transformers
-    itself until the Future is done."""
+    its result (None without `src`: the import alone) or its error. The calling thread goes on
+    meanwhile; it must not import transformers itself until the Future is done (two threads
+    initializing it at once can see it half-made: "cannot import name 'AutoConfig'")."""
 
     def run() -> Prepared | None:
         from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
 
-        if then is not None:
-            background(then)
         return prepare(src) if src is not None else None
 
     return background(run)

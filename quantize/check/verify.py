@@ -29,10 +29,8 @@ right, and config.json carries the expected `quantization_config`.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -58,7 +56,7 @@ from quantize.source.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, 
 from quantize.source.layout import layer_of
 from quantize.source.weights import resolve_device, source_weight
 from quantize.write.manifest import MANIFEST, finished_manifest
-from quantize.write.qconfig import quantization_config
+from quantize.write.qconfig import quantization_config, same_quantization_config
 from quantize.write.shards import sha256_file
 
 __all__ = ["TensorCheck", "VerifyReport", "verify"]
@@ -261,13 +259,12 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     report = VerifyReport(src_name, dst.name, min_sqnr_db)
     dev = resolve_device(device)  # auto: the GPU when there is one; cuda without one: exit 2
     reads = Reads.start(src, dst, manifest)
-    # transformers (seconds to import, tens on a cold busy disk), then compressed-tensors (for
-    # config.json's quantization_config, checked after the tensors) and the layer check's
-    # classes and tokens load on threads while this one checks the tensors
+    # the layer check's transformers (seconds to import, tens on a cold busy disk), classes and
+    # tokens load on a thread while this one checks the tensors (nothing else needs them:
+    # config.json's quantization_config is compared without compressed-tensors)
     from quantize.check.layercheck import prepare_in_background
 
-    loading = prepare_in_background(reads.src if layer_check else None,
-                                    lambda: importlib.import_module("compressed_tensors.quantization"))
+    loading = prepare_in_background(reads.src) if layer_check else _done(None)
     try:
         return _verify(report, src, dst, manifest, reads, loading, min_sqnr_db, dev, on_unit,
                        write, on_start, layer_check, log)
@@ -276,6 +273,12 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
         # process would take BF16 as the default to restore)
         reads.close()
         loading.exception()
+
+
+def _done(value) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
 
 
 def _shards(reads: Reads) -> str:
@@ -324,8 +327,8 @@ def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, reads: R
                   loading: Future, min_sqnr_db: float, dev: torch.device, on_unit, on_start,
                   layer_check: bool, log) -> None:
     """The output's layout against the plan, then every tensor and layer against the source,
-    from `reads` (told how far the checks have read), then config.json's quantization_config
-    (compressed-tensors, seconds to import, `loading` meanwhile)."""
+    from `reads` (told how far the checks have read; `loading`: the layer check's preparation),
+    then config.json's quantization_config."""
     t0 = time.perf_counter()
     opts = options_of(manifest)
     src_ckpt = reads.src if reads.src is not None else open_checkpoint(src)
@@ -341,7 +344,7 @@ def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, reads: R
     if not report.problems:
         _check_against_source(report, src_ckpt, dst_ckpt, plan, dst, manifest, opts, reads,
                               loading, min_sqnr_db, dev, on_unit, on_start, layer_check, log)
-    _config_problems(report, plan, config, tensors, loading, log)
+    _config_problems(report, plan, config, tensors, log)
 
 
 def _check_against_source(report: VerifyReport, src_ckpt: Checkpoint, dst_ckpt: Checkpoint,
@@ -395,22 +398,12 @@ def _layout_problems(report: VerifyReport, src_ckpt: Checkpoint, plan, dst: Path
             report.problems.append(f"config.json: {k} = {shown[0][:80]}, the source has {shown[1][:80]}")
 
 
-def _config_problems(report: VerifyReport, plan, config: dict, tensors: dict, loading: Future,
+def _config_problems(report: VerifyReport, plan, config: dict, tensors: dict,
                      log: Callable[[str], None] | None) -> None:
-    """config.json's quantization_config as the plan implies, and the known-bad layouts (lint):
-    after the tensors, compressed-tensors (which builds the expected config) having loaded on
-    its thread meanwhile (`loading`: once it is done, transformers, which compressed-tensors
-    imports, is whole)."""
-    loading.exception()
-    if log and "compressed_tensors.quantization" not in sys.modules:
-        log("loading compressed-tensors for the config check")
+    """config.json's quantization_config as the plan implies (compressed-tensors' schema, read
+    as compressed-tensors reads it: write/qconfig.py), and the known-bad layouts (lint)."""
     t0 = time.perf_counter()
-    expect_qc = quantization_config(plan)
-    got_qc = dict(config.get("quantization_config") or {})
-    for k in ("version", "quantization_method"):
-        got_qc.pop(k, None)
-        expect_qc.pop(k, None)
-    if got_qc != expect_qc:
+    if not same_quantization_config(config.get("quantization_config") or {}, quantization_config(plan)):
         report.problems.append("config.json: quantization_config differs from the one the plan implies")
     from quantize.lint import lint
 

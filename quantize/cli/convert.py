@@ -219,16 +219,6 @@ def _checked_numbers(checkpoint_interval: float, max_gpu_memory: float | None) -
 def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
     """Options, source, plan and the conversion with its progress bar and timestamped lines;
     (the pipeline's result or None on a rank other than 0, the source bytes)."""
-    if a["method"] == "rtn":  # config.json's quantization_config needs compressed-tensors
-        # (with transformers and accelerate: seconds): loaded beside torch's import now, before
-        # the stream keeps the disk busy (a calibration imports transformers on this thread
-        # first: the pipeline loads it after that, two threads initializing it at once can
-        # see it half-made)
-        import importlib
-
-        from quantize.overlap import background
-
-        background(importlib.import_module, "compressed_tensors.quantization")
     from quantize.pipeline import convert as run_convert
     from quantize.plan import make_plan
     from quantize.sizes import fmt_bytes
