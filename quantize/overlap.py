@@ -1,8 +1,8 @@
 """Work that overlaps the stream instead of waiting for it.
 
-    fut = background(quantization_config, plan)   a value built on a daemon thread (a slow
-                                                  import, e.g. compressed-tensors): .result()
-                                                  where it is needed re-raises its error
+    fut = background(prepare, src)                a value built on a daemon thread (e.g. a slow
+                                                  import: transformers): .result() where it is
+                                                  needed re-raises its error
     with Readahead(ckpt, names) as ra:            the tensors' bytes read into the page cache
         ...; ra.consumed(nbytes)                  in the order given, at most `ahead` bytes
                                                   beyond what the reader has taken
