@@ -226,7 +226,8 @@ def test_deterministic_bytes(dsa_fp8, tmp_path):
         assert (a / f).read_bytes() == (b / f).read_bytes()
 
 
-@pytest.mark.parametrize("change", ["routed_scaling_factor", "rms_norm_eps", "added", "removed"])
+@pytest.mark.parametrize("change", ["routed_scaling_factor", "rms_norm_eps", "added", "removed",
+                                    "qc_group_size", "qc_ignore", "qc_unset_default"])
 def test_verify_compares_every_config_field_with_the_source(dsa_fp8, dsa_out, tmp_path, change):
     """config.json edited in the output (and the manifest's checksum updated to match): the
     weights are intact but the engines would compute something else; verify names the field."""
@@ -237,7 +238,15 @@ def test_verify_compares_every_config_field_with_the_source(dsa_fp8, dsa_out, tm
     bad = tmp_path / "bad"
     shutil.copytree(dsa_out, bad)
     cfg = json.loads((bad / "config.json").read_text())
-    if change == "added":
+    qc = cfg["quantization_config"]
+    if change == "qc_group_size":  # what the engines would unpack the scales with
+        qc["config_groups"]["group_0"]["weights"]["group_size"] *= 2
+    elif change == "qc_ignore":  # a Linear left BF16 that the engines would take for INT4
+        qc["ignore"] = qc["ignore"][1:]
+    elif change == "qc_unset_default":  # written as compressed-tensors 0.17 writes it: same meaning
+        qc["config_groups"]["group_0"]["weights"].update(observer_kwargs={}, zp_dtype=None, scale_dtype=None)
+        qc["moe_sparsity_config"] = None
+    elif change == "added":
         cfg["rope_scaling"] = {"type": "yarn", "factor": 4.0}
     elif change == "removed":
         del cfg["num_experts_per_tok"]
@@ -249,8 +258,16 @@ def test_verify_compares_every_config_field_with_the_source(dsa_fp8, dsa_out, tm
                                    "sha256": sha256_file(bad / "config.json")}
     (bad / "quantize-manifest.json").write_text(json.dumps(man))
     rep = verify(dsa_fp8, bad)
-    field = {"added": "rope_scaling", "removed": "num_experts_per_tok"}.get(change, change)
-    assert not rep.ok and any(p.startswith(f"config.json: {field} = ") for p in rep.problems), rep.problems
+    if change == "qc_unset_default":
+        assert rep.ok, rep.problems
+        return
+    if change.startswith("qc_"):
+        field = {"qc_group_size": "config_groups.group_0.weights.group_size", "qc_ignore": "ignore"}[change]
+        assert not rep.ok and any(p.startswith("config.json: quantization_config differs")
+                                  and f"({field}: " in p for p in rep.problems), rep.problems
+    else:
+        field = {"added": "rope_scaling", "removed": "num_experts_per_tok"}.get(change, change)
+        assert not rep.ok and any(p.startswith(f"config.json: {field} = ") for p in rep.problems), rep.problems
     assert len([p for p in rep.problems if p.startswith("config.json")]) == 1
     assert verify(dsa_fp8, dsa_out).ok  # the untouched output still passes
 

@@ -56,7 +56,7 @@ from quantize.source.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, 
 from quantize.source.layout import layer_of
 from quantize.source.weights import resolve_device, source_weight
 from quantize.write.manifest import MANIFEST, finished_manifest
-from quantize.write.qconfig import quantization_config, same_quantization_config
+from quantize.write.qconfig import quantization_config, quantization_config_difference
 from quantize.write.shards import sha256_file
 
 __all__ = ["TensorCheck", "VerifyReport", "verify"]
@@ -403,8 +403,10 @@ def _config_problems(report: VerifyReport, plan, config: dict, tensors: dict,
     """config.json's quantization_config as the plan implies (compressed-tensors' schema, read
     as compressed-tensors reads it: write/qconfig.py), and the known-bad layouts (lint)."""
     t0 = time.perf_counter()
-    if not same_quantization_config(config.get("quantization_config") or {}, quantization_config(plan)):
-        report.problems.append("config.json: quantization_config differs from the one the plan implies")
+    diff = quantization_config_difference(config.get("quantization_config") or {}, quantization_config(plan))
+    if diff is not None:
+        report.problems.append(f"config.json: quantization_config differs from the one the plan "
+                               f"implies ({diff})")
     from quantize.lint import lint
 
     actual = {n: (t.file, t.dtype, t.shape) for n, t in tensors.items()}

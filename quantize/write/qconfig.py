@@ -12,12 +12,13 @@ compressed-tensors the package supports), and the vLLM tests load the result.
 
 from __future__ import annotations
 
+import json
 from importlib.metadata import PackageNotFoundError, version
 
 from quantize.plan import Plan
 from quantize.source.checkpoint import SourceFormat
 
-__all__ = ["quantization_config", "same_quantization_config"]
+__all__ = ["quantization_config", "quantization_config_difference", "same_quantization_config"]
 
 
 def _args(num_bits: int, type_: str, symmetric: bool, strategy: str, dynamic: bool, *,
@@ -103,10 +104,28 @@ def _meaning(x):
     return x
 
 
-def same_quantization_config(got: dict, expected: dict) -> bool:
-    """Whether two quantization_configs mean the same (the informational `version` and
-    `quantization_method` aside)."""
+def quantization_config_difference(got: dict, expected: dict) -> str | None:
+    """Where two quantization_configs differ in meaning (the informational `version` and
+    `quantization_method` aside), e.g. "config_groups.group_0.weights.group_size: 64, expected
+    32"; None when they mean the same."""
     def strip(d: dict) -> dict:
         return {k: v for k, v in d.items() if k not in ("version", "quantization_method")}
 
-    return _meaning(strip(got)) == _meaning(strip(expected))
+    def first(a, b, path: str) -> str | None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b), key=str):
+                if (d := first(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))) is not None:
+                    return d
+            return None
+        if a == b:
+            return None
+        def shown(v) -> str:
+            return "(unset)" if v is None else json.dumps(v)[:80]
+        return f"{path or '(the whole table)'}: {shown(a)}, expected {shown(b)}"
+
+    return first(_meaning(strip(got)), _meaning(strip(expected)), "")
+
+
+def same_quantization_config(got: dict, expected: dict) -> bool:
+    """Whether two quantization_configs mean the same (`quantization_config_difference`)."""
+    return quantization_config_difference(got, expected) is None
