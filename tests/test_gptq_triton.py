@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent("""
     widths = G.FUSED_WIDTHS
     worst, worst_path = 1.0, 1.0
     for same_hinv in (True, False):
-        G._inverse_cholesky = (lambda H_, p_, d_, flipped=False: orig(H_, p_, d_, False)) if same_hinv else orig
+        G._inverse_cholesky = (lambda H_, p_, d_, flipped=False, **kw: orig(H_, p_, d_, False, **kw)) if same_hinv else orig
         for sym in (True, False):
             for shared in (False, True):
                 Hs = H[0] if shared else H
