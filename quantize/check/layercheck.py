@@ -117,16 +117,16 @@ def prepare(src: Checkpoint, seed: int = 0) -> Prepared:
     return Prepared(skeleton, tokens, text)
 
 
-def prepare_in_background(src: Checkpoint) -> Future:
+def prepare_in_background(src: Checkpoint | None) -> Future:
     """`prepare(src)` on its own thread, transformers imported there first; the Future holds
-    its result or its error. The calling thread goes on
+    its result (None without `src`: the import alone) or its error. The calling thread goes on
     meanwhile; it must not import transformers itself until the Future is done (two threads
     initializing it at once can see it half-made: "cannot import name 'AutoConfig'")."""
 
-    def run() -> Prepared:
+    def run() -> Prepared | None:
         from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
 
-        return prepare(src)
+        return prepare(src) if src is not None else None
 
     return background(run)
 

@@ -266,13 +266,32 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
 
     loading = prepare_in_background(reads.src) if layer_check else _done(None)
     try:
-        return _verify(report, src, dst, manifest, reads, loading, min_sqnr_db, dev, on_unit,
-                       write, on_start, layer_check, log)
+        return _verify(_Run(report, src, dst, manifest, reads, loading, min_sqnr_db, dev, on_unit,
+                            on_start, layer_check, log, write))
     finally:  # never return with the preparation still building on its thread: transformers
         # sets torch's process-wide default dtype while it builds (a later build in this
         # process would take BF16 as the default to restore)
         reads.close()
         loading.exception()
+
+
+@dataclass
+class _Run:
+    """One verify call: its report, what it checks and how, and its reads under way (handed
+    from step to step)."""
+    report: VerifyReport
+    src: str | Path
+    dst: Path
+    manifest: dict
+    reads: Reads
+    loading: Future  # the layer check's preparation on its thread (done at once without it)
+    min_sqnr_db: float
+    dev: torch.device
+    on_unit: Callable[[Unit], None] | None
+    on_start: Callable[[int], None] | None
+    layer_check: bool
+    log: Callable[[str], None] | None
+    write: bool
 
 
 def _done(value) -> Future:
@@ -286,13 +305,12 @@ def _shards(reads: Reads) -> str:
     return f"{n} weight shard{'' if n == 1 else 's'}"
 
 
-def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads, loading: Future,
-            min_sqnr_db: float, dev: torch.device, on_unit, write: bool, on_start,
-            layer_check: bool, log) -> VerifyReport:
-    """verify()'s checks once the report is started, the files are being hashed and the
-    imports and the layer check's preparation are `loading`."""
-    files = manifest["files"]
-    problems, notes = files_problems(Path(src), dst, files, reads.rest.result(), set(reads.streamed))
+def _verify(run: _Run) -> VerifyReport:
+    """verify()'s checks once the report is started, the files are being hashed and the layer
+    check's preparation is loading."""
+    report, dst, reads, log, write = run.report, run.dst, run.reads, run.log, run.write
+    files = run.manifest["files"]
+    problems, notes = files_problems(Path(run.src), dst, files, reads.rest.result(), set(reads.streamed))
     report.problems += problems
     report.notes += notes
     if log:
@@ -302,8 +320,7 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads, 
     if report.problems:
         return _finish(report, dst, write)
     try:
-        _check_output(report, src, dst, manifest, reads, loading, min_sqnr_db, dev, on_unit,
-                      on_start, layer_check, log)
+        _check_output(run)
     except Exception as e:
         # a shard changed after conversion can fail any check that reads it (a header that no
         # longer parses): the change is what to report. Hashed for that: the shards the error
@@ -323,15 +340,14 @@ def _verify(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads, 
     return _finish(report, dst, write)
 
 
-def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, reads: Reads,
-                  loading: Future, min_sqnr_db: float, dev: torch.device, on_unit, on_start,
-                  layer_check: bool, log) -> None:
+def _check_output(run: _Run) -> None:
     """The output's layout against the plan, then every tensor and layer against the source,
-    from `reads` (told how far the checks have read; `loading`: the layer check's preparation),
-    then config.json's quantization_config."""
+    from `run.reads` (told how far the checks have read), then config.json's
+    quantization_config."""
     t0 = time.perf_counter()
-    opts = options_of(manifest)
-    src_ckpt = reads.src if reads.src is not None else open_checkpoint(src)
+    report, dst, reads, log = run.report, run.dst, run.reads, run.log
+    opts = options_of(run.manifest)
+    src_ckpt = reads.src if reads.src is not None else open_checkpoint(run.src)
     plan = reads.plan if reads.plan is not None else make_plan(src_ckpt, opts)
     tensors, files, sizes = read_tensor_table(dst)
     config = json.loads((dst / "config.json").read_text())
@@ -342,28 +358,24 @@ def _check_output(report: VerifyReport, src, dst: Path, manifest: dict, reads: R
         log(f"{len(tensors)} tensors, the index and config.json's fields checked against the "
             f"plan in {time.perf_counter() - t0:.1f} s")
     if not report.problems:
-        _check_against_source(report, src_ckpt, dst_ckpt, plan, dst, manifest, opts, reads,
-                              loading, min_sqnr_db, dev, on_unit, on_start, layer_check, log)
+        _check_against_source(run, src_ckpt, dst_ckpt, plan, opts)
     _config_problems(report, plan, config, tensors, log)
 
 
-def _check_against_source(report: VerifyReport, src_ckpt: Checkpoint, dst_ckpt: Checkpoint,
-                          plan, dst: Path, manifest: dict, opts: ConvertOptions, reads: Reads,
-                          loading: Future, min_sqnr_db: float, dev: torch.device, on_unit,
-                          on_start, layer_check: bool, log) -> None:
+def _check_against_source(run: _Run, src_ckpt: Checkpoint, dst_ckpt: Checkpoint, plan,
+                          opts: ConvertOptions) -> None:
     """Every tensor and layer of the output against the source's."""
     awq_scales = None
-    if AWQ_SCALES in manifest["files"]:  # AWQ folded scales into norms, routers and weights
+    if AWQ_SCALES in run.manifest["files"]:  # AWQ folded scales into norms, routers and weights
         from quantize.calib.folds import read_folds
 
-        awq_scales = read_folds(dst / AWQ_SCALES)
+        awq_scales = read_folds(run.dst / AWQ_SCALES)
     elif "awq" in opts.method:
-        report.problems.append(f"{AWQ_SCALES}: missing, but the manifest says method {opts.method}")
+        run.report.problems.append(f"{AWQ_SCALES}: missing, but the manifest says method {opts.method}")
         return
-    checker = _layer_check(src_ckpt, plan, dst, opts, dev, report, layer_check, log,
-                           loading if reads.src is not None else None, loading)
-    _check_tensors_and_layers(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
-                              awq_scales, checker, on_start, on_unit, log, reads)
+    checker = _layer_check(src_ckpt, plan, run.dst, opts, run.dev, run.report, run.layer_check,
+                           run.log, run.loading if run.reads.src is not None else None, run.loading)
+    _check_tensors_and_layers(run, src_ckpt, dst_ckpt, plan, opts, awq_scales, checker)
 
 
 def _layout_problems(report: VerifyReport, src_ckpt: Checkpoint, plan, dst: Path,
@@ -417,21 +429,18 @@ def _config_problems(report: VerifyReport, plan, config: dict, tensors: dict,
             f"{time.perf_counter() - t0:.1f} s")
 
 
-def _check_tensors_and_layers(report: VerifyReport, src_ckpt: Checkpoint, dst_ckpt: Checkpoint,
-                              plan, opts: ConvertOptions, min_sqnr_db: float,
-                              dev: torch.device, awq_scales, checker,
-                              on_start: Callable[[int], None] | None,
-                              on_unit: Callable[[Unit], None] | None,
-                              log: Callable[[str], None] | None, reads: Reads) -> None:
+def _check_tensors_and_layers(run: _Run, src_ckpt: Checkpoint, dst_ckpt: Checkpoint, plan,
+                              opts: ConvertOptions, awq_scales, checker) -> None:
     """Every planned unit checked tensor by tensor, in plan order; each decoder layer run by
-    `checker` (or none) once its tensors are checked, from the same reads; `reads` (the
+    `checker` (or none) once its tensors are checked, from the same reads; `run.reads` (the
     output's hashing and the source's read-ahead) told how far they have got."""
+    report, reads, log = run.report, run.reads, run.log
     if checker is not None:  # a layer's reads, kept until its forward ran: the per-tensor
         # checks read DST's stored tensors, the layers its dequantized view of the same ones
         src_ckpt.memo = {}
         dst_ckpt.memo = checker.dst.memo = {}
-    if on_start:
-        on_start(sum(u.source_bytes for u in plan.units))
+    if run.on_start:
+        run.on_start(sum(u.source_bytes for u in plan.units))
     # each byte is read once: what a check has read is dropped from the page cache, which
     # keeps it for the reads ahead (a memory cgroup, or a model larger than the memory,
     # evicted those first and read them twice: a page read twice counts as in use)
@@ -439,9 +448,8 @@ def _check_tensors_and_layers(report: VerifyReport, src_ckpt: Checkpoint, dst_ck
     source = Readahead(src_ckpt, [n for u in plan.units for n in (u.source, u.scale) if n],
                        ahead=reads.ahead)  # (started here: `Reads` says why)
     try:
-        checker = _check_units(report, src_ckpt, dst_ckpt, plan, opts, min_sqnr_db, dev,
-                               awq_scales, checker, on_unit, log, (source, reads.shards),
-                               _lag_bytes(reads.ahead, dev))
+        checker = _check_units(run, src_ckpt, dst_ckpt, plan, opts, awq_scales, checker,
+                               (source, reads.shards), _lag_bytes(reads.ahead, run.dev))
     finally:
         source.close()
     if checker is not None:
@@ -465,15 +473,15 @@ def _lag_bytes(ahead: int, dev: torch.device) -> int:
     return ahead // 2
 
 
-def _check_units(report: VerifyReport, src_ckpt: Checkpoint, dst_ckpt: Checkpoint, plan,
-                 opts: ConvertOptions, min_sqnr_db: float, dev: torch.device, awq_scales, checker,
-                 on_unit: Callable[[Unit], None] | None, log: Callable[[str], None] | None,
-                 ahead: tuple[Readahead, HashAhead], lag: int):
+def _check_units(run: _Run, src_ckpt: Checkpoint, dst_ckpt: Checkpoint, plan,
+                 opts: ConvertOptions, awq_scales, checker, ahead: tuple[Readahead, HashAhead],
+                 lag: int):
     """The units in plan order, each decoder layer run by `checker` once the next layer's
     units begin; the checker (None once the layers turned out unbuildable). While the
     checker's classes are still being built on their thread, the checks go on and the layers
     wait, their reads kept, up to `lag` bytes. `ahead`: the source's and the output's reads
     ahead, told what each unit took."""
+    report, log = run.report, run.log
     current = None
     kept = 0  # bytes read since the layers last ran (the memo's)
     for unit in plan.units:
@@ -489,13 +497,13 @@ def _check_units(report: VerifyReport, src_ckpt: Checkpoint, dst_ckpt: Checkpoin
                     src_ckpt.memo.clear()
                     dst_ckpt.memo.clear()  # (the view's too: one dict)
             current = L
-        report.tensors.append(_check_unit(src_ckpt, dst_ckpt, unit, opts, min_sqnr_db, dev,
-                                          awq_scales))
+        report.tensors.append(_check_unit(src_ckpt, dst_ckpt, unit, opts, run.min_sqnr_db,
+                                          run.dev, awq_scales))
         kept += unit.source_bytes + unit.nbytes
         ahead[0].consumed(unit.source_bytes)
         ahead[1].consumed(unit.nbytes)
-        if on_unit:
-            on_unit(unit)
+        if run.on_unit:
+            run.on_unit(unit)
     return checker
 
 
