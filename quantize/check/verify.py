@@ -373,8 +373,7 @@ def _check_against_source(run: _Run, src_ckpt: Checkpoint, dst_ckpt: Checkpoint,
     elif "awq" in opts.method:
         run.report.problems.append(f"{AWQ_SCALES}: missing, but the manifest says method {opts.method}")
         return
-    checker = _layer_check(src_ckpt, plan, run.dst, opts, run.dev, run.report, run.layer_check,
-                           run.log, run.loading if run.reads.src is not None else None, run.loading)
+    checker = _layer_check(run, src_ckpt, plan, opts)
     _check_tensors_and_layers(run, src_ckpt, dst_ckpt, plan, opts, awq_scales, checker)
 
 
@@ -531,27 +530,26 @@ def _unbuildable(e: QuantizeError, report: VerifyReport, opts: ConvertOptions,
         log(f"note: layer check skipped ({e.summary})")
 
 
-def _layer_check(src: Checkpoint, plan, dst: Path, opts: ConvertOptions, device: torch.device,
-                 report: VerifyReport, wanted: bool, log: Callable[[str], None] | None,
-                 prep: Future | None, loading: Future):
+def _layer_check(run: _Run, src: Checkpoint, plan, opts: ConvertOptions):
     """The function check (quantize/check/layercheck.py), or None with the reason in the report:
     turned off, or a model whose layers the installed transformers cannot build (RTN outputs
-    of such models are checked tensor by tensor only; calibrated ones cannot exist). `prep`:
-    its preparation on a thread; None: prepared here, once `loading` (transformers' import on
-    its thread) is done."""
-    if not wanted:
-        report.layer_check = {"skipped": "--no-layer-check"}
+    of such models are checked tensor by tensor only; calibrated ones cannot exist). Its
+    preparation is `run.loading` where verify opened the source early; otherwise `run.loading`
+    is transformers' import alone, and the preparation is done here once that has finished."""
+    if not run.layer_check:
+        run.report.layer_check = {"skipped": "--no-layer-check"}
         return None
     from quantize.check.int4view import open_output
     from quantize.check.layercheck import LayerCheck
 
+    prep = run.loading if run.reads.src is not None else None
     if prep is None:
-        loading.exception()
+        run.loading.exception()
     try:
-        return LayerCheck(src, {u.source: u for u in plan.units}, open_output(dst), opts, device,
-                          prep)
+        return LayerCheck(src, {u.source: u for u in plan.units}, open_output(run.dst), opts,
+                          run.dev, prep)
     except QuantizeError as e:
-        return _unbuildable(e, report, opts, log)
+        return _unbuildable(e, run.report, opts, run.log)
 
 
 def _finish(report: VerifyReport, dst: Path, write: bool) -> VerifyReport:

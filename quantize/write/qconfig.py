@@ -18,7 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 from quantize.plan import Plan
 from quantize.source.checkpoint import SourceFormat
 
-__all__ = ["quantization_config", "quantization_config_difference", "same_quantization_config"]
+__all__ = ["quantization_config", "quantization_config_difference"]
 
 
 def _args(num_bits: int, type_: str, symmetric: bool, strategy: str, dynamic: bool, *,
@@ -124,8 +124,3 @@ def quantization_config_difference(got: dict, expected: dict) -> str | None:
         return f"{path or '(the whole table)'}: {shown(a)}, expected {shown(b)}"
 
     return first(_meaning(strip(got)), _meaning(strip(expected)), "")
-
-
-def same_quantization_config(got: dict, expected: dict) -> bool:
-    """Whether two quantization_configs mean the same (`quantization_config_difference`)."""
-    return quantization_config_difference(got, expected) is None
