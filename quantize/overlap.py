@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
-__all__ = ["Bounded", "HashAhead", "Readahead", "background", "readahead_bytes"]
+__all__ = ["STREAM_AHEAD", "Bounded", "HashAhead", "Readahead", "background", "readahead_bytes"]
 
 
 def background(fn: Callable, *args) -> Future:
@@ -79,6 +79,10 @@ class Bounded:
         self._pending.append((fut, nbytes))
         self.pending_bytes += nbytes
         return fut
+
+
+STREAM_AHEAD = 16 * 2**30  # a stream's read-ahead (convert's, verify's): at most this, or an
+# eighth of the memory available; its start-up (imports, checks) reads that far into the source
 
 
 def readahead_bytes(limit: int = 2 * 2**30) -> int:

@@ -42,7 +42,7 @@ from quantize.names import (
     WEIGHT_SUFFIXES,
 )
 from quantize.options import ConvertOptions
-from quantize.overlap import Readahead
+from quantize.overlap import STREAM_AHEAD, Readahead, readahead_bytes
 from quantize.plan import Plan, Shard, Unit, make_plan
 from quantize.rounding.int4 import int4_outputs, quantize_rtn
 from quantize.source.checkpoint import Checkpoint, open_checkpoint
@@ -272,22 +272,28 @@ def convert(
                 calib.run_all()
                 calib.finish_rank()
         return None
-    if dev.type == "cuda":  # the driver's start-up (~0.4 s on an H200) overlaps the checks below
-        threading.Thread(target=_init_cuda, args=(dev,), daemon=True).start()
-    aux = aux_files(src)
-    _check_scales(ckpt, plan)  # everything checkable without reading the weights, before writing
-    _check_out_path(src, out, resume, overwrite)
+    # RTN reads the whole source in plan order. Into a fresh output (no manifest to resume, or
+    # --overwrite) it reads ahead from here: the disk works through the driver's start-up and
+    # the checks below (on the H200 the first tensor came 3-6.5 s after the plan, the disk idle)
+    early = None
+    if opts.method == "rtn" and (overwrite or not out.is_dir() or read_manifest(out) is None):
+        early = Readahead(ckpt, plan.read_order(), ahead=readahead_bytes(STREAM_AHEAD))
     calib = None
-    if opts.method != "rtn":  # calibration data and layer classes, checked before any output
-        from quantize.calib.loop import Calibrator
-
-        calib = Calibrator(ckpt, plan, opts, dev, log=log,  # log: one line per layer
-                           checkpoint_interval=checkpoint_interval, dist=dist,
-                           max_gpu_memory=max_gpu_memory)
-    # config.json's quantization_config: compressed-tensors' schema, built without importing it
-    # (write/qconfig.py: its import cost an RTN conversion seconds after its last shard)
-    qconfig = quantization_config(plan)
     try:
+        if dev.type == "cuda":  # the driver's start-up (~0.4 s on an H200) overlaps the checks
+            threading.Thread(target=_init_cuda, args=(dev,), daemon=True).start()
+        aux = aux_files(src)
+        _check_scales(ckpt, plan)  # all that is checkable without the weights, before writing
+        _check_out_path(src, out, resume, overwrite)
+        if opts.method != "rtn":  # calibration data and layer classes, checked before any output
+            from quantize.calib.loop import Calibrator
+
+            calib = Calibrator(ckpt, plan, opts, dev, log=log,  # log: one line per layer
+                               checkpoint_interval=checkpoint_interval, dist=dist,
+                               max_gpu_memory=max_gpu_memory)
+        # config.json's quantization_config: compressed-tensors' schema, built without importing
+        # it (write/qconfig.py: its import cost an RTN conversion seconds after its last shard)
+        qconfig = quantization_config(plan)
         with folder_lock(out):  # one conversion per output folder at a time
             previous = _prepare_out(out, overwrite, _our_partials(plan, aux))
             at_once = check_disk(out, plan, previous, dev, checkpoint_interval, log,
@@ -295,8 +301,10 @@ def convert(
             return _write(ckpt, plan, out, previous, aux, opts, dev, on_unit,
                           {"command": command, "source_format": ckpt.source_format,
                            "model_type": ckpt.model_type, "tp": tp}, qconfig, calib, base_model,
-                          at_once)
+                          at_once, early)
     finally:
+        if early is not None:
+            early.close()  # (a check refused to start, or the stream is done)
         if calib is not None:
             calib.close()  # stops its layer thread (also when an error or Ctrl-C propagates)
 
@@ -365,9 +373,11 @@ def _write_rest(ckpt: Checkpoint, plan: Plan, out: Path, aux: list[Path], manife
 def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: list[Path],
            opts: ConvertOptions, dev: torch.device, on_unit: Callable[[Unit], None] | None,
            extra: dict, qconfig: dict, calib: Calibrator | None = None,
-           base_model: str | None = None, at_once: int = 0) -> ConvertResult:
+           base_model: str | None = None, at_once: int = 0,
+           early: Readahead | None = None) -> ConvertResult:
     """Steps 5 and 6 of the recipe, in the prepared and locked output folder (`at_once`: the
-    calibration checkpoints the disk has room for)."""
+    calibration checkpoints the disk has room for; `early`: the source's read-ahead, started
+    with every shard to write)."""
     # what a resume must match besides the options: kept shards from other calibration tokens
     # or another device's arithmetic would mix two calibrations in one checkpoint
     calibration = None if calib is None else calib.identity()
@@ -388,8 +398,11 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
     # reads ahead into the page cache (a calibration reads each layer ahead itself)
     # (a resume re-hashes each kept shard: once, here)
     kept = {s.file for s in plan.shards if manifest.holds(s.file)}
-    ahead = Readahead(ckpt, [n for s in plan.shards if s.file not in kept for u in s.units
-                             for n in (u.source, u.scale) if n]) if calib is None else None
+    ahead = early if early is not None and not kept else None
+    if ahead is None and calib is None:
+        if early is not None:
+            early.close()  # (it read shards a resume keeps: started over without them)
+        ahead = Readahead(ckpt, plan.read_order(kept), ahead=readahead_bytes(STREAM_AHEAD))
     # and each tensor it has read leaves the page cache, which keeps the pages read ahead (with
     # a source larger than the memory, or a memory cgroup, those were evicted first and read
     # twice: BENCHMARKS.md, "verify reads the output once")

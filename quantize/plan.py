@@ -144,6 +144,12 @@ class Plan:
     def output_file_bytes(self) -> int:
         return sum(s.file_bytes for s in self.shards)
 
+    def read_order(self, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """The source tensors (and their scales) in the order the stream reads them: shard by
+        shard in plan order, the shards named in `skip` (kept by a resume) left out."""
+        return [n for s in self.shards if s.file not in skip for u in s.units
+                for n in (u.source, u.scale) if n]
+
     def bytes_by(self, key: str) -> dict[str, tuple[int, int]]:
         """{role or action: (source bytes, output bytes)} for the summary tables."""
         out: dict[str, tuple[int, int]] = {}

@@ -231,3 +231,53 @@ def test_hash_ahead_gives_an_unexpected_error_as_that_files_result(tmp_path):
     assert got[paths[0]] == hashlib.sha256(paths[0].read_bytes()).hexdigest()
     assert isinstance(got[1.5], TypeError)  # the error is that file's result
     h.close()
+
+
+def _opts_rtn():
+    from quantize.options import ConvertOptions
+
+    return ConvertOptions(method="rtn", max_shard_size=64 * 2**10)  # (several shards)
+
+
+def test_rtn_reads_the_source_ahead_from_the_plan_on_before_its_checks(ckpt, monkeypatch, tmp_path):
+    """RTN into a fresh folder starts its read-ahead before the checks (the check below waits
+    for the reader's first tensor, and would time out with a reader started later); the reads
+    are the plan's order, each tensor once; a check that refuses leaves no reader running."""
+    from quantize import pipeline
+    from quantize.errors import QuantizeError
+    from quantize.plan import make_plan
+
+    asked = _recording(ckpt, monkeypatch)
+    real = pipeline._check_out_path
+
+    def check_after_the_first_read(*a, **kw):
+        _settle(asked, 1, timeout=20)
+        assert asked, "no read ahead had begun when the output path was checked"
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pipeline, "_check_out_path", check_after_the_first_read)
+    plan = make_plan(ckpt, _opts_rtn(), 8)
+    assert len(plan.shards) > 1
+    res = pipeline.convert(ckpt.root, tmp_path / "out", _opts_rtn(), device="cpu")
+    assert res.written == [s.file for s in plan.shards]
+    assert asked == plan.read_order()
+
+    asked.clear()
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("the user's")
+    with pytest.raises(QuantizeError, match="not empty"):
+        pipeline.convert(ckpt.root, busy, _opts_rtn(), device="cpu")
+    assert asked and asked == plan.read_order()[:len(asked)]
+    assert not [t for t in threading.enumerate() if t.name == "quantize-readahead" and t.is_alive()]
+
+
+def test_read_order_is_the_plans_and_leaves_out_the_kept_shards(ckpt):
+    from quantize.plan import make_plan
+
+    plan = make_plan(ckpt, _opts_rtn(), 8)
+    first, *rest = plan.shards
+    want = [n for s in rest for u in s.units for n in (u.source, u.scale) if n]
+    assert plan.read_order({first.file}) == want
+    assert plan.read_order() == [n for u in first.units for n in (u.source, u.scale) if n] + want
+    assert set(plan.read_order()) <= set(ckpt.tensors)

@@ -32,8 +32,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # (torch is imported where a group is joined: the CLI asks `init` before
+    import torch  # it checks its arguments, and a single process needs no torch for that)
 
 __all__ = ["Dist", "init", "owned"]
 
@@ -58,6 +60,8 @@ class Dist:
 
     def _on(self, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """`t` where the backend wants it: NCCL on the rank's GPU, gloo on the host."""
+        import torch
+
         want = self.device if self.backend == "nccl" else torch.device("cpu")
         return (t, False) if t.device == want else (t.to(want), True)
 
@@ -116,6 +120,7 @@ def init(device: str) -> Dist | None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return None
+    import torch
     import torch.distributed as dist
 
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))

@@ -30,20 +30,15 @@ from quantize.names import (
     WEIGHT_SUFFIXES,
 )
 from quantize.options import ConvertOptions
-from quantize.overlap import HashAhead, background, readahead_bytes
+from quantize.overlap import STREAM_AHEAD, HashAhead, background, readahead_bytes
 from quantize.plan import Plan, make_plan
 from quantize.source.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from quantize.source.weights import aux_files
 from quantize.write.manifest import MANIFEST
 from quantize.write.shards import sha256_file
 
-__all__ = ["CHANGED", "OURS", "VERIFY_AHEAD", "Reads", "changed", "files_problems", "options_of"]
+__all__ = ["CHANGED", "OURS", "Reads", "changed", "files_problems", "options_of"]
 
-
-# how far verify reads ahead of its checks, in each of the output and the source (or an
-# eighth of the memory available, when that is less): the output's hashing works through the
-# seconds of imports before the first check (on the slice of BENCHMARKS.md, all of it)
-VERIFY_AHEAD = 16 * 2**30
 
 
 @dataclass
@@ -55,8 +50,10 @@ class Reads:
 
         rest      the small files of the manifest hashed at once (a Future of `hash_files`)
         shards    the weight shards (`streamed`) hashed in the order of the tensor checks,
-                  at most VERIFY_AHEAD beyond them: the checks then read the page cache, and
-                  an output larger than the memory is not read twice
+                  at most STREAM_AHEAD beyond them (or an eighth of the memory
+                  available): the hashing works through the seconds of imports before the
+                  first check, the checks then read the page cache, and an output larger
+                  than the memory is not read twice
 
     The source is read ahead only once the checks begin (`_check_tensors_and_layers`): read
     from the start as well, its reads beside the hashing saturated the disk and the imports'
@@ -76,7 +73,7 @@ class Reads:
         files = manifest["files"]
         whole = same_size(dst, files)
         streamed = streamed_shards(dst, whole)
-        ahead = readahead_bytes(VERIFY_AHEAD)
+        ahead = readahead_bytes(STREAM_AHEAD)
         reads = cls(background(hash_files, dst, [n for n in whole if n not in streamed]),
                     HashAhead([dst / n for n in streamed], ahead=ahead), streamed, time.perf_counter(),
                     ahead)
