@@ -235,7 +235,7 @@ def summarize(files: list[Path], out: Path) -> None:
     runs, heads = [], []
     for f in files:
         d = json.loads(f.read_text())
-        heads.append({k: d[k] for k in ("command", "device", "torch", "calibration", "eval")})
+        heads.append({k: d.get(k) for k in ("command", "commit", "device", "torch", "calibration", "eval")})
         runs += [dict(r, file=f.name) for r in d["runs"] if "scores" in r]
     # one row per (run, group, calibration, seed): a run repeated in a later file replaces it
     # (the runs are deterministic; a seed is never counted twice)
