@@ -211,12 +211,8 @@ def _prepare_out(out: Path, overwrite: bool, partials: set[str]) -> dict | None:
 
 def _check_scales(ckpt: Checkpoint, plan: Plan) -> None:
     problems = []
-    for u in plan.units:
-        if u.scale is None:
-            continue
-        s = ckpt.read(u.scale).float()
-        if not torch.isfinite(s).all():
-            problems.extend(_nonfinite(ckpt, u.scale, s).problems)
+    for name in ckpt.nonfinite([u.scale for u in plan.units if u.scale is not None]):
+        problems.extend(_nonfinite(ckpt, name, ckpt.read(name).float()).problems)
     if problems:
         raise QuantizeError("non-finite FP8 scales in the source", problems)
 
@@ -248,8 +244,11 @@ def convert(
     dist: Dist | None = None,
     max_gpu_memory: int | None = None,
     base_model: str | None = None,
+    planned: tuple[Checkpoint, Plan] | None = None,
 ) -> ConvertResult | None:
-    """`base_model`: the Hub repo id SRC is a copy of (the manifest and card name it; default:
+    """`planned`: SRC opened and planned by the caller with these `opts` and `tp` (the CLI
+    prints the plan first; GLM-5.2's 118,629 tensors take seconds to open and plan again).
+    `base_model`: the Hub repo id SRC is a copy of (the manifest and card name it; default:
     the repo of a Hub-cache snapshot). `tp`: the tensor-parallel size the output is meant to be served at: the plan's checks
     use it and the manifest records it for the model card's serving commands.
     `checkpoint_interval`: calibrated runs save their resume state at most this often
@@ -259,8 +258,12 @@ def convert(
     `max_gpu_memory`: bytes the calibration may hold on its GPU (None: all of it)."""
     src, out = Path(src), Path(out)
     _check_name(out)
-    ckpt = open_checkpoint(src)
-    plan = make_plan(ckpt, opts, tp)
+    if planned is None:
+        ckpt = open_checkpoint(src)
+        planned = ckpt, make_plan(ckpt, opts, tp)
+    ckpt, plan = planned
+    if plan.options != opts or plan.tp != tp:
+        raise ValueError("convert: the plan handed in was made with other options or tp")
     dev = resolve_device(device) if dist is None else dist.device
     if dist is not None and not dist.leader:
         if opts.method != "rtn":  # RTN is rank 0's alone: it is bound by the disk

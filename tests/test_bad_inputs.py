@@ -316,6 +316,32 @@ def test_layers_that_do_not_match_the_config(src, tmp_path, case):
 # --- non-finite numbers ------------------------------------------------------------------------
 
 
+def test_nonfinite_names_exactly_the_tensors_holding_nan_or_inf(src):
+    """Checkpoint.nonfinite (the scale check's batched reads: one open per shard, every dtype
+    of a shard checked at once) against reading and checking each tensor alone, after NaN and
+    Inf were written at random places of scales and BF16 tensors across the shards."""
+    import random
+
+    import torch
+
+    ckpt = open_checkpoint(src)
+    floats = sorted(n for n, t in ckpt.tensors.items() if t.dtype in ("F32", "BF16") and t.nbytes)
+    rng = random.Random(7)
+    for name in rng.sample(floats, 9):
+        t = ckpt.tensors[name]
+        item = 4 if t.dtype == "F32" else 2
+        bad = {4: [b"\x00\x00\xc0\x7f", b"\x00\x00\x80\xff"], 2: [b"\xc0\x7f", b"\x80\x7f"]}[item]
+        poke(src, name, rng.choice(bad), at=item * rng.randrange(t.nbytes // item))
+    ckpt = open_checkpoint(src)
+    asked = rng.sample(floats, len(floats))  # any order, a name twice
+    asked.append(asked[0])
+    want = [n for n in dict.fromkeys(asked) if not torch.isfinite(ckpt.read(n).float()).all()]
+    assert len(want) == 9 and len({ckpt.tensors[n].file for n in floats}) > 1
+    assert ckpt.nonfinite(asked) == want
+    assert ckpt.nonfinite(asked, workers=1) == want
+    assert ckpt.nonfinite([n for n in floats if n not in want]) == []
+
+
 def test_nan_in_a_scale_is_refused_before_writing(src, tmp_path):
     scale = EXPERT + "_scale_inv"
     fname = poke(src, scale, b"\x00\x00\xc0\x7f" + b"\x00\x00\x80\x7f")  # F32 NaN, +Inf

@@ -218,6 +218,21 @@ def test_shards_respect_max_size(dsa_fp8, tmp_path):
         assert re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", s.file)
 
 
+def test_a_plan_handed_in_is_used_and_must_match_the_options(dsa_fp8, dsa_out, tmp_path):
+    """The CLI hands its plan to the pipeline (not made twice); the same bytes come out, and a
+    plan made with other options or another TP is refused before anything is written."""
+    ckpt = open_checkpoint(dsa_fp8)
+    opts = ConvertOptions(max_shard_size=400_000)  # dsa_out's
+    res = convert(dsa_fp8, tmp_path / "a", opts, device="cpu", planned=(ckpt, make_plan(ckpt, opts, 8)))
+    assert res.written == [s.file for s in res.plan.shards]
+    for f in sorted(p.name for p in dsa_out.glob("*.safetensors")):
+        assert (tmp_path / "a" / f).read_bytes() == (dsa_out / f).read_bytes()
+    for other, tp in ((ConvertOptions(max_shard_size=400_000, symmetric=False), 8), (opts, 4)):
+        with pytest.raises(ValueError, match="other options or tp"):
+            convert(dsa_fp8, tmp_path / "b", opts, device="cpu", planned=(ckpt, make_plan(ckpt, other, tp)))
+        assert not (tmp_path / "b").exists()
+
+
 def test_deterministic_bytes(dsa_fp8, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     convert(dsa_fp8, a, ConvertOptions(max_shard_size=400_000), device="cpu")

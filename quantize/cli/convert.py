@@ -242,7 +242,8 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
             "--base-model", None, repr(a["base_model"]), "ORG/NAME, e.g. zai-org/GLM-5.2-FP8",
             "pass the repo id the source was downloaded from")])
     local = resolve_source(src, a["revision"], headers_only=False)
-    plan = make_plan(open_checkpoint(local), opts, a["tp"])
+    ckpt = open_checkpoint(local)
+    plan = make_plan(ckpt, opts, a["tp"])
     for c in plan.checks:
         if c.level != "ok" and not quiet:
             err.print(f"[yellow]warning:[/] {c.what}: {c.detail}", highlight=False)
@@ -264,7 +265,8 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
         res = run_convert(local, dst, opts, device=a["device"], resume=a["resume"],
                           overwrite=a["overwrite"], on_unit=step, command=command, log=line,
                           tp=a["tp"], checkpoint_interval=a["checkpoint_interval"], dist=d,
-                          base_model=a["base_model"], max_gpu_memory=gpu_bytes)
+                          base_model=a["base_model"], max_gpu_memory=gpu_bytes,
+                          planned=(ckpt, plan))
     return res, total
 
 

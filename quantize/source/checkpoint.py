@@ -166,6 +166,45 @@ class Checkpoint:
         return t.view(dtype).reshape(info.shape)
 
 
+    def nonfinite(self, names: list[str], workers: int = 8) -> list[str]:
+        """Those of the named float tensors holding a NaN or an infinity, in the order given.
+        Built for many small tensors (GLM-5.2's 59,044 FP8 scales, read one by one, took ~4 s
+        of the start-up, and from a cold disk each is a small read of its own): one open per
+        file, each file's tensors read in offset order into one buffer, `workers` files at
+        once (the reads release the GIL), one check per file and dtype."""
+        import torch
+
+        by_file: dict[str, list[TensorInfo]] = {}
+        for n in dict.fromkeys(names):
+            by_file.setdefault(self.tensors[n].file, []).append(self.tensors[n])
+
+        def bad_in(file: str) -> set[str]:
+            infos = sorted(by_file[file], key=lambda t: t.begin)
+            offs = [0]
+            for t in infos:
+                offs.append(offs[-1] + t.nbytes)
+            buf = torch.empty(offs[-1], dtype=torch.uint8)
+            view = memoryview(buf.numpy())
+            with open(self.root / file, "rb", buffering=0) as f:
+                for t, o in zip(infos, offs):
+                    _read_exact(f.fileno(), view[o:o + t.nbytes], t, 0)
+
+            def values(group: list[tuple[TensorInfo, int]]) -> torch.Tensor:  # (copied: aligned)
+                return torch.cat([buf[o:o + t.nbytes] for t, o in group]).view(torch_dtype(group[0][0].dtype))
+
+            bad = set()
+            for dtype in dict.fromkeys(t.dtype for t in infos):  # one check per dtype
+                group = [(t, o) for t, o in zip(infos, offs) if t.dtype == dtype]
+                if not torch.isfinite(values(group)).all():
+                    bad.update(t.name for t, o in group if not torch.isfinite(values([(t, o)])).all())
+            return bad
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(1, min(workers, len(by_file)))) as pool:
+            bad = set().union(*pool.map(bad_in, by_file)) if by_file else set()
+        return [n for n in dict.fromkeys(names) if n in bad]
+
     def prefetch(self, names: list[str], chunk: int = 8 * 2**20,
                  stop: Callable[[], bool] = lambda: False) -> None:
         """Read the tensors' bytes into the OS page cache (and drop them): a later `read` of
