@@ -217,6 +217,17 @@ def _check_scales(ckpt: Checkpoint, plan: Plan) -> None:
         raise QuantizeError("non-finite FP8 scales in the source", problems)
 
 
+def _early_readahead(ckpt: Checkpoint, plan: Plan, out: Path, overwrite: bool) -> Readahead | None:
+    """RTN reads the whole source in plan order. Into a fresh output (no manifest to resume,
+    or --overwrite) it reads ahead from the plan on: the disk works through the driver's
+    start-up and the checks (on the H200 the first tensor came 3-6.5 s after the plan line,
+    the disk idle; BENCHMARKS.md). None otherwise (a resume reads ahead once it knows the
+    shards it keeps; a calibration reads each layer ahead itself)."""
+    if plan.options.method != "rtn" or (not overwrite and out.is_dir() and read_manifest(out) is not None):
+        return None
+    return Readahead(ckpt, plan.read_order(), ahead=readahead_bytes(STREAM_AHEAD))
+
+
 def _check_name(out: Path) -> None:
     """DST's name goes into the card, the manifest and the Hub repo's files as UTF-8 text: a
     name that is not UTF-8 (a byte the file system kept as is) is refused before any work."""
@@ -275,12 +286,7 @@ def convert(
                 calib.run_all()
                 calib.finish_rank()
         return None
-    # RTN reads the whole source in plan order. Into a fresh output (no manifest to resume, or
-    # --overwrite) it reads ahead from here: the disk works through the driver's start-up and
-    # the checks below (on the H200 the first tensor came 3-6.5 s after the plan, the disk idle)
-    early = None
-    if opts.method == "rtn" and (overwrite or not out.is_dir() or read_manifest(out) is None):
-        early = Readahead(ckpt, plan.read_order(), ahead=readahead_bytes(STREAM_AHEAD))
+    early = _early_readahead(ckpt, plan, out, overwrite)
     calib = None
     try:
         if dev.type == "cuda":  # the driver's start-up (~0.4 s on an H200) overlaps the checks
