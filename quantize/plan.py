@@ -26,7 +26,7 @@ from functools import cached_property
 from quantize.errors import Problem, QuantizeError
 from quantize.lint import Check, lint
 from quantize.options import ConvertOptions
-from quantize.source.checkpoint import DTYPE_BYTES, Checkpoint, SourceFormat
+from quantize.source.checkpoint import DTYPE_BYTES, Checkpoint, SourceFormat, gc_paused
 from quantize.source.layout import (
     fp8_targets,
     fused_names,
@@ -360,6 +360,7 @@ def _lint(opts: ConvertOptions, units: list[Unit]) -> list[Check]:
     return lint(qc, [o.name for u in units for o in u.outputs])
 
 
+@gc_paused()
 def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
     """Every output tensor, its shard and bytes, plus the serving checks at `tp`. Reads no data."""
     units = _units(ckpt, opts)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from quantize.errors import QuantizeError
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.plan import make_plan
@@ -188,3 +189,39 @@ def test_untileable_expert_width_fix_message_reads_well(tmp_path):
     fail = [c for c in make_plan(ckpt, ConvertOptions(group_size=64), tp=8).checks
             if c.level == "fail"]
     assert len(fail) == 1 and fail[0].detail.endswith("; fix: serve at TP 1, 2, 4"), fail[0].detail
+
+
+def test_open_and_plan_hold_the_garbage_collector_off(dsa_fp8, monkeypatch):
+    """GLM-5.2's headers and plan are ~300,000 long-lived objects: the collector's passes over
+    them while they were made cost ~1 s (hundreds of collections, full ones among them).
+    open_checkpoint and make_plan do their work with it paused, and leave it on afterwards,
+    also when they raise; nested pauses keep it off."""
+    import gc
+
+    import quantize.plan as plan_mod
+    import quantize.source.checkpoint as ck_mod
+    from quantize.source.checkpoint import gc_paused
+
+    seen: dict[str, bool] = {}
+
+    def spy(mod, name):
+        real = getattr(mod, name)
+
+        def wrapped(*a, **kw):
+            seen[name] = gc.isenabled()
+            return real(*a, **kw)
+
+        monkeypatch.setattr(mod, name, wrapped)
+
+    spy(ck_mod, "read_tensor_table")
+    spy(plan_mod, "_units")
+    make_plan(open_checkpoint(dsa_fp8), ConvertOptions())
+    assert seen == {"read_tensor_table": False, "_units": False} and gc.isenabled()
+    with gc_paused():
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(QuantizeError):
+        open_checkpoint(dsa_fp8 / "no-such-folder")
+    assert gc.isenabled()

@@ -18,12 +18,14 @@ The source format is decided by `config.json`:
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,6 +41,7 @@ __all__ = [
     "Checkpoint",
     "SourceFormat",
     "TensorInfo",
+    "gc_paused",
     "link_problem",
     "open_checkpoint",
     "read_safetensors_header",
@@ -796,6 +799,23 @@ def read_tensor_table(root: Path) -> tuple[dict[str, TensorInfo], list[str], dic
     return tensors, files, sizes
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector held off while a block builds many long-lived objects and
+    no cycles (GLM-5.2's ~120,000 header entries, its plan's ~180,000 tensors): left on, its
+    full collections scan them again and again as they are made (~1 s of an open and a plan
+    on a 2-core host: BENCHMARKS.md). Usable as a decorator; nested or concurrent uses leave
+    the collector as they found it or on."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@gc_paused()
 def open_checkpoint(src: str | Path) -> Checkpoint:
     """Read config, index and every shard header of a local checkpoint; validate; read no data."""
     root = Path(src)
