@@ -225,3 +225,20 @@ def test_open_and_plan_hold_the_garbage_collector_off(dsa_fp8, monkeypatch):
     with pytest.raises(QuantizeError):
         open_checkpoint(dsa_fp8 / "no-such-folder")
     assert gc.isenabled()
+
+
+def test_header_bytes_is_the_length_of_the_header_written(glm52_replica):
+    """Shard.file_bytes counts each header's length without building its JSON: equal to
+    len(shard_header(...)) (what ShardWriter writes) for every shard of GLM-5.2's plan and for
+    names and shapes that JSON escapes or writes empty."""
+    from quantize.plan import OutTensor, header_bytes, shard_header
+
+    plan = make_plan(open_checkpoint(glm52_replica), ConvertOptions(group_size=128, symmetric=False))
+    for s in plan.shards:
+        assert header_bytes(s.tensors) == len(shard_header(s.tensors)), s.file
+        assert s.file_bytes == len(shard_header(s.tensors)) + s.data_bytes
+    odd = [OutTensor('a"b\\c', "F32", (3,)), OutTensor("é.weight", "BF16", (2, 5)),
+           OutTensor("x", "I64", ()), OutTensor("t\tab\x7f", "I32", (0, 7)),
+           OutTensor("", "F8_E4M3", (1, 1, 1)), OutTensor("w" * 300, "U8", (123456789,))]
+    for k in range(len(odd) + 1):
+        assert header_bytes(odd[:k]) == len(shard_header(odd[:k])), odd[:k]
