@@ -225,7 +225,13 @@ def _early_readahead(ckpt: Checkpoint, plan: Plan, out: Path, overwrite: bool) -
     shards it keeps; a calibration reads each layer ahead itself)."""
     if plan.options.method != "rtn" or (not overwrite and out.is_dir() and read_manifest(out) is not None):
         return None
-    return Readahead(ckpt, plan.read_order(), ahead=readahead_bytes(STREAM_AHEAD))
+    return _source_readahead(ckpt, plan)
+
+
+def _source_readahead(ckpt: Checkpoint, plan: Plan, kept: set[str] = frozenset()) -> Readahead:
+    """The stream's read-ahead of the source: the tensors of the shards still to write, in the
+    order the stream reads them."""
+    return Readahead(ckpt, plan.read_order(kept), ahead=readahead_bytes(STREAM_AHEAD))
 
 
 def _check_name(out: Path) -> None:
@@ -407,11 +413,10 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
     # reads ahead into the page cache (a calibration reads each layer ahead itself)
     # (a resume re-hashes each kept shard: once, here)
     kept = {s.file for s in plan.shards if manifest.holds(s.file)}
-    ahead = early if early is not None and not kept else None
-    if ahead is None and calib is None:
-        if early is not None:
-            early.close()  # (it read shards a resume keeps: started over without them)
-        ahead = Readahead(ckpt, plan.read_order(kept), ahead=readahead_bytes(STREAM_AHEAD))
+    if early is not None and kept:  # (it read shards a resume keeps: started over without them)
+        early.close()
+        early = None
+    ahead = early if early is not None else _source_readahead(ckpt, plan, kept) if calib is None else None
     # and each tensor it has read leaves the page cache, which keeps the pages read ahead (with
     # a source larger than the memory, or a memory cgroup, those were evicted first and read
     # twice: BENCHMARKS.md, "verify reads the output once")

@@ -40,7 +40,6 @@ from quantize.write.shards import sha256_file
 __all__ = ["CHANGED", "OURS", "Reads", "changed", "files_problems", "options_of"]
 
 
-
 @dataclass
 class Reads:
     """verify's reads of the output, started before anything else (each file read from the

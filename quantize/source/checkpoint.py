@@ -168,7 +168,6 @@ class Checkpoint:
                 os.posix_fadvise(f.fileno(), info.begin, info.nbytes, os.POSIX_FADV_DONTNEED)
         return t.view(dtype).reshape(info.shape)
 
-
     def nonfinite(self, names: list[str], workers: int = 8) -> list[str]:
         """Those of the named float tensors holding a NaN or an infinity, in the order given.
         Built for many small tensors (GLM-5.2's 59,044 FP8 scales, read one by one, took ~4 s
