@@ -90,6 +90,10 @@ class ConvertOptions:
     # the lowest validation KL of our GPTQ variants at groups 32 and 128 (3 seeds); 2 clips
     # more (SmolLM2, whose Q4_1 weights sit on a 4-bit grid, was measured with 2 only).
     mse_norm: int = 3
+    # The power a of diag(H) that weighs each input channel in the clip's error,
+    # sum H_kk^a |w - q|^mse_norm: 1 the output error (gptq.py `GPTQConfig.mse_weight_power`),
+    # 0 unweighted, as llm-compressor's `mse` observer.
+    mse_weight_power: float = 1.0
     # Rounds of GPTQ's group scales re-fitted by least squares to the chosen codes against the
     # Hessian (gptq.py `refit_scales`, `GPTQConfig.scale_refit`), on dense and shared-expert
     # Linears; `scale_refit_routed` on routed experts. None: 3 and 0 for gptq and awq+gptq (with
@@ -173,6 +177,8 @@ class ConvertOptions:
             raise ValueError("--gptaq moves GPTQ's targets: use it with --method gptq or awq+gptq")
         if self.mse_norm not in (2, 3):
             raise ValueError(f"--mse-norm must be 2 or 3, got {self.mse_norm}")
+        if not 0 <= self.mse_weight_power <= 1:
+            raise ValueError(f"--mse-weight-power must be in [0, 1], got {self.mse_weight_power}")
         if self.mse_clip and "gptq" not in self.method:
             raise ValueError("--mse-clip chooses GPTQ's group scales: use it with --method gptq "
                              "or awq+gptq")

@@ -96,21 +96,23 @@ def test_mse_clip_with_identity_hessian_never_loses_to_rtn(symmetric):
     assert err_g.sum() < 0.97 * err_r.sum()
 
 
+@pytest.mark.parametrize("power", [1.0, 0.5, 0.0])
 @pytest.mark.parametrize("norm", [2, 3])
-def test_mse_clip_picks_the_least_error_of_its_own_power(norm):
+def test_mse_clip_picks_the_least_error_of_its_own_power(norm, power):
     """Each group's chosen scale is, among the 21 candidate ranges, the one with the least
-    sum_k H_kk |w_k - q_k|^norm (recomputed here in float64, ties within 1e-9 allowed); the
-    cube (mse_norm 3) keeps a wider range than the square on the whole (it weighs the clipped
-    outliers' errors more)."""
+    sum_k H_kk^power |w_k - q_k|^norm (recomputed here in float64, ties within 1e-9 allowed,
+    1e-6 where float32's H_kk^0.5 enters); the cube (mse_norm 3) keeps a wider range than the
+    square on the whole (it weighs the clipped outliers' errors more); the tempered weights
+    choose other scales than the full ones in some groups."""
     from quantize.rounding.gptq import MSE_SHRINK, _group_qparams
     from quantize.rounding.int4 import quantize_with_qparams, rtn_qparams
 
     g, N, K = 32, 16, 256
     W = torch.randn(1, N, K, generator=_gen(11)) * torch.rand(1, N, 1, generator=_gen(12))
-    Hd = torch.rand(1, K, generator=_gen(13)) + 0.05
+    Hd = (torch.rand(1, K, generator=_gen(13)) * 4).exp() * 0.05  # channels 0.05 ... 2.7
     chosen = {}
     for n in (2, 3):
-        chosen[n], _ = _group_qparams(W, Hd, GPTQConfig(mse_clip=True, mse_norm=n))
+        chosen[n], _ = _group_qparams(W, Hd, GPTQConfig(mse_clip=True, mse_norm=n, mse_weight_power=power))
     W2 = W.reshape(N, K)
     errs = []
     for p in MSE_SHRINK:
@@ -118,13 +120,16 @@ def test_mse_clip_picks_the_least_error_of_its_own_power(norm):
         q = quantize_with_qparams(W2, s_p, None, g)
         served = (q.bfloat16() * s_p.bfloat16().repeat_interleave(g, -1)).double()  # bf16(q s)
         d = (W2.double() - served).abs()
-        errs.append(((d ** norm) * Hd.double()).reshape(N, K // g, g).sum(-1))  # (N, G)
+        errs.append(((d ** norm) * Hd.double() ** power).reshape(N, K // g, g).sum(-1))  # (N, G)
     errs = torch.stack(errs)  # (21, N, G)
     cands = torch.stack([rtn_qparams(W2 * p, g, True)[0] for p in MSE_SHRINK])  # (21, N, G)
     pick = (cands == chosen[norm].reshape(1, N, K // g)).double()
     got = (errs * pick).sum(0) / pick.sum(0)  # the chosen candidate's error
-    assert (got <= errs.min(0).values * (1 + 1e-9)).all()
+    assert (got <= errs.min(0).values * (1 + (1e-6 if power == 0.5 else 1e-9))).all()
     assert chosen[3].float().sum() > chosen[2].float().sum()  # the cube clips less
+    if power != 1.0:
+        full, _ = _group_qparams(W, Hd, GPTQConfig(mse_clip=True, mse_norm=norm))
+        assert (full != chosen[norm]).any()
 
 
 def test_batched_experts_equal_a_loop_over_experts():

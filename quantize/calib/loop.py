@@ -278,7 +278,8 @@ class Calibrator:
         o = self.opts
         return {"method": o.method, "expert_calibration": o.expert_calibration,
                 "min_expert_tokens": o.min_expert_tokens, "percdamp": o.percdamp, "hessian_shrink": o.hessian_shrink,
-                "mse_clip": o.mse_clip, "mse_norm": o.mse_norm, "scale_refit": o.scale_refit,
+                "mse_clip": o.mse_clip, "mse_norm": o.mse_norm,
+                "mse_weight_power": o.mse_weight_power, "scale_refit": o.scale_refit,
                 "scale_refit_routed": o.scale_refit_routed,
                 "gptaq": o.gptaq, "gptaq_active": self.plan.gptaq_active,
                 "sequential_mlp_active": self.plan.sequential_active,

@@ -195,7 +195,8 @@ class LayerRounding:
         self.check_stop = check_stop
         self.gptq_cfg = GPTQConfig(group_size=opts.group_size, symmetric=opts.symmetric,
                                    percdamp=opts.percdamp, mse_clip=opts.mse_clip,
-                                   mse_norm=opts.mse_norm, scale_refit=opts.scale_refit,
+                                   mse_norm=opts.mse_norm, mse_weight_power=opts.mse_weight_power,
+                                   scale_refit=opts.scale_refit,
                                    gptaq=opts.gptaq, shrink=opts.hessian_shrink)
         # routed experts: their own rounds of the scale re-fit (0 by default: its cost there)
         self.gptq_cfg_routed = replace(self.gptq_cfg, scale_refit=opts.scale_refit_routed)

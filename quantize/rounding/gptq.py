@@ -122,6 +122,10 @@ class GPTQConfig:
     # power weighs a group's largest errors more, so it clips less; llm-compressor's
     # imatrix_mse observer uses 3; the CLI's default is 3: options.py)
     mse_norm: int = 2
+    # the power a of each input channel's weight in that sum, sum_k H_kk^a |w_k - q_k|^mse_norm:
+    # 1 the output error without cross terms, 0 the plain (unweighted) error of
+    # llm-compressor's `mse` observer, between them the calibration's activations tempered
+    mse_weight_power: float = 1.0
     # Rounds of re-fitting: each row's group scales fitted by least squares to the codes GPTQ
     # chose, against the same damped Hessian (`refit_scales`). 1: the codes stay, the scales
     # are re-fitted; n > 1: the column loop is run again with the re-fitted scales, and they are
@@ -152,6 +156,8 @@ class GPTQConfig:
             raise ValueError(f"mse_norm must be 2 or 3, got {self.mse_norm}")
         if not 0 <= self.gptaq <= 1:
             raise ValueError(f"gptaq must be in [0, 1], got {self.gptaq}")
+        if not 0 <= self.mse_weight_power <= 1:
+            raise ValueError(f"mse_weight_power must be in [0, 1], got {self.mse_weight_power}")
         if not self.percdamp > 0:
             raise ValueError(f"percdamp must be > 0 (a retry multiplies it), got {self.percdamp}")
         if not 0 <= self.shrink < 1:
@@ -236,6 +242,8 @@ def _group_qparams(W: torch.Tensor, Hdiag: torch.Tensor, cfg: GPTQConfig
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Static group params of W (B, N, K) from the original weight: RTN rule, optional MSE clip."""
     B, N, K = W.shape
+    if cfg.mse_clip and cfg.mse_weight_power != 1.0:  # the channels' weights tempered (0: all 1)
+        Hdiag = Hdiag.clamp_min(0).pow(cfg.mse_weight_power)
     if cfg.mse_clip and cfg.fused and gptq_triton.available(W):  # CUDA: one kernel, same result
         return gptq_triton.mse_clip_qparams(W, Hdiag, MSE_SHRINK, cfg.group_size, cfg.symmetric,
                                             QMIN, QMAX, cube=cfg.mse_norm == 3)
