@@ -16,7 +16,8 @@ Runs, each after `sync; echo 3 > /proc/sys/vm/drop_caches`:
 Recorded: wall time, peak host RSS, the bytes read from and written to the disk, the disk's cold read / fsynced write rates, and every
 time-stamped stderr line of the CLI as seconds since the process started (where the time goes:
 start-up, streaming, the tail after the last tensor). With --profile, each quantize run once
-more under `py-spy record --format raw` (its collapsed stacks written to DIR).
+more under `py-spy record --format raw` (its collapsed stacks written to DIR; --native adds the
+C/C++ frames).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--extra", default="", help="more convert flags")
     ap.add_argument("--profile", type=Path, default=None, help="also run each under py-spy, stacks here")
+    ap.add_argument("--native", action="store_true",
+                    help="with --profile: py-spy's --native (C/C++ frames too: the CUDA driver, torch's ops)")
     ap.add_argument("--only", default="copy,rtn,verify,verify-layers", help="which runs, comma list")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (figures meaningless)")
     ap.add_argument("--cgroup", type=Path, default=None,
@@ -117,7 +120,7 @@ def main() -> None:
         if args.profile is not None and name != "copy":
             args.profile.mkdir(parents=True, exist_ok=True)
             spy = ["py-spy", "record", "--format", "raw", "--threads", "--rate", "50", "-o",
-                   str(args.profile / f"{name}.txt"), "--"]
+                   str(args.profile / f"{name}.txt"), *(["--native"] if args.native else []), "--"]
             rp = timed(spy + cmds[name], args.workdir / f"{name}-pyspy.log")
             res["runs"][key + "-pyspy"] = {f: rp[f] for f in ("exit", "wall_s")}
             args.out.write_text(json.dumps(res, indent=2))
