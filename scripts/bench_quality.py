@@ -111,14 +111,15 @@ def fingerprint(root: Path) -> str:
 
 
 def commit() -> str | None:
-    """The checkout's commit as `git describe --always --dirty` gives it; outside git (a copy
-    of the tree on another machine) the environment's BENCH_COMMIT, else None."""
+    """The environment's BENCH_COMMIT when set (a copy of the tree on another machine, whose
+    .git may be another checkout's), else the checkout's commit as `git describe --always
+    --dirty` gives it, else None."""
     import os
     import subprocess
 
-    return subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-                          capture_output=True, text=True, check=False).stdout.strip() or \
-        os.environ.get("BENCH_COMMIT") or None
+    return os.environ.get("BENCH_COMMIT") or subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+        capture_output=True, text=True, check=False).stdout.strip() or None
 
 
 def pooled(scores: dict, prefix: str) -> dict | None:
