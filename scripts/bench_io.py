@@ -17,7 +17,9 @@ Recorded: wall time, peak host RSS, the bytes read from and written to the disk,
 time-stamped stderr line of the CLI as seconds since the process started (where the time goes:
 start-up, streaming, the tail after the last tensor). With --profile, each quantize run once
 more under `py-spy record --format raw` (its collapsed stacks written to DIR; --native adds the
-C/C++ frames).
+C/C++ frames). With --pycache DIR, the imported packages' bytecode is compiled into DIR first
+and the runs read it from there (an image without .pyc files otherwise compiles torch's
+sources, ~3 s, in every process: a cost a pip-installed torch does not have).
 """
 
 from __future__ import annotations
@@ -71,6 +73,31 @@ def timed(cmd: list[str], log: Path, cgroup: Path | None = None, code: Path | No
     return res
 
 
+PACKAGES = ("torch", "numpy", "safetensors", "huggingface_hub", "filelock", "typer", "click", "rich",
+            "quantize")
+
+
+def precompile(prefix: Path, code: Path | None) -> dict:
+    """Byte-compile the packages the CLI imports into `prefix` (PYTHONPYCACHEPREFIX, set here
+    for the runs to come): the state a pip install leaves (pip compiles what it installs).
+    `code`: the quantize tree the runs use, compiled too."""
+    import importlib.util
+
+    os.environ["PYTHONPYCACHEPREFIX"] = str(prefix.resolve())
+    dirs = []
+    for name in PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            dirs += list(spec.submodule_search_locations)
+    if code is not None:
+        dirs.append(str((code / "quantize").resolve()))
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *dirs], check=False,
+                       capture_output=True, text=True)
+    return {"prefix": str(prefix), "dirs": dirs, "compile_s": round(time.perf_counter() - t0, 1),
+            "exit": p.returncode}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench-pipeline"))
@@ -81,6 +108,10 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=None, help="also run each under py-spy, stacks here")
     ap.add_argument("--native", action="store_true",
                     help="with --profile: py-spy's --native (C/C++ frames too: the CUDA driver, torch's ops)")
+    ap.add_argument("--pycache", type=Path, default=None, metavar="DIR",
+                    help="byte-compile the packages the CLI imports into DIR first and run with "
+                         "PYTHONPYCACHEPREFIX=DIR: as a pip install leaves them (an image whose "
+                         "site-packages hold no .pyc compiles torch's sources in every process)")
     ap.add_argument("--only", default="copy,rtn,verify,verify-layers", help="which runs, comma list")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (figures meaningless)")
     ap.add_argument("--cgroup", type=Path, default=None,
@@ -93,6 +124,8 @@ def main() -> None:
 
     cfg, device, src = slice_config(args)
     res: dict = {"source": str(src), "command": " ".join(sys.argv), "runs": {}}
+    if args.pycache is not None:
+        res["pycache"] = precompile(args.pycache, args.code)
     prepare_slice(args, cfg, device, src, res)
     dst, copy = args.workdir / "out-rtn", args.workdir / "copy"
     q = [sys.executable, "-m", "quantize"]
