@@ -106,6 +106,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--extra", default="", help="more convert flags")
     ap.add_argument("--profile", type=Path, default=None, help="also run each under py-spy, stacks here")
+    ap.add_argument("--profile-format", default="raw", choices=["raw", "chrometrace", "speedscope"],
+                    help="py-spy's output format: raw (collapsed stacks, scripts/pyspy_summary.py), "
+                         "chrometrace (every sample with its time: a timeline)")
     ap.add_argument("--native", action="store_true",
                     help="with --profile: py-spy's --native (C/C++ frames too: the CUDA driver, torch's ops)")
     ap.add_argument("--pycache", type=Path, default=None, metavar="DIR",
@@ -152,8 +155,9 @@ def main() -> None:
         print(f"{name}: exit {r['exit']}, {r['wall_s']} s, RSS {r['peak_rss_gib']} GiB", flush=True)
         if args.profile is not None and name != "copy":
             args.profile.mkdir(parents=True, exist_ok=True)
-            spy = ["py-spy", "record", "--format", "raw", "--threads", "--rate", "50", "-o",
-                   str(args.profile / f"{name}.txt"), *(["--native"] if args.native else []), "--"]
+            ext = {"raw": "txt", "chrometrace": "json", "speedscope": "json"}[args.profile_format]
+            spy = ["py-spy", "record", "--format", args.profile_format, "--threads", "--rate", "50", "-o",
+                   str(args.profile / f"{name}.{ext}"), *(["--native"] if args.native else []), "--"]
             rp = timed(spy + cmds[name], args.workdir / f"{name}-pyspy.log")
             res["runs"][key + "-pyspy"] = {f: rp[f] for f in ("exit", "wall_s")}
             args.out.write_text(json.dumps(res, indent=2))
