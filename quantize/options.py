@@ -41,6 +41,11 @@ def parse_size(text: str) -> int:
                          "unit (B, KB, MB, GB, KiB, MiB, GiB), e.g. 5GB or 512MiB") from None
 
 
+# Options the manifest leaves out at these values (to_json), as versions before them wrote it;
+# Manifest.resume reads a missing one as this value.
+OMITTED_AT = {"rtn_fallback": False, "mse_weight_power": 1.0}
+
+
 @dataclass(frozen=True)
 class ConvertOptions:
     method: str = "rtn"
@@ -179,6 +184,9 @@ class ConvertOptions:
             raise ValueError(f"--mse-norm must be 2 or 3, got {self.mse_norm}")
         if not 0 <= self.mse_weight_power <= 1:
             raise ValueError(f"--mse-weight-power must be in [0, 1], got {self.mse_weight_power}")
+        if self.mse_weight_power != 1 and not self.mse_clip:
+            raise ValueError("--mse-weight-power weighs the MSE clip's error: use it with the clip "
+                             "on (--method gptq or awq+gptq, --mse-clip)")
         if self.mse_clip and "gptq" not in self.method:
             raise ValueError("--mse-clip chooses GPTQ's group scales: use it with --method gptq "
                              "or awq+gptq")
@@ -214,8 +222,9 @@ class ConvertOptions:
         manifest is published; the calibration tokens' sha256 pins the content for resume)."""
         d = asdict(self)
         d["targets"] = sorted(self.targets)
-        if not d["rtn_fallback"]:  # (off: not recorded, so manifests stay readable by the
-            del d["rtn_fallback"]  # versions before it; a missing key reads back as off)
+        for k, v in OMITTED_AT.items():  # (not recorded at these values: manifests stay as the
+            if d[k] == v:  # versions before the field wrote them; a missing key reads back as v)
+                del d[k]
         if "gptq" not in self.method:  # (off, not applicable: not recorded, as rtn_fallback;
             del d["sequential_mlp"]  # a gptq manifest records it, on or off)
         from quantize.source.hub import is_dataset_spec

@@ -253,6 +253,18 @@ def test_resume_refused_after_the_seed_the_tokenizer_or_config_changed(tmp_path)
 
     refused(ConvertOptions(method="gptq", max_shard_size=200_000, seed=1, **CALIB),
             "option seed: was 0, now 1")
+    # an option the manifest leaves out at its default (options.OMITTED_AT) is compared as that
+    # value, both ways
+    tempered = ConvertOptions(method="gptq", max_shard_size=200_000, mse_weight_power=0.5, **CALIB)
+    assert "mse_weight_power" not in opts.to_json() and tempered.to_json()["mse_weight_power"] == 0.5
+    refused(tempered, "option mse_weight_power: was 1.0, now 0.5")
+    recorded = json.loads(text)
+    (out / MANIFEST).write_text(json.dumps({**recorded, "options": {**recorded["options"],
+                                                                    "mse_weight_power": 0.5}}))
+    text = (out / MANIFEST).read_text()
+    refused(opts, "option mse_weight_power: was 0.5, now 1.0")
+    (out / MANIFEST).write_text(json.dumps(recorded))
+    text = (out / MANIFEST).read_text()
     tok = src / "tokenizer.json"
     original = tok.read_bytes()
     shutil.copy(tok, tmp_path / "tok.bak")

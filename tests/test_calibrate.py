@@ -521,6 +521,11 @@ def test_mse_clip_reaches_gptq_and_verifies(tmp_path):
     assert ConvertOptions(method="gptq").mse_norm == 3  # chosen on validation text (BENCHMARKS.md)
     with pytest.raises(ValueError, match="--mse-norm"):
         ConvertOptions(method="gptq", mse_norm=4)
+    for bad in ({"method": "gptq", "mse_weight_power": 1.5}, {"method": "gptq", "mse_weight_power": -0.1},
+                {"method": "gptq", "mse_clip": False, "mse_weight_power": 0.5},
+                {"method": "rtn", "mse_weight_power": 0.0}):
+        with pytest.raises(ValueError, match="--mse-weight-power"):
+            ConvertOptions(**bad)
     cfg = tiny_config("glm4_moe")
     src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
     write_tokenizer(src, cfg["vocab_size"])

@@ -28,6 +28,7 @@ from pathlib import Path
 from quantize import SCHEMA_VERSION, __version__
 from quantize.errors import Problem, QuantizeError
 from quantize.names import MANIFEST
+from quantize.options import OMITTED_AT
 from quantize.plan import Plan
 from quantize.source.checkpoint import INDEX_NAME, Checkpoint
 from quantize.write.shards import sha256_file, write_json_atomic
@@ -197,9 +198,9 @@ class Manifest:
         """Continue `previous` if it was made by the same options from the same source, and
         (calibrated methods) from the same calibration tokens on the same kind of device."""
         diffs = []
-        opts = plan.options.to_json()
-        for k, v in opts.items():
-            old = previous.get("options", {}).get(k)
+        opts, before = plan.options.to_json(), previous.get("options", {})
+        for k in [*opts, *(k for k in before if k not in opts)]:  # (one left out reads as its value)
+            old, v = before.get(k, OMITTED_AT.get(k)), opts.get(k, OMITTED_AT.get(k))
             if old != v:
                 diffs.append(f"option {k}: was {old!r}, now {v!r}")
         if previous.get("tool_version") != __version__:  # same layout, maybe other arithmetic
