@@ -287,6 +287,27 @@ def test_verify_compares_every_config_field_with_the_source(dsa_fp8, dsa_out, tm
     assert verify(dsa_fp8, dsa_out).ok  # the untouched output still passes
 
 
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 3e12, 1e20])
+def test_error_stats_match_float64(scale):
+    """verify's relative error and SQNR from float32 sums against the float64 formulas, on
+    fresh random weights the size of a GLM-5.2 expert and their BF16 rounding plus noise:
+    within 1e-6 relative (1e20: squares overflow float32, the float64 fallback); an exact
+    copy gives 0 and infinite SQNR."""
+    import math
+
+    from quantize.check.verify import _error_stats
+
+    g = torch.Generator().manual_seed(int(math.log10(scale) * 7) % 97)
+    W = torch.randn(2048, 6144, generator=g) * scale
+    Wq = W.bfloat16().float() + torch.randn(2048, 6144, generator=g) * scale * 1e-3
+    W64, d64 = W.double(), Wq.double() - W.double()
+    rel64 = (d64.norm() / W64.norm()).item()
+    rel, sq = _error_stats(W, Wq)
+    assert abs(rel / rel64 - 1) < 1e-6
+    assert abs(sq - 20 * math.log10(1 / rel64)) < 1e-4
+    assert _error_stats(W, W.clone()) == (0.0, float("inf"))
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_subnormal_source_weights_convert_and_verify(dsa_bf16, tmp_path, symmetric):
     """A routed expert whose BF16 weights are all subnormal (|w| ~ 1e-39, below any bf16 group
