@@ -28,6 +28,11 @@ def test_block_dequant_matches_float64_reference(shape):
     # fp8 x fp32 is exact in float64 (4 + 24 significant bits), so the float32 result is that
     # product rounded once: whole-block (broadcast) and ragged (expanded) paths alike
     assert torch.equal(out, ref.float())
+    # multiplied in place in its own buffer: a float32 weight handed in (the fp8 values
+    # widened) comes out the same and is left as it was
+    wide = w8.float()
+    kept = wide.clone()
+    assert torch.equal(dequant_block(wide, s, (128, 128)), out) and torch.equal(wide, kept)
 
 
 def test_block_dequant_ragged_last_block_is_not_stretched():

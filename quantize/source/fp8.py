@@ -27,11 +27,11 @@ def dequant_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[in
     N, K = weight.shape
     bn, bk = block
     s = scale_inv.float()
+    W = weight.to(torch.float32, copy=True)  # multiplied in place: one (N, K) float32 buffer
     if N % bn == 0 and K % bk == 0:  # whole blocks: broadcast the scales (the same products)
-        w = weight.float().view(N // bn, bn, K // bk, bk)
-        return (w * s[:, None, :, None]).view(N, K)
-    s = s.repeat_interleave(bn, dim=0)[:N].repeat_interleave(bk, dim=1)[:, :K]  # (N, K)
-    return weight.float() * s
+        W.view(N // bn, bn, K // bk, bk).mul_(s[:, None, :, None])
+        return W
+    return W.mul_(s.repeat_interleave(bn, dim=0)[:N].repeat_interleave(bk, dim=1)[:, :K])
 
 
 def dequant_channel(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
