@@ -306,6 +306,11 @@ def test_error_stats_match_float64(scale):
     assert abs(rel / rel64 - 1) < 1e-6
     assert abs(sq - 20 * math.log10(1 / rel64)) < 1e-4
     assert _error_stats(W, W.clone()) == (0.0, float("inf"))
+    for shape in [(5000,), (3, 7), (300, 130)]:  # a norm's vector; rows not a multiple of 128
+        w = torch.randn(shape, generator=g) * scale
+        wq = w + torch.randn(shape, generator=g) * scale * 1e-2
+        rel64 = ((wq.double() - w.double()).norm() / w.double().norm()).item()
+        assert abs(_error_stats(w, wq)[0] / rel64 - 1) < 1e-6
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
