@@ -125,6 +125,8 @@ class GPTQConfig:
     # the power a of each input channel's weight in that sum, sum_k H_kk^a |w_k - q_k|^mse_norm:
     # 1 the output error without cross terms, 0 the plain (unweighted) error of
     # llm-compressor's `mse` observer, between them the calibration's activations tempered
+    # (H_kk^a for a other than 0 and 1 is a pow whose last bit may differ between CPU and CUDA,
+    # so a near-tie group may pick another scale there)
     mse_weight_power: float = 1.0
     # Rounds of re-fitting: each row's group scales fitted by least squares to the codes GPTQ
     # chose, against the same damped Hessian (`refit_scales`). 1: the codes stay, the scales
