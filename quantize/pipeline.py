@@ -46,7 +46,14 @@ from quantize.overlap import STREAM_AHEAD, Readahead, readahead_bytes
 from quantize.plan import Plan, Shard, Unit, make_plan
 from quantize.rounding.int4 import int4_outputs, quantize_rtn
 from quantize.source.checkpoint import Checkpoint, open_checkpoint
-from quantize.source.weights import _nonfinite, aux_files, read_unit, resolve_device, source_weight
+from quantize.source.weights import (
+    _nonfinite,
+    aux_files,
+    finite_hint,
+    read_unit,
+    resolve_device,
+    source_weight,
+)
 from quantize.write.manifest import Manifest, read_manifest
 from quantize.write.qconfig import quantization_config
 from quantize.write.shards import (
@@ -92,8 +99,8 @@ def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: tor
     """The output tensors of one unit, in plan order (`raw`: its tensors already read;
     `calib`: calibrated results first)."""
     outs, finite = _compute(ckpt, unit, opts, device, raw, calib)
-    if finite is not None and not bool(finite):
-        raise _unit_nonfinite(ckpt, unit)
+    if finite is not None and not bool(finite) and (e := _unit_nonfinite(ckpt, unit)) is not None:
+        raise e
     return outs
 
 
@@ -112,24 +119,27 @@ def _compute(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.d
     raw = raw if raw is not None else read_unit(ckpt, unit, device)
     if unit.action == "copy":
         t = raw[unit.source]
-        return [t], torch.isfinite(t).all() if t.is_floating_point() else None
+        return [t], finite_hint(t) if t.is_floating_point() else None
     if unit.action == "keep":  # FP8 weight and its scale, byte for byte (the scale renamed)
         w, sc = raw[unit.source], raw[unit.scale]
         return [w, sc], torch.isfinite(w.float()).all() & torch.isfinite(sc.float()).all()
     W = source_weight(ckpt, unit, device, raw)  # (N, K) float32
     if unit.action == "dequant":
-        return [W.to(torch.bfloat16)], torch.isfinite(W).all()
+        return [W.to(torch.bfloat16)], finite_hint(W)
     q = quantize_rtn(W, opts.group_size, opts.symmetric)
     # A NaN or Inf anywhere in W makes its group's range, hence its scale, non-finite (amax
     # propagates NaN), so the scales (1/group_size of W) are the cheaper place to look.
     return int4_outputs(q), torch.isfinite(q.scale).all()
 
 
-def _unit_nonfinite(ckpt: Checkpoint, unit: Unit) -> QuantizeError:
-    """The error for a unit whose finiteness check failed (its source is read again: only
-    the failure path pays for the details)."""
+def _unit_nonfinite(ckpt: Checkpoint, unit: Unit) -> QuantizeError | None:
+    """The error for a unit whose finiteness flag failed (its source is read again: only
+    the failure path pays for the details); None for a copied or widened tensor that is finite
+    after all (its flag is `finite_hint`'s, which a finite tensor can fail)."""
     raw = read_unit(ckpt, unit)
     t = raw[unit.source] if unit.action == "copy" else source_weight(ckpt, unit, torch.device("cpu"), raw)
+    if unit.action in ("copy", "dequant") and bool(torch.isfinite(t).all()):
+        return None
     return _nonfinite(ckpt, unit.source, t)
 
 
@@ -144,8 +154,8 @@ def _read_plain(ckpt: Checkpoint, unit: Unit, device: torch.device, calib: Calib
 def _write_unit(w: ShardWriter, ckpt: Checkpoint, unit: Unit, tensors: list[torch.Tensor],
                 finite: torch.Tensor | None) -> None:
     """The writer thread's part of a unit: check, copy to the host, hash and write."""
-    if finite is not None and not bool(finite):
-        raise _unit_nonfinite(ckpt, unit)
+    if finite is not None and not bool(finite) and (e := _unit_nonfinite(ckpt, unit)) is not None:
+        raise e
     for t in tensors:
         w.write(t)
 

@@ -367,6 +367,39 @@ def test_inf_in_a_bf16_tensor(src, tmp_path):
     assert_unfinished(src, out)
 
 
+def test_finite_values_whose_sum_overflows_are_no_error(dsa_bf16, tmp_path):
+    """A copied BF16 norm holding +3e38 twice: every value is finite, but their float sum is
+    Inf, so the cheap finiteness hint (`finite_hint`: the sum) fails and the exact re-check
+    must clear it. convert writes the tensor as it is, and the layer loader (verify's layer
+    check, the calibration) loads it; a NaN in its place is still refused by the loader."""
+    from quantize.calib.decoder import build_skeleton, load_layer
+    from quantize.source.weights import finite_hint
+
+    src = Path(shutil.copytree(dsa_bf16, tmp_path / "src"))
+
+    def set_values(value):
+        def change(t):
+            w = t[NORM].clone()
+            w[0] = w[1] = value
+            t[NORM] = w
+        rewrite_shard(src, NORM, change)
+        return open_checkpoint(src)
+
+    ck = set_values(3e38)
+    norm = ck.read(NORM)
+    assert not bool(finite_hint(norm)) and bool(torch.isfinite(norm).all())  # the case at hand
+    out = tmp_path / "out"
+    r = convert(src, out)
+    assert r.exit_code == 0, r.output
+    assert torch.equal(load_file(out / index(out)["weight_map"][NORM])[NORM], norm)
+    units = {u.source: u for u in make_plan(ck, ConvertOptions()).units}
+    layer = load_layer(build_skeleton(ck.config), ck, units, 0, torch.device("cpu"), torch.float32)
+    assert torch.equal(layer.input_layernorm.weight.detach(), norm.float())
+    ck = set_values(float("nan"))
+    with pytest.raises(QuantizeError, match="non-finite values in the source"):
+        load_layer(build_skeleton(ck.config), ck, units, 0, torch.device("cpu"), torch.float32)
+
+
 def test_finite_weights_whose_group_range_overflows(dsa_bf16, tmp_path):
     """BF16 +-3e38 in one group: finite, but max - min overflows float32, so an asymmetric
     scale would be Inf; refused naming the tensor (before: an Inf scale was written)."""

@@ -274,7 +274,7 @@ def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit] | None, L: int
     """Layer L of `skeleton` filled from the checkpoint, in `dtype` on `device` (router and
     fp32-kept modules stay float32). `units`: the plan's, so FP8 weights are dequantized with
     their scales; None reads every tensor as `ckpt.read` gives it (eval's INT4 view)."""
-    from quantize.source.weights import _nonfinite, source_weight
+    from quantize.source.weights import _nonfinite, finite_hint, source_weight
 
     layer = skeleton.model.layers[L]
     prefix = f"model.layers.{L}."
@@ -310,11 +310,11 @@ def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit] | None, L: int
 
     params = layer.state_dict()  # views of the parameters: filled in place
     order = [(key, i, n) for key, t in params.items() for i, n in enumerate(names(key))]
-    finite = []  # one flag per tensor, read once at the end: no device sync per tensor
+    finite = []  # one hint per tensor (finite_hint), read once at the end: no device sync per tensor
     with torch.no_grad(), ReadAhead(get, [n for _, _, n in order], depth=16) as R:
         for key, i, n in order:
             w, t = R[n], params[key]
-            finite.append(torch.isfinite(w).all())
+            finite.append(finite_hint(w))
             if key.endswith("experts.gate_up_proj"):  # (E, 2I, H): gate rows, then up rows
                 half = t.shape[1] // 2
                 t[i // 2, (i % 2) * half:(i % 2 + 1) * half].copy_(w)
@@ -323,9 +323,10 @@ def load_layer(skeleton, ckpt: Checkpoint, units: dict[str, Unit] | None, L: int
             else:
                 t.copy_(w)
         del w
-    if finite and not bool(torch.stack(finite).all()):
-        n = next(n for (_, _, n), ok in zip(order, finite) if not ok)
-        raise _nonfinite(ckpt, n, get(n))
+    if finite and not bool(torch.stack(finite).all()):  # re-checked exactly: a hint can be wrong
+        for (_, _, n), ok in zip(order, finite):
+            if not ok and not bool(torch.isfinite(w := get(n)).all()):
+                raise _nonfinite(ckpt, n, w)
     layer.eval()
     return layer
 
