@@ -99,8 +99,7 @@ def compute_unit(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: tor
     """The output tensors of one unit, in plan order (`raw`: its tensors already read;
     `calib`: calibrated results first)."""
     outs, finite = _compute(ckpt, unit, opts, device, raw, calib)
-    if finite is not None and not bool(finite) and (e := _unit_nonfinite(ckpt, unit)) is not None:
-        raise e
+    _check_finite(ckpt, unit, finite)
     return outs
 
 
@@ -132,15 +131,18 @@ def _compute(ckpt: Checkpoint, unit: Unit, opts: ConvertOptions, device: torch.d
     return int4_outputs(q), torch.isfinite(q.scale).all()
 
 
-def _unit_nonfinite(ckpt: Checkpoint, unit: Unit) -> QuantizeError | None:
-    """The error for a unit whose finiteness flag failed (its source is read again: only
-    the failure path pays for the details); None for a copied or widened tensor that is finite
-    after all (its flag is `finite_hint`'s, which a finite tensor can fail)."""
+def _check_finite(ckpt: Checkpoint, unit: Unit, finite: torch.Tensor | None) -> None:
+    """Raise the error for a unit whose finiteness flag (`_compute`'s) failed. Its source is
+    read again, so only the failure path pays for the details; a copied or widened tensor
+    that is finite after all passes (its flag is `finite_hint`'s, which a finite tensor's
+    overflowing sum can fail)."""
+    if finite is None or bool(finite):
+        return
     raw = read_unit(ckpt, unit)
     t = raw[unit.source] if unit.action == "copy" else source_weight(ckpt, unit, torch.device("cpu"), raw)
     if unit.action in ("copy", "dequant") and bool(torch.isfinite(t).all()):
-        return None
-    return _nonfinite(ckpt, unit.source, t)
+        return
+    raise _nonfinite(ckpt, unit.source, t)
 
 
 def _read_plain(ckpt: Checkpoint, unit: Unit, device: torch.device, calib: Calibrator | None
@@ -154,8 +156,7 @@ def _read_plain(ckpt: Checkpoint, unit: Unit, device: torch.device, calib: Calib
 def _write_unit(w: ShardWriter, ckpt: Checkpoint, unit: Unit, tensors: list[torch.Tensor],
                 finite: torch.Tensor | None) -> None:
     """The writer thread's part of a unit: check, copy to the host, hash and write."""
-    if finite is not None and not bool(finite) and (e := _unit_nonfinite(ckpt, unit)) is not None:
-        raise e
+    _check_finite(ckpt, unit, finite)
     for t in tensors:
         w.write(t)
 

@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--extra", default="", help="more convert flags")
     ap.add_argument("--profile", type=Path, default=None, help="also run each under py-spy, stacks here")
-    ap.add_argument("--profile-format", default="raw", choices=["raw", "chrometrace", "speedscope"],
+    ap.add_argument("--profile-format", default="raw", choices=["raw", "chrometrace"],
                     help="py-spy's output format: raw (collapsed stacks, scripts/pyspy_summary.py), "
                          "chrometrace (every sample with its time: a timeline)")
     ap.add_argument("--native", action="store_true",
@@ -155,7 +155,7 @@ def main() -> None:
         print(f"{name}: exit {r['exit']}, {r['wall_s']} s, RSS {r['peak_rss_gib']} GiB", flush=True)
         if args.profile is not None and name != "copy":
             args.profile.mkdir(parents=True, exist_ok=True)
-            ext = {"raw": "txt", "chrometrace": "json", "speedscope": "json"}[args.profile_format]
+            ext = {"raw": "txt", "chrometrace": "json"}[args.profile_format]
             spy = ["py-spy", "record", "--format", args.profile_format, "--threads", "--rate", "50", "-o",
                    str(args.profile / f"{name}.{ext}"), *(["--native"] if args.native else []), "--"]
             rp = timed(spy + cmds[name], args.workdir / f"{name}-pyspy.log")
