@@ -11,7 +11,7 @@ on the GLM-5.2-shaped slice of scripts/bench_pipeline.py (~21 GB block FP8).
 Runs, each after `sync; echo 3 > /proc/sys/vm/drop_caches`:
   copy     cp -r SRC DST && sync                       the yardstick a user knows
   read     cat SRC/*.safetensors DST/*.safetensors     verify's cold read floor (after an rtn run)
-  rtn      python3 -m quantize convert SRC DST --method rtn --overwrite
+  rtn      python3 -m quantize convert SRC DST --method rtn   (DST deleted before the clock starts)
   verify   python3 -m quantize verify SRC DST --no-layer-check   (and with the layer check)
 Recorded: wall time, peak host RSS, the bytes read from and written to the disk, the disk's cold read / fsynced write rates, and every
 time-stamped stderr line of the CLI as seconds since the process started (where the time goes:
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -144,6 +145,8 @@ def main() -> None:
     for k, name in enumerate(args.only.split(",")):
         key = name if name not in res["runs"] else f"{name}-{k}"  # (a name asked for twice)
         ours = cmds[name][0] != "bash"
+        if name == "rtn":  # into a new folder, as a user converts: an earlier run's output
+            shutil.rmtree(dst, ignore_errors=True)  # deleted before the clock (it cost ~2 s)
         r = timed(cmds[name], args.workdir / f"{name}.log", args.cgroup if ours else None,
                   args.code if ours else None)
         if name == "copy":
@@ -158,6 +161,8 @@ def main() -> None:
             ext = {"raw": "txt", "chrometrace": "json"}[args.profile_format]
             spy = ["py-spy", "record", "--format", args.profile_format, "--threads", "--rate", "50", "-o",
                    str(args.profile / f"{name}.{ext}"), *(["--native"] if args.native else []), "--"]
+            if name == "rtn":
+                shutil.rmtree(dst, ignore_errors=True)
             rp = timed(spy + cmds[name], args.workdir / f"{name}-pyspy.log")
             res["runs"][key + "-pyspy"] = {f: rp[f] for f in ("exit", "wall_s")}
             args.out.write_text(json.dumps(res, indent=2))

@@ -5,10 +5,14 @@ what it was doing (imports, of which compiling sources to bytecode; our package'
 
     python3 scripts/pyspy_summary.py prof/rtn.txt --rate 50 --header "..." > benchmarks/x.txt
     python3 scripts/pyspy_summary.py prof/rtn.json --step 0.25   # chrometrace: a timeline
+    python3 scripts/pyspy_summary.py prof/rtn.json --window 3 7  # chrometrace: stacks in a window
 
 A chrometrace profile (bench_io.py --profile-format chrometrace) gives a timeline instead: per
 `--step` seconds of the run, what each named thread spent most of it in (its innermost frame
-in quantize/, or "import" inside an import, or its innermost frame).
+in quantize/, or "import" inside an import, or its innermost frame); with `--window A B`, each
+thread's innermost frames over those seconds instead. py-spy records no sample of a thread that
+is blocked (on the disk, a lock or the GIL) unless it ran with --idle, so a frame's time runs
+until that thread's next sample: a long one is a thread blocked in (or just after) it.
 
 Classified by the frames of each sample (native frames need --native): a GIL wait is a
 pthread condition wait that no Python lock or threading wait sits above; with the
@@ -44,8 +48,10 @@ def label(stack: list[dict]) -> str:
     return "-" if f is None else f"{f['name']}:{f['args'].get('line', '')}"
 
 
-def timeline(path: Path, step: float) -> None:
-    """Per `step` seconds, each thread's dominant label (chrometrace's B/E events, in µs)."""
+def timeline(path: Path, step: float, key=None) -> tuple[dict, dict]:
+    """Per `step` seconds, each thread's seconds by label (chrometrace's B/E events, in µs);
+    `key(stack)` gives the label (default `label`)."""
+    key = key or label
     events = json.loads(path.read_text())
     by_tid: dict[int, list[dict]] = collections.defaultdict(list)
     names: dict[int, str] = {}
@@ -62,8 +68,10 @@ def timeline(path: Path, step: float) -> None:
                 a, b = (last - t0) / 1e6, (e["ts"] - t0) / 1e6
                 while a < b:
                     k = int(a / step)
+                    if (k + 1) * step <= a:  # (float division rounded down a bucket)
+                        k += 1
                     end = min(b, (k + 1) * step)
-                    buckets[k][label(stack)] += end - a
+                    buckets[k][key(stack)] += end - a
                     a = end
             last = e["ts"]
             if e["ph"] == "B":
@@ -73,11 +81,32 @@ def timeline(path: Path, step: float) -> None:
             elif e["ph"] == "E" and stack:
                 stack.pop()
         spent[tid] = buckets
+    return spent, names
+
+
+def print_timeline(path: Path, step: float) -> None:
+    spent, names = timeline(path, step)
     tids = sorted(spent, key=lambda t: -sum(sum(c.values()) for c in spent[t].values()))[:4]
     print("# s | " + " | ".join(names.get(t, str(t)) for t in tids))
     for k in range(max(max(spent[t], default=0) for t in tids) + 1):
         cells = [spent[t][k].most_common(1)[0][0] if spent[t].get(k) else "" for t in tids]
         print(f"{k * step:6.2f} | " + " | ".join(c[:48] for c in cells))
+
+
+def window(path: Path, a: float, b: float, top: int = 4) -> None:
+    """Each thread's innermost six frames (innermost first) by seconds within [a, b)."""
+    step = 0.01
+    spent, names = timeline(path, step, key=lambda st: " < ".join(
+        f"{f['name']}:{f['args'].get('line', '')}" for f in st[-6:][::-1]))
+    for tid, buckets in spent.items():
+        c: collections.Counter = collections.Counter()
+        for k, cnt in buckets.items():
+            if a <= k * step < b:
+                c.update(cnt)
+        if c:
+            print(f"# {names.get(tid, tid)}")
+            for w, sec in c.most_common(top):
+                print(f"{sec:7.2f}  {w[:240]}")
 
 
 def main() -> None:
@@ -87,11 +116,16 @@ def main() -> None:
     ap.add_argument("--header", default="", help="lines to print first (what ran, where)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--step", type=float, default=0.25, help="chrometrace: seconds per timeline row")
+    ap.add_argument("--window", type=float, nargs=2, metavar=("A", "B"),
+                    help="chrometrace: each thread's innermost six frames between A and B seconds")
     args = ap.parse_args()
     if args.profile.suffix == ".json":
         if args.header:
             print(args.header)
-        timeline(args.profile, args.step)
+        if args.window:
+            window(args.profile, *args.window)
+        else:
+            print_timeline(args.profile, args.step)
         return
     per: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     main_what: collections.Counter = collections.Counter()
@@ -128,4 +162,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BrokenPipeError:  # (piped into head)
+        pass
