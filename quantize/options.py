@@ -12,6 +12,14 @@ __all__ = ["ConvertOptions", "parse_size"]
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 GPTAQ_DEFAULT = 0.375  # ConvertOptions.gptaq for gptq and awq+gptq (with sequential_mlp)
+# At group 32 (the default group size) GPTQ's defaults differ from those of groups 64 and 128:
+# the MSE clip unweighted (mse_weight_power 0) with error power 2, and GPTAQ 0.5. On
+# Gemma-3-270M at 256 x 512 tokens they won seed 0's validation (mean KL 0.0932 against the
+# old default's 0.0982) and over five seeds added 10.4 % perplexity out of domain against
+# 13.6 %, 3.9 % in domain against 4.4 % (BENCHMARKS.md, "The clip unweighted at group 32").
+# At group 128 the same settings were worse out of domain (15.1-18.4 % against 12.8 %).
+SMALL_GROUP = 32
+SMALL_GROUP_DEFAULTS = {"mse_norm": 2, "mse_weight_power": 0.0, "gptaq": 0.5}
 SCALE_REFIT_DEFAULT = 3  # ConvertOptions.scale_refit (dense and shared-expert Linears), the same
 EXPERT_CALIBRATION = ("routed", "routed-weighted", "all")
 GROUP_SIZES = (32, 64, 128)  # what vLLM's Marlin / SGLang WNA16 MoE kernels accept
@@ -90,15 +98,15 @@ class ConvertOptions:
     # SmolLM2, whose weights sit on a 4-bit grid; on Gemma-3-270M, off it, with mse_norm 3 a
     # lower validation KL than no clip at groups 32 and 128), off (not applicable) for rtn, awq.
     mse_clip: bool | None = None
-    # The power of the error the MSE clip minimises, sum H_kk |w - q|^mse_norm: 3, not 2. On
-    # Gemma-3-270M (weights off the 4-bit grid; scripts/bench_quality.py, BENCHMARKS.md) 3 had
-    # the lowest validation KL of our GPTQ variants at groups 32 and 128 (3 seeds); 2 clips
-    # more (SmolLM2, whose Q4_1 weights sit on a 4-bit grid, was measured with 2 only).
-    mse_norm: int = 3
-    # The power a of diag(H) that weighs each input channel in the clip's error,
-    # sum H_kk^a |w - q|^mse_norm: 1 the output error (gptq.py `GPTQConfig.mse_weight_power`),
-    # 0 unweighted, as llm-compressor's `mse` observer.
-    mse_weight_power: float = 1.0
+    # The power of the error the MSE clip minimises, sum H_kk^a |w - q|^mse_norm, 2 or 3.
+    # None: 2 at group 32 with the clip on (SMALL_GROUP_DEFAULTS), else 3. On Gemma-3-270M
+    # (weights off the 4-bit grid; scripts/bench_quality.py, BENCHMARKS.md) 3 had the lowest
+    # validation KL of the H-weighted clips at groups 32 and 128 (3 seeds).
+    mse_norm: int | None = None
+    # The power a of diag(H) that weighs each input channel in the clip's error: 1 the output
+    # error (gptq.py `GPTQConfig.mse_weight_power`), 0 unweighted, as llm-compressor's `mse`
+    # observer. None: 0 at group 32 with the clip on (SMALL_GROUP_DEFAULTS), else 1.
+    mse_weight_power: float | None = None
     # Rounds of GPTQ's group scales re-fitted by least squares to the chosen codes against the
     # Hessian (gptq.py `refit_scales`, `GPTQConfig.scale_refit`), on dense and shared-expert
     # Linears; `scale_refit_routed` on routed experts. None: 3 and 0 for gptq and awq+gptq (with
@@ -112,7 +120,8 @@ class ConvertOptions:
     # unrounded model's outputs, not to the unrounded layer's on the rounded model's inputs;
     # the fraction of that step taken, 0 (off) to 1; a second stream of hidden states is
     # carried where such a Linear is a target (gptq.py `gptaq_target`, Plan.gptaq_active).
-    # None: 0.375 for gptq and awq+gptq, with sequential_mlp the validation choice on
+    # None: 0.5 at group 32 (SMALL_GROUP_DEFAULTS); else 0.375 for gptq and awq+gptq, with
+    # sequential_mlp the validation choice on
     # Gemma-3-270M over groups 32 and 128 (3 seeds; 0.5 next, 0.25 and 0.125 behind it;
     # without sequential_mlp 0.25 was best, and 0.75 worse than none, 1 broke the model:
     # BENCHMARKS.md), 0 (not applicable) for rtn and awq.
@@ -151,8 +160,17 @@ class ConvertOptions:
         if self.scale_refit is None:
             object.__setattr__(self, "scale_refit", SCALE_REFIT_DEFAULT if "gptq" in self.method else 0)
         object.__setattr__(self, "scale_refit_routed", routed if "gptq" in self.method else 0)
+        if self.mse_weight_power is not None and self.mse_weight_power != 1 and not self.mse_clip:
+            raise ValueError("--mse-weight-power weighs the MSE clip's error: use it with the clip "
+                             "on (--method gptq or awq+gptq, --mse-clip)")
+        small = self.group_size == SMALL_GROUP and "gptq" in self.method
         if self.gptaq is None:
-            object.__setattr__(self, "gptaq", GPTAQ_DEFAULT if "gptq" in self.method else 0.0)
+            object.__setattr__(self, "gptaq", (SMALL_GROUP_DEFAULTS["gptaq"] if small else GPTAQ_DEFAULT)
+                               if "gptq" in self.method else 0.0)
+        small = small and self.mse_clip  # (the clip off: its settings stay at what it recorded before)
+        for k, other in (("mse_norm", 3), ("mse_weight_power", 1.0)):
+            if getattr(self, k) is None:
+                object.__setattr__(self, k, SMALL_GROUP_DEFAULTS[k] if small else other)
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"--group-size must be one of {GROUP_SIZES} (what the serving "
                              f"kernels accept), got {self.group_size}")
@@ -184,9 +202,6 @@ class ConvertOptions:
             raise ValueError(f"--mse-norm must be 2 or 3, got {self.mse_norm}")
         if not 0 <= self.mse_weight_power <= 1:
             raise ValueError(f"--mse-weight-power must be in [0, 1], got {self.mse_weight_power}")
-        if self.mse_weight_power != 1 and not self.mse_clip:
-            raise ValueError("--mse-weight-power weighs the MSE clip's error: use it with the clip "
-                             "on (--method gptq or awq+gptq, --mse-clip)")
         if self.mse_clip and "gptq" not in self.method:
             raise ValueError("--mse-clip chooses GPTQ's group scales: use it with --method gptq "
                              "or awq+gptq")

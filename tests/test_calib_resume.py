@@ -229,6 +229,38 @@ def test_other_calibration_tokens_or_device_are_not_resumed(src, tmp_path):
     assert json.loads((out / MANIFEST).read_text())["calibration"] == recorded["calibration"]
 
 
+def test_a_run_under_the_previous_group_32_defaults_resumes_with_their_flags(tmp_path):
+    """Group 32's GPTQ defaults changed (options.SMALL_GROUP_DEFAULTS). A run begun under the
+    previous ones (clip weighted, error power 3, GPTAQ 0.375; its manifest without
+    mse_weight_power, as those versions wrote it) is refused under today's defaults, naming
+    all three, before anything is written; with those three values given it resumes, and the
+    folder is the one an uninterrupted run with them writes."""
+    cfg = tiny_config("glm_moe_dsa")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-block", seed=5)
+    write_tokenizer(src, cfg["vocab_size"])
+    previous = dict(method="gptq", max_shard_size=200_000, targets=frozenset({"routed", "shared"}),
+                    mse_norm=3, mse_weight_power=1.0, gptaq=0.375, **CALIB)
+    out, whole = tmp_path / "out", tmp_path / "whole"
+    convert(src, whole, ConvertOptions(**previous), device="cpu")
+    with pytest.raises(Stop):
+        convert(src, out, ConvertOptions(**previous), device="cpu",
+                on_unit=stop_at(lambda u: layer_of(u.source) == 2))
+    text = (out / MANIFEST).read_text()
+    assert "mse_weight_power" not in json.loads(text)["options"]  # (as the previous versions)
+    today = ConvertOptions(**{**previous, "mse_norm": None, "mse_weight_power": None, "gptaq": None})
+    with pytest.raises(QuantizeError, match="cannot resume") as e:
+        convert(src, out, today, device="cpu", resume=True)
+    for why in ("option mse_norm: was 3, now 2", "option mse_weight_power: was 1.0, now 0.0",
+                "option gptaq: was 0.375, now 0.5"):
+        assert why in str(e.value), str(e.value)
+    assert (out / MANIFEST).read_text() == text
+    res = convert(src, out, ConvertOptions(**previous), device="cpu", resume=True)
+    assert res.skipped and res.written
+    shards = sorted(p.name for p in whole.glob("*.safetensors"))
+    assert shards == sorted(p.name for p in out.glob("*.safetensors"))
+    assert all((whole / n).read_bytes() == (out / n).read_bytes() for n in shards)
+
+
 def test_resume_refused_after_the_seed_the_tokenizer_or_config_changed(tmp_path):
     """An interrupted calibrated run, then the same command after one change each: another
     --seed (an option: named), an edited tokenizer (other token ids: the calibration tokens
@@ -253,16 +285,16 @@ def test_resume_refused_after_the_seed_the_tokenizer_or_config_changed(tmp_path)
 
     refused(ConvertOptions(method="gptq", max_shard_size=200_000, seed=1, **CALIB),
             "option seed: was 0, now 1")
-    # an option the manifest leaves out at its default (options.OMITTED_AT) is compared as that
-    # value, both ways
-    tempered = ConvertOptions(method="gptq", max_shard_size=200_000, mse_weight_power=0.5, **CALIB)
-    assert "mse_weight_power" not in opts.to_json() and tempered.to_json()["mse_weight_power"] == 0.5
-    refused(tempered, "option mse_weight_power: was 1.0, now 0.5")
+    # an option the manifest leaves out at a value (options.OMITTED_AT: mse_weight_power 1, the
+    # activation-weighted clip) is compared as that value, both ways; group 32's default is 0
+    weighted = ConvertOptions(method="gptq", max_shard_size=200_000, mse_weight_power=1.0, **CALIB)
+    assert "mse_weight_power" not in weighted.to_json() and opts.to_json()["mse_weight_power"] == 0
+    refused(weighted, "option mse_weight_power: was 0.0, now 1.0")
     recorded = json.loads(text)
-    (out / MANIFEST).write_text(json.dumps({**recorded, "options": {**recorded["options"],
-                                                                    "mse_weight_power": 0.5}}))
+    older = {k: v for k, v in recorded["options"].items() if k != "mse_weight_power"}
+    (out / MANIFEST).write_text(json.dumps({**recorded, "options": older}))  # as at 1, or before it
     text = (out / MANIFEST).read_text()
-    refused(opts, "option mse_weight_power: was 0.5, now 1.0")
+    refused(opts, "option mse_weight_power: was 1.0, now 0.0")
     (out / MANIFEST).write_text(json.dumps(recorded))
     text = (out / MANIFEST).read_text()
     tok = src / "tokenizer.json"
@@ -464,7 +496,7 @@ def test_a_gptaq_run_resumes_with_both_streams(src, tmp_path):
 
     opts = ConvertOptions(method="awq+gptq", max_shard_size=200_000,
                           targets=frozenset({"routed", "shared", "dense"}), **CALIB)
-    assert opts.gptaq == 0.375 and opts.sequential_mlp  # (the defaults: both resumed alike)
+    assert opts.gptaq == 0.5 and opts.sequential_mlp  # (group 32's defaults: both resumed alike)
     plan = make_plan(open_checkpoint(src), opts)
     plain = make_plan(open_checkpoint(src), ConvertOptions(**{**opts.__dict__, "gptaq": 0.0}))
     assert plan.gptaq_active and not plain.gptaq_active

@@ -518,7 +518,19 @@ def test_mse_clip_reaches_gptq_and_verifies(tmp_path):
     assert ConvertOptions(method="gptq").mse_clip is True and ConvertOptions(method="awq+gptq").mse_clip
     assert ConvertOptions().mse_clip is False and ConvertOptions(method="awq").mse_clip is False
     assert ConvertOptions(method="gptq").percdamp == 0.1
-    assert ConvertOptions(method="gptq").mse_norm == 3  # chosen on validation text (BENCHMARKS.md)
+    # chosen on validation text per group size (BENCHMARKS.md): at group 32 (the default) the
+    # clip unweighted with error power 2 and GPTAQ 0.5; at 64 and 128 H-weighted, power 3, 0.375
+    for m in ("gptq", "awq+gptq"):
+        o = ConvertOptions(method=m)
+        assert (o.group_size, o.mse_norm, o.mse_weight_power, o.gptaq) == (32, 2, 0, 0.5)
+        for g in (64, 128):
+            o = ConvertOptions(method=m, group_size=g)
+            assert (o.mse_norm, o.mse_weight_power, o.gptaq) == (3, 1, 0.375)
+    # the clip off (or no GPTQ): its settings stay at the values manifests recorded before
+    for o in (ConvertOptions(method="gptq", mse_clip=False), ConvertOptions(), ConvertOptions(method="awq")):
+        assert (o.mse_norm, o.mse_weight_power) == (3, 1) and "mse_weight_power" not in o.to_json()
+    o = ConvertOptions(method="gptq", mse_norm=3, mse_weight_power=0.5, gptaq=0.25)  # given: kept
+    assert (o.mse_norm, o.mse_weight_power, o.gptaq) == (3, 0.5, 0.25)
     with pytest.raises(ValueError, match="--mse-norm"):
         ConvertOptions(method="gptq", mse_norm=4)
     for bad in ({"method": "gptq", "mse_weight_power": 1.5}, {"method": "gptq", "mse_weight_power": -0.1},
@@ -535,7 +547,7 @@ def test_mse_clip_reaches_gptq_and_verifies(tmp_path):
         convert(src, out, ConvertOptions(method="gptq", mse_clip=clip, **CALIB), device="cpu")
     rep = {c: json.loads((o / CALIB_REPORT).read_text()) for c, o in outs.items()}
     assert rep[True]["mse_clip"] is True and rep[False]["mse_clip"] is False
-    assert rep[True]["mse_norm"] == 3
+    assert rep[True]["mse_norm"] == 2 and rep[True]["mse_weight_power"] == 0  # (group 32's)
     err_rtn = [lay.get("output_rel_error") for lay in _calibrate(src, method="rtn")["layers"]]
     for lay, e_rtn in zip(rep[True]["layers"], err_rtn, strict=True):
         if e_rtn is not None:
@@ -1045,7 +1057,7 @@ def _mlp_inputs(model, tokens: torch.Tensor, L: int) -> torch.Tensor:
 
 
 def test_gptaq_carries_the_unrounded_stream_and_verifies(tmp_path):
-    """--gptaq (default 0.375 for gptq; 0.25 here, --sequential-mlp off, whose within-layer
+    """--gptaq (default 0.5 for gptq at group 32; 0.25 here, --sequential-mlp off, whose within-layer
     term would move layer 0's down_proj too): the calibration carries the unrounded model's hidden
     states beside the rounded ones. Layer 0's two streams are the same tokens, so D = 0 there
     and its INT4 bytes equal plain GPTQ's; layer 1's D term is the one transformers' own
@@ -1060,8 +1072,8 @@ def test_gptaq_carries_the_unrounded_stream_and_verifies(tmp_path):
     from quantize.calib.data import checkpoint_calibration
     from quantize.rounding.int4 import Int4Weight, dequantize, unpack_int4
 
-    assert ConvertOptions(method="gptq").gptaq == 0.375
-    assert ConvertOptions(method="awq+gptq").gptaq == 0.375
+    assert ConvertOptions(method="gptq").gptaq == 0.5  # (group 32's; 0.375 at 64 and 128)
+    assert ConvertOptions(method="awq+gptq", group_size=128).gptaq == 0.375
     assert ConvertOptions(method="rtn").gptaq == 0 and ConvertOptions(method="awq").gptaq == 0
     with pytest.raises(ValueError, match="--gptaq"):
         ConvertOptions(method="rtn", gptaq=0.25)
@@ -1197,7 +1209,9 @@ def test_sequential_mlp_fits_down_proj_to_the_rounded_gate_and_up(tmp_path):
         Xq = (mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)).double()
     H = 2 * Xq.T @ Xq / len(Xq)
     assert rep["seq"][0]["sequential_mlp"]["tokens"] == len(Xq)
-    want = GPTQConfig(group_size=base.get("group_size", 32), percdamp=0.1, mse_clip=True, mse_norm=3)
+    o = ConvertOptions(method="gptq", **base)
+    want = GPTQConfig(group_size=o.group_size, percdamp=0.1, mse_clip=True, mse_norm=o.mse_norm,
+                      mse_weight_power=o.mse_weight_power)
     ref = gptq_quantize(mlp.down_proj.weight.double(), H, want).weight
     got, plain = weight("seq", "down_proj"), weight("plain", "down_proj")
     assert (got.q != ref.q.to(torch.int8)).float().mean() <= 0.01

@@ -97,7 +97,7 @@ def test_plan_json_and_strict(dsa_fp8):
         assert r.exit_code == 0, r.output
         plans[k] = json.loads(r.stdout)
     assert plans["routed"]["calibration"] == {"gptaq": 0, "scale_refit": {}, "sequential_mlp": False}
-    assert plans["shared"]["calibration"] == {"gptaq": 0.375, "scale_refit": {"dense/shared": 3},
+    assert plans["shared"]["calibration"] == {"gptaq": 0.5, "scale_refit": {"dense/shared": 3},
                                               "sequential_mlp": True}
     assert plans["shared-plain"]["calibration"] == {"gptaq": 0, "scale_refit": {"dense/shared": 3},
                                                     "sequential_mlp": False}
@@ -106,7 +106,7 @@ def test_plan_json_and_strict(dsa_fp8):
     assert plans["shared-seq"]["calibration"] == plans["shared"]["calibration"]
     assert plans["shared"]["disk"]["checkpoint"] == 2 * plans["shared-plain"]["disk"]["checkpoint"] > 0
     r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "1", "--method", "gptq", "--targets", "routed,shared"])
-    assert "GPTQ beyond the column loop" in r.output and "GPTAQ 0.375 on dense" in r.output, r.output
+    assert "GPTQ beyond the column loop" in r.output and "GPTAQ 0.5 on dense" in r.output, r.output
     assert "re-fitted x3" in r.output and "streams: GPTAQ" in r.output, r.output
     # expert width 96 at TP 8 breaks the Marlin rule: warning, and exit 1 with --strict
     r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "8", "--strict"])
@@ -272,13 +272,23 @@ def test_calibrated_convert_json_leaves_stdout_to_the_json(tmp_path):
     write_tokenizer(src, cfg["vocab_size"])
     args = [sys.executable, "-m", "quantize", "convert", str(src), str(tmp_path / "o"),
             "--method", "gptq", "--num-samples", "4", "--seq-len", "32", "--device", "cpu",
-            "--tp", "1", "--json"]
+            "--tp", "1", "--json", "--mse-weight-power", "0.5"]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False,
                        cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)  # nothing after it
     assert d["method"] == "gptq" and d["calibration_layers"] == cfg["num_hidden_layers"] + 1
     assert "calibration: gptq, 4 x 32 tokens" in r.stderr  # the table is still shown
+    # --mse-weight-power reaches the options; group 32's other defaults stay (error power 2,
+    # GPTAQ 0.5), and the run record holds them as resolved, for a replay under later defaults
+    assert "MSE clip on, norm 2, weight H^0.5" in r.stderr, r.stderr
+    opts = json.loads((tmp_path / "o" / "quantize-manifest.json").read_text())["options"]
+    assert (opts["mse_weight_power"], opts["mse_norm"], opts["gptaq"]) == (0.5, 2, 0.5)
+    import tomllib
+
+    rec = tomllib.loads((tmp_path / "o" / "quantize-run.toml").read_text())["convert"]
+    assert (rec["mse_weight_power"], rec["mse_norm"], rec["gptaq"], rec["mse_clip"]) == (0.5, 2, 0.5, True)
+    assert "scale_refit" not in rec  # (its default differs by target; a value applies to all)
 
 
 def test_verify_json_is_strict_with_a_schema_version(dsa_fp8, tmp_path):
@@ -323,6 +333,7 @@ def test_config_file_run_record_and_replay(dsa_fp8, tmp_path):
     rec = tomllib.loads((a / "quantize-run.toml").read_text())["convert"]
     assert rec["src"] == str(dsa_fp8) and rec["group_size"] == 32 and rec["tp"] == 2
     assert rec["targets"] == "routed,shared" and rec["asymmetric"] is True
+    assert rec["mse_clip"] is False and rec["gptaq"] == 0  # resolved: rtn's
 
     r = runner.invoke(app, ["convert", "--from", str(a), str(b)])
     assert r.exit_code == 0, r.output

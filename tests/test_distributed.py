@@ -139,7 +139,7 @@ def test_gptq_under_torchrun_matches_one_process(src, tmp_path):
 
 @pytest.mark.slow
 def test_gptaq_under_torchrun_sums_its_statistics_over_the_ranks(src, tmp_path):
-    """--gptaq (default 0.375) with shared-expert targets under torchrun: every rank carries
+    """--gptaq (default 0.5 at group 32) with shared-expert targets under torchrun: every rank carries
     both streams of its own samples and the D terms are summed over the ranks, so the report's
     |D| / |H| per layer is the one-process run's (0 on the first calibrated layer, whose two
     streams are the same tokens; within 3 % after it, where the ranks' other integers move the

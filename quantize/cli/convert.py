@@ -36,6 +36,7 @@ from quantize.cli.params import (
     value,
 )
 from quantize.cli.run_record import (
+    RESOLVED_KEYS,
     RUN_KEYS,
     config_callback,
     from_callback,
@@ -93,10 +94,17 @@ def convert(
         "Default: on for gptq and awq+gptq (largest where weights sit near a 4-bit grid, "
         "smaller off it: README; on CUDA one Triton kernel, under 1 s per GLM-5.2 MoE layer).",
         show_default=False, rich_help_panel=CALIB)] = None,
-    mse_norm: Annotated[int, typer.Option(
-        help="The MSE clip's error power, sum H_kk |w - q|^N: 3 clips less than 2 (3 measured "
-             "best on weights off a 4-bit grid: BENCHMARKS.md).",
-        min=2, max=3, rich_help_panel=CALIB)] = 3,
+    mse_norm: Annotated[int | None, typer.Option(
+        help="The MSE clip's error power N, sum H_kk^A |w - q|^N: 3 clips less than 2. Default: "
+             "2 at --group-size 32, 3 at 64 and 128 (each group size's best on Gemma-3-270M, "
+             "weights off a 4-bit grid: BENCHMARKS.md).",
+        min=2, max=3, show_default=False, rich_help_panel=CALIB)] = None,
+    mse_weight_power: Annotated[float | None, typer.Option(
+        help="The MSE clip's weight on each input channel, H_kk^A (H_kk: its mean squared "
+             "activation): 1 weighs the error as the layer's output does, 0 weighs every channel "
+             "alike. Default: 0 at --group-size 32 (less perplexity added out of domain there), "
+             "1 at 64 and 128 (less at 128: BENCHMARKS.md).",
+        min=0.0, max=1.0, show_default=False, rich_help_panel=CALIB)] = None,
     scale_refit: ScaleRefitOpt = None,
     gptaq: GptaqOpt = None,
     sequential_mlp: SequentialOpt = None,
@@ -153,7 +161,7 @@ def convert(
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --num-samples 512 --calib shipped:small
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --rtn-fallback
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --mse-norm 2 --expert-calibration routed-weighted
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --expert-calibration routed-weighted
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --targets routed,shared,dense
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --targets routed,shared --gptaq 0 --scale-refit 0
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --calib HuggingFaceH4/ultrachat_200k:train_sft
@@ -186,7 +194,7 @@ def convert(
     before = None if overwrite else manifest_status(dst)
     t0 = time.perf_counter()
     try:
-        res, total = _run(src, dst, given, command, d, quiet)
+        res, total, opts = _run(src, dst, given, command, d, quiet)
     except (QuantizeError, ValueError) as e:
         raise Failed(e, f"(rank {d.rank} of {d.world})" if quiet else output_state(dst, before)) from None
     except KeyboardInterrupt:
@@ -198,8 +206,16 @@ def convert(
         torch.distributed.destroy_process_group()
     if res is None:  # a rank other than 0: its share is done, rank 0 reports
         return
-    write_run_record(dst, record)
+    resolved = {k: getattr(opts, k) for k in RESOLVED_KEYS if record.get(k) is None}
+    write_run_record(dst, record | resolved)
     _summary(res, src, dst, total, time.perf_counter() - t0, value(method), json_)
+
+
+def _clip_words(opts) -> str:
+    """The MSE clip's settings in the start line: 'on, norm 2, unweighted'."""
+    a = opts.mse_weight_power
+    weight = "" if a == 1 else ", unweighted" if a == 0 else f", weight H^{a:g}"
+    return f"on, norm {opts.mse_norm}{weight}"
 
 
 def _checked_numbers(checkpoint_interval: float, max_gpu_memory: float | None) -> int | None:
@@ -232,6 +248,7 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
                            expert_calibration=a["expert_calibration"],
                            min_expert_tokens=a["min_expert_tokens"], percdamp=a["percdamp"],
                            mse_clip=a["mse_clip"], mse_norm=a["mse_norm"],
+                           mse_weight_power=a["mse_weight_power"],
                            scale_refit=a["scale_refit"], gptaq=a["gptaq"],
                            sequential_mlp=a["sequential_mlp"], scheme=a["scheme"],
                            mtp=a["mtp"],
@@ -258,7 +275,7 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
         step, line = reporters(bar, "convert", total, quiet)
         line(f"convert {src} -> {dst}: {fmt_bytes(total)} to read, {len(plan.shards)} shard(s) "
              f"of {fmt_bytes(plan.output_bytes)}, method {opts.method}"
-             + (f" (MSE clip {f'on, norm {opts.mse_norm}' if opts.mse_clip else 'off'}, "
+             + (f" (MSE clip {_clip_words(opts) if opts.mse_clip else 'off'}, "
                 f"dampening {opts.percdamp:g}"
                 + "".join(f", {w}" for w in plan.gptq_extras()) + ")"
                 if "gptq" in opts.method else "") + f", device {a['device']}")
@@ -267,7 +284,7 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
                           tp=a["tp"], checkpoint_interval=a["checkpoint_interval"], dist=d,
                           base_model=a["base_model"], max_gpu_memory=gpu_bytes,
                           planned=(ckpt, plan))
-    return res, total
+    return res, total, opts
 
 
 def _summary(res, src: str, dst: Path, total: int, dt: float, method: str, json_: bool) -> None:

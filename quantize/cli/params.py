@@ -75,8 +75,9 @@ GptaqOpt = Annotated[float | None, typer.Option(
          "inputs; the fraction of that correction taken, 0 (off) to 1. Where such a Linear is a "
          "target it carries a second copy of the calibration's hidden states (their memory and "
          "checkpoints x2) and runs each layer on it too; routed experts keep plain GPTQ. "
-         "Default: 0.375 for gptq and awq+gptq (with --sequential-mlp the lowest KL on "
-         "Gemma-3-270M over groups 32 and 128; 0.75 and 1 overshoot: BENCHMARKS.md).",
+         "Default for gptq and awq+gptq: 0.5 at --group-size 32, 0.375 at 64 and 128 (the "
+         "lowest KL on Gemma-3-270M with each group size's clip; 0.75 and 1 overshoot: "
+         "BENCHMARKS.md).",
     min=0.0, max=1.0, show_default=False, rich_help_panel=CALIB)]
 
 SequentialOpt = Annotated[bool | None, typer.Option(

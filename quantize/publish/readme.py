@@ -103,7 +103,9 @@ def _gptq_settings(r: dict) -> str:
     an earlier version lacks are left out)."""
     parts = []
     if "mse_clip" in r:
-        parts.append(f"MSE clip of error power {r.get('mse_norm', 2)}" if r["mse_clip"] else "no MSE clip")
+        a = r.get("mse_weight_power", 1)  # (a report without it: the activation-weighted clip)
+        weight = "" if a == 1 else ", unweighted" if a == 0 else f", channels weighted H^{a:g}"
+        parts.append(f"MSE clip of error power {r.get('mse_norm', 2)}{weight}" if r["mse_clip"] else "no MSE clip")
     if "percdamp" in r:
         parts.append(f"dampening {r['percdamp']:g}")
     # ({kind of target present: rounds} for the re-fit)
