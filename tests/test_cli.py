@@ -108,6 +108,17 @@ def test_plan_json_and_strict(dsa_fp8):
     r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "1", "--method", "gptq", "--targets", "routed,shared"])
     assert "GPTQ beyond the column loop" in r.output and "GPTAQ 0.5 on dense" in r.output, r.output
     assert "re-fitted x3" in r.output and "streams: GPTAQ" in r.output, r.output
+    # how the group scales are chosen: group 32's clip, and group 128's
+    r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "1", "--method", "gptq"], env={"COLUMNS": "200"})
+    assert "GPTQ group scales" in r.output and "MSE clip, channels alike, error power 2" in r.output, r.output
+    from quantize.cli.report import _clip_words  # (this fixture's widths take group 32 only)
+    from quantize.options import ConvertOptions
+
+    assert _clip_words(ConvertOptions(method="gptq", group_size=128).to_json()) == \
+        "MSE clip, channels weighted by their activations, error power 3"
+    assert _clip_words(ConvertOptions(method="gptq", mse_weight_power=0.5).to_json()) == \
+        "MSE clip, channels weighted by their activations ^0.5, error power 2"
+    assert _clip_words(ConvertOptions(method="gptq", mse_clip=False).to_json()) == "min-max range"
     # expert width 96 at TP 8 breaks the Marlin rule: warning, and exit 1 with --strict
     r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "8", "--strict"])
     assert r.exit_code == 1 and "expert width" in r.output

@@ -211,6 +211,16 @@ def _disk(plan: Plan) -> dict:
     return disk_needed(plan, "cuda")
 
 
+def _clip_words(o: dict) -> str:
+    """How GPTQ chooses its group scales, from the plan's options (ConvertOptions.to_json)."""
+    if not o.get("mse_clip"):
+        return "min-max range"
+    a = o.get("mse_weight_power", 1)  # (left out at 1)
+    weight = "channels alike" if a == 0 else "channels weighted by their activations" + \
+        ("" if a == 1 else f" ^{a:g}")
+    return f"MSE clip, {weight}, error power {o['mse_norm']}"
+
+
 def plan_tables(d: dict) -> list[Table]:
     o = d["options"]
     t = Table(title=f"plan: INT4 {'sym' if o['symmetric'] else 'asym'} group {o['group_size']}, "
@@ -226,6 +236,7 @@ def plan_tables(d: dict) -> list[Table]:
     disk = d.get("disk") or {}
     cal = d.get("calibration")
     if cal:
+        t.add_row("GPTQ group scales", "", _clip_words(o))
         extra = gptq_extras(cal["gptaq"], cal["scale_refit"], cal.get("sequential_mlp", False))
         t.add_row("GPTQ beyond the column loop", "", "; ".join(extra) or "none")
     if disk.get("checkpoint"):
