@@ -167,10 +167,9 @@ class ConvertOptions:
         if self.gptaq is None:
             object.__setattr__(self, "gptaq", (SMALL_GROUP_DEFAULTS["gptaq"] if small else GPTAQ_DEFAULT)
                                if "gptq" in self.method else 0.0)
-        small = small and self.mse_clip  # (the clip off: its settings stay at what it recorded before)
-        for k, other in (("mse_norm", 3), ("mse_weight_power", 1.0)):
-            if getattr(self, k) is None:
-                object.__setattr__(self, k, SMALL_GROUP_DEFAULTS[k] if small else other)
+        for k, other in (("mse_norm", 3), ("mse_weight_power", 1.0)):  # (the clip off: its
+            if getattr(self, k) is None:  # settings stay at what manifests recorded before)
+                object.__setattr__(self, k, SMALL_GROUP_DEFAULTS[k] if small and self.mse_clip else other)
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"--group-size must be one of {GROUP_SIZES} (what the serving "
                              f"kernels accept), got {self.group_size}")

@@ -145,8 +145,8 @@ def main() -> None:
     for k, name in enumerate(args.only.split(",")):
         key = name if name not in res["runs"] else f"{name}-{k}"  # (a name asked for twice)
         ours = cmds[name][0] != "bash"
-        if name == "rtn":  # into a new folder, as a user converts: an earlier run's output
-            shutil.rmtree(dst, ignore_errors=True)  # deleted before the clock (it cost ~2 s)
+        if name == "rtn":  # into a new folder, as a user converts: an earlier run's output is
+            shutil.rmtree(dst, ignore_errors=True)  # deleted before the clock (in it, 3.5-4 s)
         r = timed(cmds[name], args.workdir / f"{name}.log", args.cgroup if ours else None,
                   args.code if ours else None)
         if name == "copy":
@@ -162,7 +162,7 @@ def main() -> None:
             spy = ["py-spy", "record", "--format", args.profile_format, "--threads", "--rate", "50", "-o",
                    str(args.profile / f"{name}.{ext}"), *(["--native"] if args.native else []), "--"]
             if name == "rtn":
-                shutil.rmtree(dst, ignore_errors=True)
+                shutil.rmtree(dst, ignore_errors=True)  # (as above)
             rp = timed(spy + cmds[name], args.workdir / f"{name}-pyspy.log")
             res["runs"][key + "-pyspy"] = {f: rp[f] for f in ("exit", "wall_s")}
             args.out.write_text(json.dumps(res, indent=2))
