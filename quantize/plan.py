@@ -423,6 +423,18 @@ def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
     )
 
 
+def clip_words(mse_clip: bool, mse_norm: int, mse_weight_power: float) -> str:
+    """How GPTQ chooses its group scales, in words, as convert's start line, plan's table and the
+    model card say it: the MSE clip's error power and its weight on each input channel (H_kk^a:
+    a = 0 channels alike, 1 weighted by their activations), or the min-max range."""
+    if not mse_clip:
+        return "min-max range (no MSE clip)"
+    a = mse_weight_power
+    weight = "channels alike" if a == 0 else "channels weighted by their activations" + (
+        "" if a == 1 else f"^{a:g}")
+    return f"MSE clip of error power {mse_norm}, {weight}"
+
+
 def gptq_extras(gptaq: float, scale_refits: dict[str, int], sequential: bool) -> list[str]:
     """GPTQ's steps beyond the column loop in words, as convert's start line, plan's table and
     the model card say them: GPTAQ's fraction, the scale re-fit's rounds per kind of target

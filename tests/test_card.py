@@ -167,7 +167,7 @@ def test_card_calibration_is_the_reports(calibrated):
         assert str(calib.parent) not in card
         assert "| method | `gptq` |" in card
         # routed targets only: neither GPTAQ nor the default re-fit applies, and the card says so
-        assert "| GPTQ settings | MSE clip of error power 2, unweighted; dampening 0.1 |" in card
+        assert "| GPTQ settings | MSE clip of error power 2, channels alike; dampening 0.1 |" in card
         assert (f"| calibration data | `my-calib.txt`, sha256 `{c['sha256']}`; "
                 "1 document |") in card  # a .txt file is one document
         assert (f"| calibration tokens | {c['num_samples']} samples x {c['seq_len']} tokens = "
@@ -235,16 +235,17 @@ def test_card_names_gptqs_settings_as_the_report_records_them():
     base = {"mse_clip": True, "mse_norm": 3, "percdamp": 0.1}
     assert _gptq_settings({**base, "gptaq": 0.25, "gptaq_active": True,
                            "scale_refits": {"dense/shared": 3}}) == (
-        "MSE clip of error power 3; dampening 0.1; GPTAQ 0.25 on dense and shared-expert "
+        "MSE clip of error power 3, channels weighted by their activations; dampening 0.1; "
+        "GPTAQ 0.25 on dense and shared-expert "
         "Linears; dense and shared-expert scales re-fitted x3")
     assert _gptq_settings({**base, "gptaq": 0.25, "gptaq_active": False, "scale_refits": {}}) == \
-        "MSE clip of error power 3; dampening 0.1"
+        "MSE clip of error power 3, channels weighted by their activations; dampening 0.1"
     assert _gptq_settings({**base, "scale_refits": {"dense/shared": 2, "routed": 2}}).endswith(
         "; scales re-fitted x2")
-    assert _gptq_settings({"mse_clip": False, "percdamp": 0.01}) == "no MSE clip; dampening 0.01"
+    assert _gptq_settings({"mse_clip": False, "percdamp": 0.01}) == "min-max range (no MSE clip); dampening 0.01"
     assert _gptq_settings({**base, "mse_norm": 2, "mse_weight_power": 0.0, "scale_refits": {}}) == \
-        "MSE clip of error power 2, unweighted; dampening 0.1"
+        "MSE clip of error power 2, channels alike; dampening 0.1"
     assert _gptq_settings({**base, "mse_weight_power": 0.5, "scale_refits": {}}).startswith(
-        "MSE clip of error power 3, channels weighted H^0.5;")
+        "MSE clip of error power 3, channels weighted by their activations^0.5;")
     assert _gptq_settings({**base, "sequential_mlp_active": True, "scale_refits": {}}).endswith(
         "; down_proj fitted after the rounded gate/up (dense and shared-expert MLPs)")

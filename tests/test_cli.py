@@ -1,5 +1,6 @@
 """The CLI through Typer's runner: tables, JSON, exit codes, error messages."""
 
+import io
 import json
 
 from typer.testing import CliRunner
@@ -111,15 +112,22 @@ def test_plan_json_and_strict(dsa_fp8):
     # how the group scales are chosen: group 32's clip, and group 128's
     r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "1", "--method", "gptq"])
     flat = " ".join(r.output.replace("│", " ").split())  # (a cell wraps at the console's width)
-    assert "GPTQ group scales MSE clip, channels alike, error power 2" in flat, r.output
-    from quantize.cli.report import _clip_words  # (this fixture's widths take group 32 only)
+    assert "GPTQ group scales MSE clip of error power 2, channels alike" in flat, r.output
+    from quantize.cli.report import plan_tables  # (this fixture's widths take group 32 only)
     from quantize.options import ConvertOptions
 
-    assert _clip_words(ConvertOptions(method="gptq", group_size=128).to_json()) == \
-        "MSE clip, channels weighted by their activations, error power 3"
-    assert _clip_words(ConvertOptions(method="gptq", mse_weight_power=0.5).to_json()) == \
-        "MSE clip, channels weighted by their activations ^0.5, error power 2"
-    assert _clip_words(ConvertOptions(method="gptq", mse_clip=False).to_json()) == "min-max range"
+    def scales_row(**kw) -> str:  # the row as `plan` prints it from the plan's options
+        from rich.console import Console
+
+        con = Console(width=300, record=True, file=io.StringIO())
+        con.print(plan_tables({**plans["routed"], "options": ConvertOptions(method="gptq", **kw).to_json()})[0])
+        row = next(ln for ln in con.export_text().splitlines() if "GPTQ group scales" in ln)
+        return " ".join(row.replace("│", " ").split()).removeprefix("GPTQ group scales ")
+
+    assert scales_row(group_size=128) == "MSE clip of error power 3, channels weighted by their activations"
+    assert scales_row(mse_weight_power=0.5) == \
+        "MSE clip of error power 2, channels weighted by their activations^0.5"
+    assert scales_row(mse_clip=False) == "min-max range (no MSE clip)"
     # expert width 96 at TP 8 breaks the Marlin rule: warning, and exit 1 with --strict
     r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "8", "--strict"])
     assert r.exit_code == 1 and "expert width" in r.output
@@ -293,7 +301,8 @@ def test_calibrated_convert_json_leaves_stdout_to_the_json(tmp_path):
     assert "calibration: gptq, 4 x 32 tokens" in r.stderr  # the table is still shown
     # --mse-weight-power reaches the options; group 32's other defaults stay (error power 2,
     # GPTAQ 0.5), and the run record holds them as resolved, for a replay under later defaults
-    assert "MSE clip on, norm 2, weight H^0.5" in r.stderr, r.stderr
+    assert ("method gptq (MSE clip of error power 2, channels weighted by their activations^0.5; "
+            "dampening 0.1)") in " ".join(r.stderr.split()), r.stderr  # (routed targets: no GPTAQ)
     opts = json.loads((tmp_path / "o" / "quantize-manifest.json").read_text())["options"]
     assert (opts["mse_weight_power"], opts["mse_norm"], opts["gptaq"]) == (0.5, 2, 0.5)
     import tomllib

@@ -211,13 +211,6 @@ def convert(
     _summary(res, src, dst, total, time.perf_counter() - t0, value(method), json_)
 
 
-def _clip_words(opts) -> str:
-    """The MSE clip's settings in the start line: 'on, norm 2, unweighted'."""
-    a = opts.mse_weight_power
-    weight = "" if a == 1 else ", unweighted" if a == 0 else f", weight H^{a:g}"
-    return f"on, norm {opts.mse_norm}{weight}"
-
-
 def _checked_numbers(checkpoint_interval: float, max_gpu_memory: float | None) -> int | None:
     """--checkpoint-interval and --max-gpu-memory checked by name (nan, negative, an overflowing
     size); the memory limit in bytes."""
@@ -236,7 +229,7 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
     """Options, source, plan and the conversion with its progress bar and timestamped lines;
     (the pipeline's result or None on a rank other than 0, the source bytes)."""
     from quantize.pipeline import convert as run_convert
-    from quantize.plan import make_plan
+    from quantize.plan import clip_words, make_plan
     from quantize.sizes import fmt_bytes
     from quantize.source.checkpoint import open_checkpoint
     from quantize.source.hub import is_repo_id, resolve_source
@@ -275,9 +268,8 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
         step, line = reporters(bar, "convert", total, quiet)
         line(f"convert {src} -> {dst}: {fmt_bytes(total)} to read, {len(plan.shards)} shard(s) "
              f"of {fmt_bytes(plan.output_bytes)}, method {opts.method}"
-             + (f" (MSE clip {_clip_words(opts) if opts.mse_clip else 'off'}, "
-                f"dampening {opts.percdamp:g}"
-                + "".join(f", {w}" for w in plan.gptq_extras()) + ")"
+             + (" (" + "; ".join([clip_words(opts.mse_clip, opts.mse_norm, opts.mse_weight_power),
+                                  f"dampening {opts.percdamp:g}", *plan.gptq_extras()]) + ")"
                 if "gptq" in opts.method else "") + f", device {a['device']}")
         res = run_convert(local, dst, opts, device=a["device"], resume=a["resume"],
                           overwrite=a["overwrite"], on_unit=step, command=command, log=line,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from quantize.plan import Plan, gptq_extras
+from quantize.plan import Plan, clip_words, gptq_extras
 from quantize.sizes import fmt_bytes
 from quantize.source.checkpoint import Checkpoint
 from quantize.source.layout import layer_of, linear_role, module_of
@@ -211,16 +211,6 @@ def _disk(plan: Plan) -> dict:
     return disk_needed(plan, "cuda")
 
 
-def _clip_words(o: dict) -> str:
-    """How GPTQ chooses its group scales, from the plan's options (ConvertOptions.to_json)."""
-    if not o.get("mse_clip"):
-        return "min-max range"
-    a = o.get("mse_weight_power", 1)  # (left out at 1)
-    weight = "channels alike" if a == 0 else "channels weighted by their activations" + \
-        ("" if a == 1 else f" ^{a:g}")
-    return f"MSE clip, {weight}, error power {o['mse_norm']}"
-
-
 def plan_tables(d: dict) -> list[Table]:
     o = d["options"]
     t = Table(title=f"plan: INT4 {'sym' if o['symmetric'] else 'asym'} group {o['group_size']}, "
@@ -236,7 +226,8 @@ def plan_tables(d: dict) -> list[Table]:
     disk = d.get("disk") or {}
     cal = d.get("calibration")
     if cal:
-        t.add_row("GPTQ group scales", "", _clip_words(o))
+        t.add_row("GPTQ group scales", "", clip_words(o.get("mse_clip", False), o.get("mse_norm"),
+                                                      o.get("mse_weight_power", 1)))  # (left out at 1)
         extra = gptq_extras(cal["gptaq"], cal["scale_refit"], cal.get("sequential_mlp", False))
         t.add_row("GPTQ beyond the column loop", "", "; ".join(extra) or "none")
     if disk.get("checkpoint"):

@@ -27,7 +27,7 @@ from quantize.errors import QuantizeError
 from quantize.lint import needs_shared_fusion_off
 from quantize.names import CALIB_REPORT, CARD, EVAL_JSON, PICTURES, VERIFY_JSON
 from quantize.options import ConvertOptions
-from quantize.plan import Plan, gptq_extras, make_plan, tp_checks
+from quantize.plan import Plan, clip_words, gptq_extras, make_plan, tp_checks
 from quantize.publish.card import CalibrationFacts, CardFacts, Sizes, render_card
 from quantize.source.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from quantize.source.hub import hub_source, source_license, valid_repo_id
@@ -103,9 +103,8 @@ def _gptq_settings(r: dict) -> str:
     an earlier version lacks are left out)."""
     parts = []
     if "mse_clip" in r:
-        a = r.get("mse_weight_power", 1)  # (a report without it: the activation-weighted clip)
-        weight = "" if a == 1 else ", unweighted" if a == 0 else f", channels weighted H^{a:g}"
-        parts.append(f"MSE clip of error power {r.get('mse_norm', 2)}{weight}" if r["mse_clip"] else "no MSE clip")
+        # (a report without them: the activation-weighted clip of power 2)
+        parts.append(clip_words(r["mse_clip"], r.get("mse_norm", 2), r.get("mse_weight_power", 1)))
     if "percdamp" in r:
         parts.append(f"dampening {r['percdamp']:g}")
     # ({kind of target present: rounds} for the re-fit)
