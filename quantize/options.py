@@ -18,8 +18,17 @@ GPTAQ_DEFAULT = 0.375  # ConvertOptions.gptaq for gptq and awq+gptq (with sequen
 # old default's 0.0982) and over five seeds added 10.4 % perplexity out of domain against
 # 13.6 %, 3.9 % in domain against 4.4 % (BENCHMARKS.md, "The clip unweighted at group 32").
 # At group 128 the same settings were worse out of domain (15.1-18.4 % against 12.8 %).
+# Those were dense MLP Linears. Routed experts keep the activation-weighted clip of power 3 at
+# every group size (ROUTED_CLIP_DEFAULTS): on the tiny GLM MoE models, whose post-attention
+# norms carry outlier channels as real models' do, the unweighted clip on the routed experts
+# raised the held-out KL by 15 % in 18 of 18 runs, and changed nothing without the outliers
+# (scripts/bench_tiny_glm.py; BENCHMARKS.md, "Held-out error on the tiny synthetic GLM models").
 SMALL_GROUP = 32
 SMALL_GROUP_DEFAULTS = {"mse_norm": 2, "mse_weight_power": 0.0, "gptaq": 0.5}
+ROUTED_CLIP_DEFAULTS = {"mse_norm_routed": 3, "mse_weight_power_routed": 1.0}
+# The routed experts' clip options, each with the option it follows when not given (and when a
+# manifest from before them lacks it: the clip's settings then applied to every target).
+ROUTED_OF = {"mse_norm_routed": "mse_norm", "mse_weight_power_routed": "mse_weight_power"}
 SCALE_REFIT_DEFAULT = 3  # ConvertOptions.scale_refit (dense and shared-expert Linears), the same
 EXPERT_CALIBRATION = ("routed", "routed-weighted", "all")
 GROUP_SIZES = (32, 64, 128)  # what vLLM's Marlin / SGLang WNA16 MoE kernels accept
@@ -52,6 +61,17 @@ def parse_size(text: str) -> int:
 # Options the manifest leaves out at these values (to_json), as versions before them wrote it;
 # Manifest.resume reads a missing one as this value.
 OMITTED_AT = {"rtn_fallback": False, "mse_weight_power": 1.0}
+
+
+def recorded_option(options: dict, key: str):
+    """An option as a manifest's `options` record it: a routed-expert clip option left out
+    reads as the option it follows (ROUTED_OF: equal, or a manifest from before it), any
+    other one left out as OMITTED_AT's value."""
+    if key in options:
+        return options[key]
+    if key in ROUTED_OF:
+        return recorded_option(options, ROUTED_OF[key])
+    return OMITTED_AT.get(key)
 
 
 @dataclass(frozen=True)
@@ -98,15 +118,20 @@ class ConvertOptions:
     # SmolLM2, whose weights sit on a 4-bit grid; on Gemma-3-270M, off it, with mse_norm 3 a
     # lower validation KL than no clip at groups 32 and 128), off (not applicable) for rtn, awq.
     mse_clip: bool | None = None
-    # The power of the error the MSE clip minimises, sum H_kk^a |w - q|^mse_norm, 2 or 3.
-    # None: 2 at group 32 with the clip on (SMALL_GROUP_DEFAULTS), else 3. On Gemma-3-270M
+    # The power of the error the MSE clip minimises, sum H_kk^a |w - q|^mse_norm, 2 or 3, on
+    # dense and shared-expert Linears (routed experts: mse_norm_routed). None: 2 at group 32 with the clip on (SMALL_GROUP_DEFAULTS), else 3. On Gemma-3-270M
     # (weights off the 4-bit grid; scripts/bench_quality.py, BENCHMARKS.md) 3 had the lowest
     # validation KL of the H-weighted clips at groups 32 and 128 (3 seeds).
     mse_norm: int | None = None
-    # The power a of diag(H) that weighs each input channel in the clip's error: 1 the output
-    # error (gptq.py `GPTQConfig.mse_weight_power`), 0 unweighted, as llm-compressor's `mse`
+    # The power a of diag(H) that weighs each input channel in the clip's error (dense and
+    # shared-expert Linears; routed experts: mse_weight_power_routed): 1 the output error (gptq.py `GPTQConfig.mse_weight_power`), 0 unweighted, as llm-compressor's `mse`
     # observer. None: 0 at group 32 with the clip on (SMALL_GROUP_DEFAULTS), else 1.
     mse_weight_power: float | None = None
+    # The MSE clip's settings on routed experts. None: mse_norm's and mse_weight_power's where
+    # those are given, else 3 and 1 (ROUTED_CLIP_DEFAULTS: the activation-weighted clip, at
+    # every group size).
+    mse_norm_routed: int | None = None
+    mse_weight_power_routed: float | None = None
     # Rounds of GPTQ's group scales re-fitted by least squares to the chosen codes against the
     # Hessian (gptq.py `refit_scales`, `GPTQConfig.scale_refit`), on dense and shared-expert
     # Linears; `scale_refit_routed` on routed experts. None: 3 and 0 for gptq and awq+gptq (with
@@ -160,9 +185,15 @@ class ConvertOptions:
         if self.scale_refit is None:
             object.__setattr__(self, "scale_refit", SCALE_REFIT_DEFAULT if "gptq" in self.method else 0)
         object.__setattr__(self, "scale_refit_routed", routed if "gptq" in self.method else 0)
-        if self.mse_weight_power is not None and self.mse_weight_power != 1 and not self.mse_clip:
-            raise ValueError("--mse-weight-power weighs the MSE clip's error: use it with the clip "
-                             "on (--method gptq or awq+gptq, --mse-clip)")
+        for k in ("mse_weight_power", "mse_weight_power_routed"):
+            if getattr(self, k) not in (None, 1) and not self.mse_clip:
+                flag = "--" + k.replace("_", "-")
+                raise ValueError(f"{flag} weighs the MSE clip's error: use it with the clip on "
+                                 "(--method gptq or awq+gptq, --mse-clip)")
+        for routed, k in ROUTED_OF.items():  # (before k's own default: a k given applies to all)
+            if getattr(self, routed) is None:
+                given = getattr(self, k)
+                object.__setattr__(self, routed, ROUTED_CLIP_DEFAULTS[routed] if given is None else given)
         small = self.group_size == SMALL_GROUP and "gptq" in self.method
         if self.gptaq is None:
             object.__setattr__(self, "gptaq", (SMALL_GROUP_DEFAULTS["gptaq"] if small else GPTAQ_DEFAULT)
@@ -197,10 +228,12 @@ class ConvertOptions:
             raise ValueError(f"--gptaq must be a fraction from 0 (off) to 1, got {self.gptaq}")
         if self.gptaq and "gptq" not in self.method:
             raise ValueError("--gptaq moves GPTQ's targets: use it with --method gptq or awq+gptq")
-        if self.mse_norm not in (2, 3):
-            raise ValueError(f"--mse-norm must be 2 or 3, got {self.mse_norm}")
-        if not 0 <= self.mse_weight_power <= 1:
-            raise ValueError(f"--mse-weight-power must be in [0, 1], got {self.mse_weight_power}")
+        for k in ("mse_norm", "mse_norm_routed"):
+            if getattr(self, k) not in (2, 3):
+                raise ValueError(f"--{k.replace('_', '-')} must be 2 or 3, got {getattr(self, k)}")
+        for k in ("mse_weight_power", "mse_weight_power_routed"):
+            if not 0 <= getattr(self, k) <= 1:
+                raise ValueError(f"--{k.replace('_', '-')} must be in [0, 1], got {getattr(self, k)}")
         if self.mse_clip and "gptq" not in self.method:
             raise ValueError("--mse-clip chooses GPTQ's group scales: use it with --method gptq "
                              "or awq+gptq")
@@ -238,6 +271,9 @@ class ConvertOptions:
         d["targets"] = sorted(self.targets)
         for k, v in OMITTED_AT.items():  # (not recorded at these values: manifests stay as the
             if d[k] == v:  # versions before the field wrote them; a missing key reads back as v)
+                del d[k]
+        for k, follows in ROUTED_OF.items():  # (the same on every target: left out, as before;
+            if getattr(self, k) == getattr(self, follows):  # recorded_option reads it back)
                 del d[k]
         if "gptq" not in self.method:  # (off, not applicable: not recorded, as rtn_fallback;
             del d["sequential_mlp"]  # a gptq manifest records it, on or off)

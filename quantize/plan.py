@@ -126,6 +126,21 @@ class Plan:
         return out
 
     @property
+    def clip_settings(self) -> dict[str, tuple[int, float]]:
+        """The MSE clip's (error power, channel weight power) for each kind of target present:
+        {"dense/shared": (mse_norm, mse_weight_power), "routed": (the *_routed pair)}."""
+        o, out = self.options, {}
+        if self.quantizes("dense", "shared"):
+            out["dense/shared"] = (o.mse_norm, o.mse_weight_power)
+        if self.quantizes("routed"):
+            out["routed"] = (o.mse_norm_routed, o.mse_weight_power_routed)
+        return out
+
+    def clip_words(self) -> str:
+        """How GPTQ chooses the group scales in this plan, in words (`clip_words`)."""
+        return clip_words(bool(self.options.mse_clip), self.clip_settings)
+
+    @property
     def sequential_active(self) -> bool:
         """Whether --sequential-mlp changes anything: it orders the solves of dense and
         shared-expert MLPs (routed experts keep pass 1's statistics)."""
@@ -423,16 +438,24 @@ def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
     )
 
 
-def clip_words(mse_clip: bool, mse_norm: int, mse_weight_power: float) -> str:
+def clip_words(mse_clip: bool, settings: dict[str, tuple[int, float]]) -> str:
     """How GPTQ chooses its group scales, in words, as convert's start line, plan's table and the
     model card say it: the MSE clip's error power and its weight on each input channel (H_kk^a:
-    a = 0 channels alike, 1 weighted by their activations), or the min-max range."""
+    a = 0 channels alike, 1 weighted by their activations) per kind of target present
+    ({"dense/shared": (power, a), "routed": (power, a)}; one phrase where they agree), or the
+    min-max range."""
     if not mse_clip:
         return "min-max range (no MSE clip)"
-    a = mse_weight_power
-    weight = "channels alike" if a == 0 else "channels weighted by their activations" + (
-        "" if a == 1 else f"^{a:g}")
-    return f"MSE clip of error power {mse_norm}, {weight}"
+
+    def one(norm: int, a: float) -> str:
+        weight = "channels alike" if a == 0 else "channels weighted by their activations" + (
+            "" if a == 1 else f"^{a:g}")
+        return f"error power {norm}, {weight}"
+
+    if len(set(settings.values())) <= 1:
+        return "MSE clip" + "".join(f" of {one(*v)}" for v in list(settings.values())[:1])
+    names = {"dense/shared": "dense and shared-expert Linears", "routed": "routed experts"}
+    return "MSE clip " + ", ".join(f"of {one(*v)} ({names.get(k, k)})" for k, v in settings.items())
 
 
 def gptq_extras(gptaq: float, scale_refits: dict[str, int], sequential: bool) -> list[str]:

@@ -261,6 +261,38 @@ def test_a_run_under_the_previous_group_32_defaults_resumes_with_their_flags(tmp
     assert all((whole / n).read_bytes() == (out / n).read_bytes() for n in shards)
 
 
+def test_a_run_whose_routed_experts_had_group_32s_unweighted_clip_resumes_with_their_flags(tmp_path):
+    """Routed experts got their own clip settings (3, weighted, at every group size). A group-32
+    run begun when group 32's unweighted clip of power 2 applied to them too (its manifest with
+    mse_norm 2 and mse_weight_power 0 and no routed keys, as those versions wrote it) is refused
+    under today's defaults, naming both routed options, before anything is written; with
+    --mse-norm-routed 2 --mse-weight-power-routed 0 it resumes into the folder an uninterrupted
+    run writes."""
+    cfg = tiny_config("glm_moe_dsa")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-block", seed=6)
+    write_tokenizer(src, cfg["vocab_size"])
+    base = dict(method="gptq", max_shard_size=200_000, **CALIB)
+    previous = ConvertOptions(**base, mse_norm=2, mse_weight_power=0.0)  # (then every target's)
+    assert {"mse_norm_routed", "mse_weight_power_routed"}.isdisjoint(previous.to_json())
+    out, whole = tmp_path / "out", tmp_path / "whole"
+    convert(src, whole, previous, device="cpu")
+    with pytest.raises(Stop):
+        convert(src, out, previous, device="cpu", on_unit=stop_at(lambda u: layer_of(u.source) == 2))
+    text = (out / MANIFEST).read_text()
+    with pytest.raises(QuantizeError, match="cannot resume") as e:
+        convert(src, out, ConvertOptions(**base), device="cpu", resume=True)
+    for why in ("option mse_norm_routed: was 2, now 3", "option mse_weight_power_routed: was 0.0, now 1.0"):
+        assert why in str(e.value), str(e.value)
+    assert "option mse_norm:" not in str(e.value)  # (dense and shared: the same defaults)
+    assert (out / MANIFEST).read_text() == text
+    res = convert(src, out, ConvertOptions(**base, mse_norm_routed=2, mse_weight_power_routed=0.0),
+                  device="cpu", resume=True)
+    assert res.skipped and res.written
+    shards = sorted(p.name for p in whole.glob("*.safetensors"))
+    assert shards == sorted(p.name for p in out.glob("*.safetensors"))
+    assert all((whole / n).read_bytes() == (out / n).read_bytes() for n in shards)
+
+
 def test_resume_refused_after_the_seed_the_tokenizer_or_config_changed(tmp_path):
     """An interrupted calibrated run, then the same command after one change each: another
     --seed (an option: named), an edited tokenizer (other token ids: the calibration tokens

@@ -266,9 +266,9 @@ def test_gptq_and_awq_beat_rtn_on_held_out_text(ckpt_dir, tmp_path):
     more than 2 %. The shipped text is split by document: even lines calibrate, odd lines
     evaluate, the same windows for every method.
 
-    Measured (this fixture, 8 x 64 calibration tokens, 16 x 64 eval tokens): glm_moe_dsa
-    hidden error RTN 0.270 / GPTQ 0.202 / AWQ 0.258, KL 0.0378 / 0.0281 / 0.0376; glm4_moe
-    0.245 / 0.156 / 0.210, KL 0.0326 / 0.0177 / 0.0282."""
+    Measured (this fixture, 8 x 64 calibration tokens, 16 x 64 eval tokens, the defaults of
+    the routed experts' clip): glm_moe_dsa hidden error RTN 0.270 / GPTQ 0.179 / AWQ 0.258,
+    KL 0.0377 / 0.0214 / 0.0376; glm4_moe 0.245 / 0.141 / 0.210, KL 0.0326 / 0.0138 / 0.0282."""
     from quantize.calib.data import SHIPPED_SETS
     from quantize.check.evaluate import EvalOptions, evaluate
 
@@ -505,6 +505,61 @@ def test_dense_llama_like_model(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[0, 7, 9, 300]])).logits).all()
+
+
+def test_routed_experts_keep_the_weighted_clip_at_every_group_size(tmp_path):
+    """Routed experts have their own clip settings (mse_norm_routed, mse_weight_power_routed):
+    3 and 1 by default at every group size, the values of --mse-norm / --mse-weight-power where
+    those are given, their own where given. They reach the routed experts' GPTQ and nothing
+    else: in the first MoE layer the shared expert's tensors are byte-identical whatever the
+    routed experts' clip, and the routed experts' are those of a run that sets them alike."""
+    from quantize.options import recorded_option
+
+    for m in ("gptq", "awq+gptq"):
+        for g in (32, 64, 128):
+            o = ConvertOptions(method=m, group_size=g)
+            assert (o.mse_norm_routed, o.mse_weight_power_routed) == (3, 1)
+    o = ConvertOptions(method="gptq")
+    assert (o.mse_norm, o.mse_weight_power) == (2, 0)  # (group 32's dense and shared-expert clip)
+    assert (o.to_json()["mse_norm_routed"], o.to_json()["mse_weight_power_routed"]) == (3, 1)
+    o = ConvertOptions(method="gptq", mse_norm=2, mse_weight_power=0.25)  # given: every target
+    assert (o.mse_norm_routed, o.mse_weight_power_routed) == (2, 0.25)
+    assert "mse_norm_routed" not in o.to_json() and "mse_weight_power_routed" not in o.to_json()
+    o = ConvertOptions(method="gptq", mse_norm=3, mse_norm_routed=2, mse_weight_power_routed=0.5)
+    assert (o.mse_norm, o.mse_norm_routed, o.mse_weight_power_routed) == (3, 2, 0.5)
+    g128 = ConvertOptions(method="gptq", group_size=128).to_json()  # (as before the options)
+    assert "mse_norm_routed" not in g128 and "mse_weight_power_routed" not in g128
+    # a manifest from before them: one clip for every target
+    legacy = {"mse_norm": 2, "mse_weight_power": 0.0}
+    assert (recorded_option(legacy, "mse_norm_routed"), recorded_option(legacy, "mse_weight_power_routed")) == (2, 0)
+    assert recorded_option({"mse_norm": 3}, "mse_weight_power_routed") == 1.0
+    for bad, flag in (({"mse_norm_routed": 4}, "--mse-norm-routed"),
+                      ({"mse_weight_power_routed": 1.5}, "--mse-weight-power-routed"),
+                      ({"mse_clip": False, "mse_weight_power_routed": 0.0}, "--mse-weight-power-routed")):
+        with pytest.raises(ValueError, match=flag):
+            ConvertOptions(method="gptq", **bad)
+
+    cfg = tiny_config("glm4_moe")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel", seed=2)
+    write_tokenizer(src, cfg["vocab_size"])
+    both = frozenset({"routed", "shared"})
+    runs = {"default": {}, "routed U": {"mse_norm_routed": 2, "mse_weight_power_routed": 0.0},
+            "all weighted": {"mse_norm": 3, "mse_weight_power": 1.0}}
+    tensors = {}
+    for k, kw in runs.items():
+        out = tmp_path / k.replace(" ", "-")
+        convert(src, out, ConvertOptions(method="gptq", targets=both, **kw, **CALIB), device="cpu")
+        idx = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        tensors[k] = {n: load_file(out / f)[n] for n, f in idx.items()
+                      if n.startswith("model.layers.1.mlp.") and n.endswith("weight_scale")}
+    first = cfg["first_k_dense_replace"]
+    assert first == 1
+    routed = [n for n in tensors["default"] if ".experts." in n]
+    shared = [n for n in tensors["default"] if ".shared_experts." in n]
+    assert routed and shared
+    same = lambda a, b, names: all(torch.equal(tensors[a][n], tensors[b][n]) for n in names)
+    assert same("default", "routed U", shared) and not same("default", "routed U", routed)
+    assert same("default", "all weighted", routed) and not same("default", "all weighted", shared)
 
 
 def test_mse_clip_reaches_gptq_and_verifies(tmp_path):

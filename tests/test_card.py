@@ -166,8 +166,10 @@ def test_card_calibration_is_the_reports(calibrated):
     for card in (push.card, (dst / "README.md").read_text()):  # and the card verify rewrote
         assert str(calib.parent) not in card
         assert "| method | `gptq` |" in card
-        # routed targets only: neither GPTAQ nor the default re-fit applies, and the card says so
-        assert "| GPTQ settings | MSE clip of error power 2, channels alike; dampening 0.1 |" in card
+        # routed targets only: neither GPTAQ nor the default re-fit applies, and the card says so;
+        # routed experts keep the activation-weighted clip of power 3 at group 32
+        assert ("| GPTQ settings | MSE clip of error power 3, channels weighted by their activations; "
+                "dampening 0.1 |") in card
         assert (f"| calibration data | `my-calib.txt`, sha256 `{c['sha256']}`; "
                 "1 document |") in card  # a .txt file is one document
         assert (f"| calibration tokens | {c['num_samples']} samples x {c['seq_len']} tokens = "
@@ -247,5 +249,12 @@ def test_card_names_gptqs_settings_as_the_report_records_them():
         "MSE clip of error power 2, channels alike; dampening 0.1"
     assert _gptq_settings({**base, "mse_weight_power": 0.5, "scale_refits": {}}).startswith(
         "MSE clip of error power 3, channels weighted by their activations^0.5;")
+    # a report with the clip per kind of target present (clip_settings) names each kind's
+    assert _gptq_settings({**base, "scale_refits": {},
+                           "clip_settings": {"dense/shared": [2, 0.0], "routed": [3, 1.0]}}) == (
+        "MSE clip of error power 2, channels alike (dense and shared-expert Linears), of error "
+        "power 3, channels weighted by their activations (routed experts); dampening 0.1")
+    assert _gptq_settings({**base, "scale_refits": {}, "clip_settings": {"routed": [3, 1.0]}}) == \
+        "MSE clip of error power 3, channels weighted by their activations; dampening 0.1"
     assert _gptq_settings({**base, "sequential_mlp_active": True, "scale_refits": {}}).endswith(
         "; down_proj fitted after the rounded gate/up (dense and shared-expert MLPs)")

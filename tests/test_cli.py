@@ -1,6 +1,5 @@
 """The CLI through Typer's runner: tables, JSON, exit codes, error messages."""
 
-import io
 import json
 
 from typer.testing import CliRunner
@@ -97,11 +96,10 @@ def test_plan_json_and_strict(dsa_fp8):
         r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "1", "--method", "gptq", "--json", *extra])
         assert r.exit_code == 0, r.output
         plans[k] = json.loads(r.stdout)
-    assert plans["routed"]["calibration"] == {"gptaq": 0, "scale_refit": {}, "sequential_mlp": False}
-    assert plans["shared"]["calibration"] == {"gptaq": 0.5, "scale_refit": {"dense/shared": 3},
-                                              "sequential_mlp": True}
-    assert plans["shared-plain"]["calibration"] == {"gptaq": 0, "scale_refit": {"dense/shared": 3},
-                                                    "sequential_mlp": False}
+    extras = {k: {a: v for a, v in p["calibration"].items() if a != "clip"} for k, p in plans.items()}
+    assert extras["routed"] == {"gptaq": 0, "scale_refit": {}, "sequential_mlp": False}
+    assert extras["shared"] == {"gptaq": 0.5, "scale_refit": {"dense/shared": 3}, "sequential_mlp": True}
+    assert extras["shared-plain"] == {"gptaq": 0, "scale_refit": {"dense/shared": 3}, "sequential_mlp": False}
     # --sequential-mlp orders dense / shared MLPs: nothing to do with routed targets alone
     assert plans["routed-seq"]["calibration"] == plans["routed"]["calibration"]
     assert plans["shared-seq"]["calibration"] == plans["shared"]["calibration"]
@@ -109,25 +107,27 @@ def test_plan_json_and_strict(dsa_fp8):
     r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "1", "--method", "gptq", "--targets", "routed,shared"])
     assert "GPTQ beyond the column loop" in r.output and "GPTAQ 0.5 on dense" in r.output, r.output
     assert "re-fitted x3" in r.output and "streams: GPTAQ" in r.output, r.output
-    # how the group scales are chosen: group 32's clip, and group 128's
-    r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "1", "--method", "gptq"])
-    flat = " ".join(r.output.replace("│", " ").split())  # (a cell wraps at the console's width)
-    assert "GPTQ group scales MSE clip of error power 2, channels alike" in flat, r.output
-    from quantize.cli.report import plan_tables  # (this fixture's widths take group 32 only)
-    from quantize.options import ConvertOptions
+    # how the group scales are chosen, per kind of target: at group 32 routed experts keep the
+    # activation-weighted clip of power 3, dense and shared-expert Linears the unweighted one of 2
+    assert plans["routed"]["calibration"]["clip"] == {"routed": [3, 1.0]}
+    assert plans["shared"]["calibration"]["clip"] == {"dense/shared": [2, 0.0], "routed": [3, 1.0]}
+    rows = {}
+    for k, targets in (("routed", "routed"), ("shared", "routed,shared")):
+        r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "1", "--method", "gptq", "--targets", targets])
+        flat = " ".join(r.output.replace("│", " ").split())  # (a cell wraps at the console's width)
+        rows[k] = flat.split("GPTQ group scales ", 1)[1].split(" GPTQ beyond", 1)[0]
+    assert rows["routed"] == "MSE clip of error power 3, channels weighted by their activations", rows
+    assert rows["shared"] == (
+        "MSE clip of error power 2, channels alike (dense and shared-expert Linears), of error power 3, "
+        "channels weighted by their activations (routed experts)"), rows
+    from quantize.plan import clip_words
 
-    def scales_row(**kw) -> str:  # the row as `plan` prints it from the plan's options
-        from rich.console import Console
-
-        con = Console(width=300, record=True, file=io.StringIO())
-        con.print(plan_tables({**plans["routed"], "options": ConvertOptions(method="gptq", **kw).to_json()})[0])
-        row = next(ln for ln in con.export_text().splitlines() if "GPTQ group scales" in ln)
-        return " ".join(row.replace("│", " ").split()).removeprefix("GPTQ group scales ")
-
-    assert scales_row(group_size=128) == "MSE clip of error power 3, channels weighted by their activations"
-    assert scales_row(mse_weight_power=0.5) == \
+    assert clip_words(True, {"dense/shared": (2, 0.0), "routed": (3, 1.0)}) == (
+        "MSE clip of error power 2, channels alike (dense and shared-expert Linears), of error power 3, "
+        "channels weighted by their activations (routed experts)")
+    assert clip_words(True, {"dense/shared": (2, 0.5), "routed": (2, 0.5)}) == \
         "MSE clip of error power 2, channels weighted by their activations^0.5"
-    assert scales_row(mse_clip=False) == "min-max range (no MSE clip)"
+    assert clip_words(False, {"routed": (3, 1.0)}) == "min-max range (no MSE clip)"
     # expert width 96 at TP 8 breaks the Marlin rule: warning, and exit 1 with --strict
     r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "8", "--strict"])
     assert r.exit_code == 1 and "expert width" in r.output
@@ -292,7 +292,7 @@ def test_calibrated_convert_json_leaves_stdout_to_the_json(tmp_path):
     write_tokenizer(src, cfg["vocab_size"])
     args = [sys.executable, "-m", "quantize", "convert", str(src), str(tmp_path / "o"),
             "--method", "gptq", "--num-samples", "4", "--seq-len", "32", "--device", "cpu",
-            "--tp", "1", "--json", "--mse-weight-power", "0.5"]
+            "--tp", "1", "--json", "--mse-weight-power", "0.5", "--mse-norm-routed", "2"]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False,
                        cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr
@@ -301,14 +301,17 @@ def test_calibrated_convert_json_leaves_stdout_to_the_json(tmp_path):
     assert "calibration: gptq, 4 x 32 tokens" in r.stderr  # the table is still shown
     # --mse-weight-power reaches the options; group 32's other defaults stay (error power 2,
     # GPTAQ 0.5), and the run record holds them as resolved, for a replay under later defaults
+    # (routed targets: no GPTAQ; --mse-weight-power applies to them too, --mse-norm-routed theirs)
     assert ("method gptq (MSE clip of error power 2, channels weighted by their activations^0.5; "
-            "dampening 0.1)") in " ".join(r.stderr.split()), r.stderr  # (routed targets: no GPTAQ)
+            "dampening 0.1)") in " ".join(r.stderr.split()), r.stderr
     opts = json.loads((tmp_path / "o" / "quantize-manifest.json").read_text())["options"]
     assert (opts["mse_weight_power"], opts["mse_norm"], opts["gptaq"]) == (0.5, 2, 0.5)
+    assert {"mse_norm_routed", "mse_weight_power_routed"}.isdisjoint(opts)  # (equal: left out)
     import tomllib
 
     rec = tomllib.loads((tmp_path / "o" / "quantize-run.toml").read_text())["convert"]
     assert (rec["mse_weight_power"], rec["mse_norm"], rec["gptaq"], rec["mse_clip"]) == (0.5, 2, 0.5, True)
+    assert (rec["mse_weight_power_routed"], rec["mse_norm_routed"]) == (0.5, 2)
     assert "scale_refit" not in rec  # (its default differs by target; a value applies to all)
 
 

@@ -279,11 +279,13 @@ class Calibrator:
         return {"method": o.method, "expert_calibration": o.expert_calibration,
                 "min_expert_tokens": o.min_expert_tokens, "percdamp": o.percdamp, "hessian_shrink": o.hessian_shrink,
                 "mse_clip": o.mse_clip, "mse_norm": o.mse_norm,
-                "mse_weight_power": o.mse_weight_power, "scale_refit": o.scale_refit,
+                "mse_weight_power": o.mse_weight_power, "mse_norm_routed": o.mse_norm_routed,
+                "mse_weight_power_routed": o.mse_weight_power_routed, "scale_refit": o.scale_refit,
                 "scale_refit_routed": o.scale_refit_routed,
                 "gptaq": o.gptaq, "gptaq_active": self.plan.gptaq_active,
                 "sequential_mlp_active": self.plan.sequential_active,
-                "scale_refits": self.plan.scale_refits, "group_size": o.group_size, "calibration": self.calib.summary(),
+                "scale_refits": self.plan.scale_refits,
+                "clip_settings": {k: list(v) for k, v in self.plan.clip_settings.items()}, "group_size": o.group_size, "calibration": self.calib.summary(),
                 "device": str(self.device), "compute_dtype": str(self.dtype).replace("torch.", ""),
                 "layers": self.carry.layers + rtn_entries(self.plan, self.num_layers, self.carry)}
 

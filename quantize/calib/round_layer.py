@@ -198,8 +198,11 @@ class LayerRounding:
                                    mse_norm=opts.mse_norm, mse_weight_power=opts.mse_weight_power,
                                    scale_refit=opts.scale_refit,
                                    gptaq=opts.gptaq, shrink=opts.hessian_shrink)
-        # routed experts: their own rounds of the scale re-fit (0 by default: its cost there)
-        self.gptq_cfg_routed = replace(self.gptq_cfg, scale_refit=opts.scale_refit_routed)
+        # routed experts: their own rounds of the scale re-fit (0 by default: its cost there) and
+        # their own clip settings (the activation-weighted clip by default: options.py)
+        self.gptq_cfg_routed = replace(self.gptq_cfg, scale_refit=opts.scale_refit_routed,
+                                       mse_norm=opts.mse_norm_routed,
+                                       mse_weight_power=opts.mse_weight_power_routed)
         self.awq_cfg = AWQConfig(group_size=opts.group_size, symmetric=opts.symmetric)
         self.p = f"model.layers.{L}.mlp."
         self.W = LayerWeights(ckpt, units, device)

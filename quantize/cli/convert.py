@@ -97,13 +97,23 @@ def convert(
     mse_norm: Annotated[int | None, typer.Option(
         help="The MSE clip's error power N, sum H_kk^A |w - q|^N: 3 clips less than 2. Default: "
              "2 at --group-size 32, 3 at 64 and 128 (each group size's best on Gemma-3-270M, "
-             "weights off a 4-bit grid: BENCHMARKS.md).",
+             "weights off a 4-bit grid: BENCHMARKS.md) on dense and shared-expert Linears; "
+             "routed experts: --mse-norm-routed. A value given applies to every target.",
         min=2, max=3, show_default=False, rich_help_panel=CALIB)] = None,
     mse_weight_power: Annotated[float | None, typer.Option(
         help="The MSE clip's weight on each input channel, H_kk^A (H_kk: its mean squared "
              "activation): 1 weighs the error as the layer's output does, 0 weighs every channel "
              "alike. Default: 0 at --group-size 32 (less perplexity added out of domain there), "
-             "1 at 64 and 128 (less at 128: BENCHMARKS.md).",
+             "1 at 64 and 128 (less at 128: BENCHMARKS.md), on dense and shared-expert Linears; "
+             "routed experts: --mse-weight-power-routed. A value given applies to every target.",
+        min=0.0, max=1.0, show_default=False, rich_help_panel=CALIB)] = None,
+    mse_norm_routed: Annotated[int | None, typer.Option(
+        help="--mse-norm for routed experts. Default: --mse-norm's value where given, else 3 at "
+             "every group size.", min=2, max=3, show_default=False, rich_help_panel=CALIB)] = None,
+    mse_weight_power_routed: Annotated[float | None, typer.Option(
+        help="--mse-weight-power for routed experts. Default: --mse-weight-power's value where "
+             "given, else 1 at every group size (the unweighted clip raised the held-out KL on "
+             "the tiny GLM MoE models, whose norms carry outlier channels: BENCHMARKS.md).",
         min=0.0, max=1.0, show_default=False, rich_help_panel=CALIB)] = None,
     scale_refit: ScaleRefitOpt = None,
     gptaq: GptaqOpt = None,
@@ -229,7 +239,7 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
     """Options, source, plan and the conversion with its progress bar and timestamped lines;
     (the pipeline's result or None on a rank other than 0, the source bytes)."""
     from quantize.pipeline import convert as run_convert
-    from quantize.plan import clip_words, make_plan
+    from quantize.plan import make_plan
     from quantize.sizes import fmt_bytes
     from quantize.source.checkpoint import open_checkpoint
     from quantize.source.hub import is_repo_id, resolve_source
@@ -242,6 +252,8 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
                            min_expert_tokens=a["min_expert_tokens"], percdamp=a["percdamp"],
                            mse_clip=a["mse_clip"], mse_norm=a["mse_norm"],
                            mse_weight_power=a["mse_weight_power"],
+                           mse_norm_routed=a["mse_norm_routed"],
+                           mse_weight_power_routed=a["mse_weight_power_routed"],
                            scale_refit=a["scale_refit"], gptaq=a["gptaq"],
                            sequential_mlp=a["sequential_mlp"], scheme=a["scheme"],
                            mtp=a["mtp"],
@@ -268,7 +280,7 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
         step, line = reporters(bar, "convert", total, quiet)
         line(f"convert {src} -> {dst}: {fmt_bytes(total)} to read, {len(plan.shards)} shard(s) "
              f"of {fmt_bytes(plan.output_bytes)}, method {opts.method}"
-             + (" (" + "; ".join([clip_words(opts.mse_clip, opts.mse_norm, opts.mse_weight_power),
+             + (" (" + "; ".join([plan.clip_words(),
                                   f"dampening {opts.percdamp:g}", *plan.gptq_extras()]) + ")"
                 if "gptq" in opts.method else "") + f", device {a['device']}")
         res = run_convert(local, dst, opts, device=a["device"], resume=a["resume"],

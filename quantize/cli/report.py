@@ -199,7 +199,8 @@ def plan_data(plan: Plan) -> dict:
         # calibrated methods: what GPTQ does beyond the column loop, per kind of target
         "calibration": None if "gptq" not in plan.options.method else {
             "gptaq": plan.options.gptaq if plan.gptaq_active else 0,
-            "scale_refit": plan.scale_refits, "sequential_mlp": plan.sequential_active},
+            "scale_refit": plan.scale_refits, "sequential_mlp": plan.sequential_active,
+            "clip": {k: list(v) for k, v in plan.clip_settings.items()}},
     }
 
 
@@ -226,8 +227,8 @@ def plan_tables(d: dict) -> list[Table]:
     disk = d.get("disk") or {}
     cal = d.get("calibration")
     if cal:
-        t.add_row("GPTQ group scales", "", clip_words(o.get("mse_clip", False), o.get("mse_norm"),
-                                                      o.get("mse_weight_power", 1)))  # (left out at 1)
+        t.add_row("GPTQ group scales", "", clip_words(o.get("mse_clip", False),
+                                                      {k: tuple(v) for k, v in cal["clip"].items()}))
         extra = gptq_extras(cal["gptaq"], cal["scale_refit"], cal.get("sequential_mlp", False))
         t.add_row("GPTQ beyond the column loop", "", "; ".join(extra) or "none")
     if disk.get("checkpoint"):

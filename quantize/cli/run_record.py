@@ -19,7 +19,8 @@ RUN_TYPES: dict[str, tuple[type, ...]] = {
     "keep_fp8": (bool,), "targets": (str, list), "asymmetric": (bool,), "max_shard_size": (str, int),
     "calib": (str,), "num_samples": (int,), "seq_len": (int,), "seed": (int,),
     "expert_calibration": (str,), "min_expert_tokens": (int,), "percdamp": (float, int),
-    "mse_clip": (bool,), "mse_norm": (int,), "mse_weight_power": (float, int), "scale_refit": (int,), "gptaq": (float, int), "sequential_mlp": (bool,),
+    "mse_clip": (bool,), "mse_norm": (int,), "mse_weight_power": (float, int),
+    "mse_norm_routed": (int,), "mse_weight_power_routed": (float, int), "scale_refit": (int,), "gptaq": (float, int), "sequential_mlp": (bool,),
     "rtn_fallback": (bool,), "checkpoint_interval": (float, int),
     "max_gpu_memory": (float, int), "device": (str,), "tp": (int,), "revision": (str,),
     "base_model": (str,)}
@@ -27,7 +28,8 @@ RUN_KEYS = tuple(RUN_TYPES)
 # Options whose default ConvertOptions resolves from others (method, group size): the record
 # holds the value this run used, so a replay under a later version's defaults is the same run.
 # (scale_refit is not: a value given applies to every target, its default differs by target.)
-RESOLVED_KEYS = ("mse_clip", "mse_norm", "mse_weight_power", "gptaq", "sequential_mlp")
+RESOLVED_KEYS = ("mse_clip", "mse_norm", "mse_weight_power", "mse_norm_routed",
+                 "mse_weight_power_routed", "gptaq", "sequential_mlp")
 RUN_FILE_MAX_BYTES = 1 << 20  # a run file is a few hundred bytes; /dev/zero is refused
 _TOML = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
          list: "a list of strings", dict: "a table"}

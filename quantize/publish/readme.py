@@ -103,8 +103,11 @@ def _gptq_settings(r: dict) -> str:
     an earlier version lacks are left out)."""
     parts = []
     if "mse_clip" in r:
-        # (a report without them: the activation-weighted clip of power 2)
-        parts.append(clip_words(r["mse_clip"], r.get("mse_norm", 2), r.get("mse_weight_power", 1)))
+        # (a report without clip_settings: one setting for every target; without mse_norm and
+        # mse_weight_power: the activation-weighted clip of power 2)
+        every = (r.get("mse_norm", 2), r.get("mse_weight_power", 1))
+        parts.append(clip_words(r["mse_clip"], {k: tuple(v) for k, v in r["clip_settings"].items()}
+                                if "clip_settings" in r else {"": every}))
     if "percdamp" in r:
         parts.append(f"dampening {r['percdamp']:g}")
     # ({kind of target present: rounds} for the re-fit)

@@ -28,7 +28,7 @@ from pathlib import Path
 from quantize import SCHEMA_VERSION, __version__
 from quantize.errors import Problem, QuantizeError
 from quantize.names import MANIFEST
-from quantize.options import OMITTED_AT
+from quantize.options import recorded_option
 from quantize.plan import Plan
 from quantize.source.checkpoint import INDEX_NAME, Checkpoint
 from quantize.write.shards import sha256_file, write_json_atomic
@@ -200,7 +200,7 @@ class Manifest:
         diffs = []
         opts, before = plan.options.to_json(), previous.get("options", {})
         for k in [*opts, *(k for k in before if k not in opts)]:  # (one left out reads as its value)
-            old, v = before.get(k, OMITTED_AT.get(k)), opts.get(k, OMITTED_AT.get(k))
+            old, v = recorded_option(before, k), recorded_option(opts, k)
             if old != v:
                 diffs.append(f"option {k}: was {old!r}, now {v!r}")
         if previous.get("tool_version") != __version__:  # same layout, maybe other arithmetic
