@@ -173,7 +173,14 @@ class ConvertOptions:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.mse_clip is None:  # frozen: resolve the per-method default once, here
+        self._resolve_gptq_defaults()
+        self._check_values()
+
+    def _resolve_gptq_defaults(self) -> None:
+        """The calibration options left None, resolved once (frozen) from the method, the
+        group size and the options given; a GPTQ option given to a method without GPTQ is
+        refused here, before a default could hide it."""
+        if self.mse_clip is None:
             object.__setattr__(self, "mse_clip", "gptq" in self.method)
         if "gptq" not in self.method and (self.scale_refit or self.scale_refit_routed):
             # (verify would accept re-fitted scales from a method that never re-fits them)
@@ -201,6 +208,11 @@ class ConvertOptions:
         for k, other in (("mse_norm", 3), ("mse_weight_power", 1.0)):  # (the clip off: its
             if getattr(self, k) is None:  # settings stay at what manifests recorded before)
                 object.__setattr__(self, k, SMALL_GROUP_DEFAULTS[k] if small and self.mse_clip else other)
+        if self.sequential_mlp is None:
+            object.__setattr__(self, "sequential_mlp", "gptq" in self.method)
+
+    def _check_values(self) -> None:
+        """Each option's range, and the combinations the method, scheme and kernels refuse."""
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"--group-size must be one of {GROUP_SIZES} (what the serving "
                              f"kernels accept), got {self.group_size}")
@@ -237,8 +249,6 @@ class ConvertOptions:
         if self.mse_clip and "gptq" not in self.method:
             raise ValueError("--mse-clip chooses GPTQ's group scales: use it with --method gptq "
                              "or awq+gptq")
-        if self.sequential_mlp is None:
-            object.__setattr__(self, "sequential_mlp", "gptq" in self.method)
         if self.sequential_mlp and "gptq" not in self.method:
             raise ValueError("--sequential-mlp orders GPTQ's solves: use it with --method gptq or "
                              "awq+gptq")
