@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +53,7 @@ from quantize.source.weights import (
     resolve_device,
     source_weight,
 )
+from quantize.write.deleting import TRASH, Deleting
 from quantize.write.manifest import Manifest, read_manifest
 from quantize.write.qconfig import quantization_config
 from quantize.write.shards import (
@@ -191,33 +191,51 @@ def _our_partials(plan: Plan, aux: list[Path]) -> set[str]:
     return {n + PARTIAL for n in names}
 
 
-def _prepare_out(out: Path, overwrite: bool, partials: set[str]) -> dict | None:
-    """Empty or resume the (locked) output folder; return the previous manifest when resuming.
+def _prepare_out(out: Path, overwrite: bool, partials: set[str]) -> tuple[dict | None, Deleting | None]:
+    """Empty or resume the (locked) output folder; return the previous manifest when resuming,
+    and the deletion of old contents still running (or None).
 
     A folder holding a manifest is resumed whether or not --resume was given (re-running the
     same command continues it; `Manifest.resume` refuses other options or a changed source).
-    Any other non-empty folder is refused unless --overwrite (which deletes its contents).
-    Half-written files of a killed run are deleted before we start: only files whose names are
-    in `partials` (`_our_partials`: what this conversion writes, + `.partial`); any other
-    `*.partial` entry is the user's and counts as content like any other file.
+    Any other non-empty folder is refused unless --overwrite, which moves its contents aside
+    and deletes them in the background (write/deleting.py), as it does a TRASH folder a killed
+    run left. Half-written files of a killed run are deleted before we start: only files whose
+    names are in `partials` (`_our_partials`: what this conversion writes, + `.partial`); any
+    other `*.partial` entry is the user's and counts as content like any other file.
     """
     previous = None if overwrite else read_manifest(out)
     mine = [p for p in out.iterdir() if p.name in partials and p.is_file() and not p.is_symlink()]
-    other = [p for p in out.iterdir() if p not in mine]
-    if other and overwrite:
-        for p in other:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
-    elif other and previous is None:
+    trash = out / TRASH
+    left = trash.is_dir() and not trash.is_symlink()  # (a killed run's: ours)
+    other = [p for p in out.iterdir() if p not in mine and not (left and p == trash)]
+    deleting = None
+    if overwrite and other or left:
+        deleting = Deleting(out, other if overwrite else [])
+    if other and not overwrite and previous is None:
         raise QuantizeError("the output folder is not empty", [Problem(
             str(out), None, f"{len(other)} existing file(s) (e.g. {min(other).name}), no {MANIFEST}",
             "an empty or new folder, or one holding an earlier conversion's manifest",
             "choose a new folder, or pass --overwrite to delete its contents")])
     for p in mine:
         p.unlink()  # half-written files of an interrupted run (the lock says it is not running)
-    return previous
+    return previous, deleting
+
+
+def _check_disk(out: Path, plan: Plan, previous: dict | None, dev: torch.device,
+                checkpoint_interval: float, log: Callable[[str], None] | None, least: int,
+                deleting: Deleting | None) -> int:
+    """disk.check_disk on the space free now. While old contents are still being deleted, a
+    run that needs their space (or would keep fewer calibration checkpoints without it) waits
+    for the deletion and is checked again."""
+    if deleting is not None and deleting.busy:
+        try:
+            at_once = check_disk(out, plan, previous, dev, checkpoint_interval, None, least)
+            if at_once in (0, MAX_CHECKPOINTS):
+                return at_once
+        except QuantizeError:
+            pass
+        deleting.wait()
+    return check_disk(out, plan, previous, dev, checkpoint_interval, log, least)
 
 
 def _check_scales(ckpt: Checkpoint, plan: Plan) -> None:
@@ -321,13 +339,15 @@ def convert(
         # it (write/qconfig.py: its import cost an RTN conversion seconds after its last shard)
         qconfig = quantization_config(plan)
         with folder_lock(out):  # one conversion per output folder at a time
-            previous = _prepare_out(out, overwrite, _our_partials(plan, aux))
-            at_once = check_disk(out, plan, previous, dev, checkpoint_interval, log,
-                                 least=1 if dist is None else 2)
+            previous, deleting = _prepare_out(out, overwrite, _our_partials(plan, aux))
+            if deleting is not None and log is not None:
+                log(f"deleting {out.name}'s previous contents in the background ({TRASH})")
+            at_once = _check_disk(out, plan, previous, dev, checkpoint_interval, log,
+                                  1 if dist is None else 2, deleting)
             return _write(ckpt, plan, out, previous, aux, opts, dev, on_unit,
                           {"command": command, "source_format": ckpt.source_format,
                            "model_type": ckpt.model_type, "tp": tp}, qconfig, calib, base_model,
-                          at_once, early)
+                          at_once, early, deleting)
     finally:
         if early is not None:
             early.close()  # (a check refused to start, or the stream is done)
@@ -400,10 +420,11 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
            opts: ConvertOptions, dev: torch.device, on_unit: Callable[[Unit], None] | None,
            extra: dict, qconfig: dict, calib: Calibrator | None = None,
            base_model: str | None = None, at_once: int = 0,
-           early: Readahead | None = None) -> ConvertResult:
+           early: Readahead | None = None, deleting: Deleting | None = None) -> ConvertResult:
     """Steps 5 and 6 of the recipe, in the prepared and locked output folder (`at_once`: the
     calibration checkpoints the disk has room for; `early`: the source's read-ahead, started
-    with every shard to write)."""
+    with every shard to write; `deleting`: the old contents' deletion, waited for before the
+    folder is declared complete)."""
     # what a resume must match besides the options: kept shards from other calibration tokens
     # or another device's arithmetic would mix two calibrations in one checkpoint
     calibration = None if calib is None else calib.identity()
@@ -459,6 +480,8 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, previous: dict | None, aux: 
         ckpt.drop_read = False
 
     stall_point("finish")
+    if deleting is not None:
+        deleting.wait()  # (a complete folder holds no TRASH)
     report = _write_rest(ckpt, plan, out, aux, manifest, qconfig, calib)
     manifest.finish(ckpt, tool_version=__version__, tp=plan.tp)  # a resume may serve at another TP
     if calib is not None:

@@ -12,6 +12,8 @@ Runs, each after `sync; echo 3 > /proc/sys/vm/drop_caches`:
   copy     cp -r SRC DST && sync                       the yardstick a user knows
   read     cat SRC/*.safetensors DST/*.safetensors     verify's cold read floor (after an rtn run)
   rtn      python3 -m quantize convert SRC DST --method rtn   (DST deleted before the clock starts)
+  rtn-overwrite   the same into DST as the previous rtn run left it (--overwrite deletes it:
+           the re-run a user makes)
   verify   python3 -m quantize verify SRC DST --no-layer-check   (and with the layer check)
 Recorded: wall time, peak host RSS, the bytes read from and written to the disk, the disk's cold read / fsynced write rates, and every
 time-stamped stderr line of the CLI as seconds since the process started (where the time goes:
@@ -118,6 +120,8 @@ def main() -> None:
                          "site-packages hold no .pyc compiles torch's sources in every process)")
     ap.add_argument("--only", default="copy,rtn,verify,verify-layers", help="which runs, comma list")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (figures meaningless)")
+    ap.add_argument("--device", default=None, help="the slice's and the runs' device (default: cuda; "
+                    "cpu on a machine without one: slower builds and runs, the disk's share the same)")
     ap.add_argument("--cgroup", type=Path, default=None,
                     help="a memory cgroup folder (made and limited by the caller) to run the "
                          "quantize commands in: a page cache smaller than the output, as on a real model")
@@ -127,6 +131,7 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg, device, src = slice_config(args)
+    device = args.device or device
     res: dict = {"source": str(src), "command": " ".join(sys.argv), "runs": {}}
     if args.pycache is not None:
         res["pycache"] = precompile(args.pycache, args.code)
@@ -139,6 +144,8 @@ def main() -> None:
         "read": ["bash", "-c", f"cat {src}/*.safetensors {dst}/*.safetensors > /dev/null"],
         "rtn": [*q, "convert", str(src), str(dst), "--method", "rtn", "--device", device, "--overwrite",
                 *args.extra.split()],
+        "rtn-overwrite": [*q, "convert", str(src), str(dst), "--method", "rtn", "--device", device,
+                          "--overwrite", *args.extra.split()],
         "verify": [*q, "verify", str(src), str(dst), "--device", device, "--no-layer-check"],
         "verify-layers": [*q, "verify", str(src), str(dst), "--device", device],
     }
@@ -151,7 +158,7 @@ def main() -> None:
                   args.code if ours else None)
         if name == "copy":
             subprocess.run(["rm", "-rf", str(copy)], check=False)
-        if name == "rtn" and dst.exists():
+        if name.startswith("rtn") and dst.exists():
             r["output_bytes"] = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
         res["runs"][key] = r
         args.out.write_text(json.dumps(res, indent=2))
