@@ -274,6 +274,14 @@ class ConvertOptions:
                 f"MoE kernels of vLLM and SGLang take nothing else), got --group-size "
                 f"{self.group_size}{' --asymmetric' if not self.symmetric else ''}")
 
+    @classmethod
+    def from_json(cls, options: dict) -> ConvertOptions:
+        """The options a manifest records (`to_json`), read back: a key left out at its
+        OMITTED_AT value is that value (not today's default for it), a routed-expert clip option
+        left out follows the option it follows (ROUTED_OF)."""
+        kw = {**{k: v for k, v in OMITTED_AT.items() if k not in options}, **options}
+        return cls(**{**kw, "targets": frozenset(kw["targets"])})
+
     def to_json(self) -> dict:
         """The options as the manifest records them. `calib` by file name, not path (the
         manifest is published; the calibration tokens' sha256 pins the content for resume)."""

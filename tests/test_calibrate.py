@@ -529,6 +529,17 @@ def test_routed_experts_keep_the_weighted_clip_at_every_group_size(tmp_path):
     assert (o.mse_norm, o.mse_norm_routed, o.mse_weight_power_routed) == (3, 2, 0.5)
     g128 = ConvertOptions(method="gptq", group_size=128).to_json()  # (as before the options)
     assert "mse_norm_routed" not in g128 and "mse_weight_power_routed" not in g128
+    # what a manifest records reads back as the same options (verify, eval and the card rebuild
+    # the plan from it), also the values left out of it and those set per kind of target
+    for kw in ({"method": "rtn"}, {"method": "gptq"}, {"method": "gptq", "group_size": 128},
+               {"method": "awq+gptq", "targets": frozenset({"routed", "shared"}), "mse_weight_power": 0.5},
+               {"method": "gptq", "mse_norm_routed": 2, "mse_clip": True, "rtn_fallback": True}):
+        o = ConvertOptions(**kw)
+        assert ConvertOptions.from_json(o.to_json()) == o, kw
+    # a manifest of group 32 from before mse_weight_power was recorded: the weighted clip it ran,
+    # not today's group-32 default
+    old = ConvertOptions(method="gptq", mse_norm=3, mse_weight_power=1.0).to_json()
+    assert "mse_weight_power" not in old and ConvertOptions.from_json(old).mse_weight_power == 1
     # a manifest from before them: one clip for every target
     legacy = {"mse_norm": 2, "mse_weight_power": 0.0}
     assert (recorded_option(legacy, "mse_norm_routed"), recorded_option(legacy, "mse_weight_power_routed")) == (2, 0)

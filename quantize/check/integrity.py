@@ -94,8 +94,7 @@ class Reads:
 
 
 def options_of(manifest: dict) -> ConvertOptions:
-    o = manifest["options"]
-    return ConvertOptions(**{**o, "targets": frozenset(o["targets"])})
+    return ConvertOptions.from_json(manifest["options"])
 
 
 def same_size(dst: Path, files: dict) -> list[str]:

@@ -39,18 +39,13 @@ __all__ = ["CARD", "EVAL_JSON", "card_facts", "card_text", "hub_source", "refres
 TP_SIZES = (1, 2, 4, 8, 16)
 
 
-def _options(manifest: dict) -> ConvertOptions:
-    o = manifest["options"]
-    return ConvertOptions(**{**o, "targets": frozenset(o["targets"])})
-
-
 def _source_plan(manifest: dict) -> Plan | None:
     """The plan recomputed from the source headers, or None when the source is gone."""
     path = (manifest.get("source") or {}).get("path")
     if not path or not Path(path).is_dir():
         return None
     try:
-        return make_plan(open_checkpoint(path), _options(manifest))
+        return make_plan(open_checkpoint(path), ConvertOptions.from_json(manifest["options"]))
     except (QuantizeError, ValueError, OSError):
         return None  # moved or changed since conversion: fall back to the output's own figures
 
@@ -160,7 +155,7 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
     manifest = read_manifest(dst)
     if manifest is None:
         raise QuantizeError(f"{dst} is not an output of `quantize convert` (no manifest)")
-    opts = _options(manifest)
+    opts = ConvertOptions.from_json(manifest["options"])
     config = json.loads((dst / "config.json").read_text())
     index = json.loads((dst / INDEX_NAME).read_text())
     names = index["weight_map"]
