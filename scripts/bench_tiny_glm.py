@@ -84,12 +84,14 @@ def main() -> None:
     ap.add_argument("--runs", default=ROUTED_PAIR)
     ap.add_argument("--model-seeds", default="0,1,2")
     ap.add_argument("--calib-seeds", default="0,1")
+    ap.add_argument("--num-samples", type=int, default=8, help="calibration windows of 64 tokens")
     ap.add_argument("--outlier-scale", type=float, default=16.0,
                     help="every 64th post-attention-norm channel times this (1: none)")
     args = ap.parse_args()
     runs = parse_runs(args.runs)
     res = {"command": " ".join(sys.argv), "torch": torch.__version__, "host": platform.node(),
-           "commit": os.environ.get("BENCH_COMMIT"), "outlier_scale": args.outlier_scale, "runs": []}
+           "commit": os.environ.get("BENCH_COMMIT"), "outlier_scale": args.outlier_scale,
+           "num_samples": args.num_samples, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         lines = SHIPPED_SETS["small"].read_text().splitlines()  # as the test
@@ -107,7 +109,7 @@ def main() -> None:
                     for label, method, kw in runs:
                         out = tmp / "out"
                         t0 = time.perf_counter()
-                        convert(src, out, ConvertOptions(method=method, num_samples=8, seq_len=64, seed=cs,
+                        convert(src, out, ConvertOptions(method=method, num_samples=args.num_samples, seq_len=64, seed=cs,
                                                          calib=str(calib), **kw), device="cpu", overwrite=True)
                         r = evaluate(src, out, EvalOptions(num_samples=16, seq_len=64, data=str(held)),
                                      device="cpu", write=False)
