@@ -117,6 +117,13 @@ def test_plan_json_and_strict(dsa_fp8):
         flat = " ".join(r.output.replace("│", " ").split())  # (a cell wraps at the console's width)
         rows[k] = flat.split("GPTQ group scales ", 1)[1].split(" GPTQ beyond", 1)[0]
     assert rows["routed"] == "MSE clip of error power 3, channels weighted by their activations", rows
+    for flags, row in ((["--mse-weight-power-routed", "0.5"],
+                        "MSE clip of error power 3, channels weighted by their activations^0.5"),
+                       (["--mse-norm", "2", "--mse-weight-power", "0"], "MSE clip of error power 2, channels alike"),
+                       (["--no-mse-clip"], "min-max range (no MSE clip)")):
+        r = runner.invoke(app, ["plan", str(dsa_fp8), "--tp", "1", "--method", "gptq", *flags])
+        flat = " ".join(r.output.replace("│", " ").split())
+        assert "GPTQ group scales " + row + " GPTQ beyond" in flat, (flags, r.output)
     assert rows["shared"] == (
         "MSE clip of error power 2, channels alike (dense and shared-expert Linears), of error power 3, "
         "channels weighted by their activations (routed experts)"), rows

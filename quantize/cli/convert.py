@@ -23,6 +23,11 @@ from quantize.cli.params import (
     KeepFp8,
     MaxShardSize,
     Method,
+    MseClipOpt,
+    MseNormOpt,
+    MseNormRoutedOpt,
+    MseWeightPowerOpt,
+    MseWeightPowerRoutedOpt,
     Mtp,
     MtpOpt,
     Revision,
@@ -88,33 +93,11 @@ def convert(
     percdamp: Annotated[float, typer.Option(
         help="GPTQ dampening, relative to the mean Hessian diagonal (0.01, the papers' value, "
              "overfits narrow calibration text: BENCHMARKS.md).", rich_help_panel=CALIB)] = 0.1,
-    mse_clip: Annotated[bool | None, typer.Option(
-        "--mse-clip/--no-mse-clip", help="GPTQ: search each group's clipping range (1.00-0.80 of "
-        "min/max) for the least Hessian-weighted error (power --mse-norm) instead of the full range. "
-        "Default: on for gptq and awq+gptq (largest where weights sit near a 4-bit grid, "
-        "smaller off it: README; on CUDA one Triton kernel, under 1 s per GLM-5.2 MoE layer).",
-        show_default=False, rich_help_panel=CALIB)] = None,
-    mse_norm: Annotated[int | None, typer.Option(
-        help="The MSE clip's error power N, sum H_kk^A |w - q|^N: 3 clips less than 2. Default: "
-             "2 at --group-size 32, 3 at 64 and 128 (each group size's best on Gemma-3-270M, "
-             "weights off a 4-bit grid: BENCHMARKS.md) on dense and shared-expert Linears; "
-             "routed experts: --mse-norm-routed. A value given applies to every target.",
-        min=2, max=3, show_default=False, rich_help_panel=CALIB)] = None,
-    mse_weight_power: Annotated[float | None, typer.Option(
-        help="The MSE clip's weight on each input channel, H_kk^A (H_kk: its mean squared "
-             "activation): 1 weighs the error as the layer's output does, 0 weighs every channel "
-             "alike. Default: 0 at --group-size 32 (less perplexity added out of domain there), "
-             "1 at 64 and 128 (less at 128: BENCHMARKS.md), on dense and shared-expert Linears; "
-             "routed experts: --mse-weight-power-routed. A value given applies to every target.",
-        min=0.0, max=1.0, show_default=False, rich_help_panel=CALIB)] = None,
-    mse_norm_routed: Annotated[int | None, typer.Option(
-        help="--mse-norm for routed experts. Default: --mse-norm's value where given, else 3 at "
-             "every group size.", min=2, max=3, show_default=False, rich_help_panel=CALIB)] = None,
-    mse_weight_power_routed: Annotated[float | None, typer.Option(
-        help="--mse-weight-power for routed experts. Default: --mse-weight-power's value where "
-             "given, else 1 at every group size (the unweighted clip raised the held-out KL on "
-             "the tiny GLM MoE models, whose norms carry outlier channels: BENCHMARKS.md).",
-        min=0.0, max=1.0, show_default=False, rich_help_panel=CALIB)] = None,
+    mse_clip: MseClipOpt = None,
+    mse_norm: MseNormOpt = None,
+    mse_weight_power: MseWeightPowerOpt = None,
+    mse_norm_routed: MseNormRoutedOpt = None,
+    mse_weight_power_routed: MseWeightPowerRoutedOpt = None,
     scale_refit: ScaleRefitOpt = None,
     gptaq: GptaqOpt = None,
     sequential_mlp: SequentialOpt = None,

@@ -62,6 +62,33 @@ Debug = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
 Device = Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")]
 MaxShardSize = Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 512MiB.")]
 CALIB = "Calibration (gptq, awq)"  # the --help panel of the calibration's options
+MseClipOpt = Annotated[bool | None, typer.Option(
+    "--mse-clip/--no-mse-clip", help="GPTQ: search each group's clipping range (1.00-0.80 of "
+    "min/max) for the least Hessian-weighted error (power --mse-norm) instead of the full range. "
+    "Default: on for gptq and awq+gptq (largest where weights sit near a 4-bit grid, "
+    "smaller off it: README; on CUDA one Triton kernel, under 1 s per GLM-5.2 MoE layer).",
+    show_default=False, rich_help_panel=CALIB)]
+MseNormOpt = Annotated[int | None, typer.Option(
+    help="The MSE clip's error power N, sum H_kk^A |w - q|^N: 3 clips less than 2. Default: "
+         "2 at --group-size 32, 3 at 64 and 128 (each group size's best on Gemma-3-270M, "
+         "weights off a 4-bit grid: BENCHMARKS.md) on dense and shared-expert Linears; "
+         "routed experts: --mse-norm-routed. A value given applies to every target.",
+    min=2, max=3, show_default=False, rich_help_panel=CALIB)]
+MseWeightPowerOpt = Annotated[float | None, typer.Option(
+    help="The MSE clip's weight on each input channel, H_kk^A (H_kk: its mean squared "
+         "activation): 1 weighs the error as the layer's output does, 0 weighs every channel "
+         "alike. Default: 0 at --group-size 32 (less perplexity added out of domain there), "
+         "1 at 64 and 128 (less at 128: BENCHMARKS.md), on dense and shared-expert Linears; "
+         "routed experts: --mse-weight-power-routed. A value given applies to every target.",
+    min=0.0, max=1.0, show_default=False, rich_help_panel=CALIB)]
+MseNormRoutedOpt = Annotated[int | None, typer.Option(
+    help="--mse-norm for routed experts. Default: --mse-norm's value where given, else 3 at "
+         "every group size.", min=2, max=3, show_default=False, rich_help_panel=CALIB)]
+MseWeightPowerRoutedOpt = Annotated[float | None, typer.Option(
+    help="--mse-weight-power for routed experts. Default: --mse-weight-power's value where "
+         "given, else 1 at every group size (the unweighted clip raised the held-out KL on "
+         "the tiny GLM MoE models, whose norms carry outlier channels: BENCHMARKS.md).",
+    min=0.0, max=1.0, show_default=False, rich_help_panel=CALIB)]
 ScaleRefitOpt = Annotated[int | None, typer.Option(
     help="GPTQ: rounds of re-fitting each row's group scales by least squares to the chosen "
          "codes against the Hessian (1: the codes stay; more: the column loop runs again under "

@@ -16,6 +16,11 @@ from quantize.cli.params import (
     KeepFp8,
     MaxShardSize,
     Method,
+    MseClipOpt,
+    MseNormOpt,
+    MseNormRoutedOpt,
+    MseWeightPowerOpt,
+    MseWeightPowerRoutedOpt,
     Mtp,
     MtpOpt,
     Revision,
@@ -45,6 +50,11 @@ def plan(
     keep_fp8: KeepFp8 = False,
     num_samples: Annotated[int, typer.Option(help="Calibration sequences (calibrated methods).")] = 128,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 2048,
+    mse_clip: MseClipOpt = None,
+    mse_norm: MseNormOpt = None,
+    mse_weight_power: MseWeightPowerOpt = None,
+    mse_norm_routed: MseNormRoutedOpt = None,
+    mse_weight_power_routed: MseWeightPowerRoutedOpt = None,
     gptaq: GptaqOpt = None,
     scale_refit: ScaleRefitOpt = None,
     sequential_mlp: SequentialOpt = None,
@@ -64,6 +74,7 @@ def plan(
       quantize plan zai-org/GLM-5.2-FP8 --tp 8                # Hub: headers only
       quantize plan ./GLM-5.2-FP8 --method gptq --num-samples 512   # + checkpoint disk
       quantize plan ./GLM-5.2-FP8 --method gptq --targets routed,shared   # GPTAQ: x2 checkpoints
+      quantize plan ./GLM-5.2-FP8 --method gptq --mse-weight-power-routed 0   # how the scales are chosen
       quantize plan ./GLM-5.2-INT4 --tp 8        # an INT4 output: the serving checks at TP 8
     """
     from quantize.cli.report import (
@@ -89,7 +100,9 @@ def plan(
         ckpt = resolve_source(src, revision, headers_only=True)
         d = plan_data(make_plan(ckpt, convert_options(
             method, group_size, targets, asymmetric, max_shard_size, num_samples=num_samples,
-            seq_len=seq_len, scheme=scheme, mtp=mtp, keep_fp8=keep_fp8, gptaq=gptaq,
+            seq_len=seq_len, scheme=scheme, mtp=mtp, keep_fp8=keep_fp8, mse_clip=mse_clip,
+            mse_norm=mse_norm, mse_weight_power=mse_weight_power, mse_norm_routed=mse_norm_routed,
+            mse_weight_power_routed=mse_weight_power_routed, gptaq=gptaq,
             scale_refit=scale_refit, sequential_mlp=sequential_mlp), tp))
         checks, prefix = d["checks"], ""
         if json_:
