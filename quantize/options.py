@@ -119,13 +119,15 @@ class ConvertOptions:
     # lower validation KL than no clip at groups 32 and 128), off (not applicable) for rtn, awq.
     mse_clip: bool | None = None
     # The power of the error the MSE clip minimises, sum H_kk^a |w - q|^mse_norm, 2 or 3, on
-    # dense and shared-expert Linears (routed experts: mse_norm_routed). None: 2 at group 32 with the clip on (SMALL_GROUP_DEFAULTS), else 3. On Gemma-3-270M
-    # (weights off the 4-bit grid; scripts/bench_quality.py, BENCHMARKS.md) 3 had the lowest
-    # validation KL of the H-weighted clips at groups 32 and 128 (3 seeds).
+    # dense and shared-expert Linears (routed experts: mse_norm_routed). None: 2 at group 32
+    # with the clip on (SMALL_GROUP_DEFAULTS), else 3. On Gemma-3-270M (weights off the 4-bit
+    # grid; scripts/bench_quality.py, BENCHMARKS.md) 3 had the lowest validation KL of the
+    # H-weighted clips at groups 32 and 128 (3 seeds).
     mse_norm: int | None = None
     # The power a of diag(H) that weighs each input channel in the clip's error (dense and
-    # shared-expert Linears; routed experts: mse_weight_power_routed): 1 the output error (gptq.py `GPTQConfig.mse_weight_power`), 0 unweighted, as llm-compressor's `mse`
-    # observer. None: 0 at group 32 with the clip on (SMALL_GROUP_DEFAULTS), else 1.
+    # shared-expert Linears; routed experts: mse_weight_power_routed): 1 the output error
+    # (gptq.py `GPTQConfig.mse_weight_power`), 0 unweighted, as llm-compressor's `mse` observer.
+    # None: 0 at group 32 with the clip on (SMALL_GROUP_DEFAULTS), else 1.
     mse_weight_power: float | None = None
     # The MSE clip's settings on routed experts. None: mse_norm's and mse_weight_power's where
     # those are given, else 3 and 1 (ROUTED_CLIP_DEFAULTS: the activation-weighted clip, at

@@ -208,14 +208,12 @@ def _prepare_out(out: Path, overwrite: bool, partials: set[str]) -> tuple[dict |
     trash = out / TRASH
     left = trash.is_dir() and not trash.is_symlink()  # (a killed run's: ours)
     other = [p for p in out.iterdir() if p not in mine and not (left and p == trash)]
-    deleting = None
-    if overwrite and other or left:
-        deleting = Deleting(out, other if overwrite else [])
     if other and not overwrite and previous is None:
         raise QuantizeError("the output folder is not empty", [Problem(
             str(out), None, f"{len(other)} existing file(s) (e.g. {min(other).name}), no {MANIFEST}",
             "an empty or new folder, or one holding an earlier conversion's manifest",
             "choose a new folder, or pass --overwrite to delete its contents")])
+    deleting = Deleting(out, other if overwrite else []) if overwrite and other or left else None
     for p in mine:
         p.unlink()  # half-written files of an interrupted run (the lock says it is not running)
     return previous, deleting

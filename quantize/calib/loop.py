@@ -285,7 +285,8 @@ class Calibrator:
                 "gptaq": o.gptaq, "gptaq_active": self.plan.gptaq_active,
                 "sequential_mlp_active": self.plan.sequential_active,
                 "scale_refits": self.plan.scale_refits,
-                "clip_settings": {k: list(v) for k, v in self.plan.clip_settings.items()}, "group_size": o.group_size, "calibration": self.calib.summary(),
+                "clip_settings": {k: list(v) for k, v in self.plan.clip_settings.items()},
+                "group_size": o.group_size, "calibration": self.calib.summary(),
                 "device": str(self.device), "compute_dtype": str(self.dtype).replace("torch.", ""),
                 "layers": self.carry.layers + rtn_entries(self.plan, self.num_layers, self.carry)}
 

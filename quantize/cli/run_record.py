@@ -20,7 +20,8 @@ RUN_TYPES: dict[str, tuple[type, ...]] = {
     "calib": (str,), "num_samples": (int,), "seq_len": (int,), "seed": (int,),
     "expert_calibration": (str,), "min_expert_tokens": (int,), "percdamp": (float, int),
     "mse_clip": (bool,), "mse_norm": (int,), "mse_weight_power": (float, int),
-    "mse_norm_routed": (int,), "mse_weight_power_routed": (float, int), "scale_refit": (int,), "gptaq": (float, int), "sequential_mlp": (bool,),
+    "mse_norm_routed": (int,), "mse_weight_power_routed": (float, int), "scale_refit": (int,),
+    "gptaq": (float, int), "sequential_mlp": (bool,),
     "rtn_fallback": (bool,), "checkpoint_interval": (float, int),
     "max_gpu_memory": (float, int), "device": (str,), "tp": (int,), "revision": (str,),
     "base_model": (str,)}
