@@ -281,7 +281,7 @@ class ConvertOptions:
         """The options a manifest records (`to_json`), read back: a key left out at its
         OMITTED_AT value is that value (not today's default for it), a routed-expert clip option
         left out follows the option it follows (ROUTED_OF)."""
-        kw = {**{k: v for k, v in OMITTED_AT.items() if k not in options}, **options}
+        kw = {k: recorded_option(options, k) for k in (*OMITTED_AT, *ROUTED_OF)} | options
         return cls(**{**kw, "targets": frozenset(kw["targets"])})
 
     def to_json(self) -> dict:

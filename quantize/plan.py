@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -438,14 +439,15 @@ def make_plan(ckpt: Checkpoint, opts: ConvertOptions, tp: int = 8) -> Plan:
     )
 
 
-def clip_words(mse_clip: bool, settings: dict[str, tuple[int, float]]) -> str:
+def clip_words(mse_clip: bool, settings: dict[str, Sequence[float]]) -> str:
     """How GPTQ chooses its group scales, in words, as convert's start line, plan's table and the
     model card say it: the MSE clip's error power and its weight on each input channel (H_kk^a:
     a = 0 channels alike, 1 weighted by their activations) per kind of target present
-    ({"dense/shared": (power, a), "routed": (power, a)}; one phrase where they agree), or the
-    min-max range."""
+    ({"dense/shared": (power, a), "routed": (power, a)}, pairs as tuples or, read from JSON,
+    lists; one phrase where they agree), or the min-max range."""
     if not mse_clip:
         return "min-max range (no MSE clip)"
+    settings = {k: tuple(v) for k, v in settings.items()}
 
     def one(norm: int, a: float) -> str:
         weight = "channels alike" if a == 0 else "channels weighted by their activations" + (

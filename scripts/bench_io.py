@@ -144,11 +144,10 @@ def main() -> None:
         "read": ["bash", "-c", f"cat {src}/*.safetensors {dst}/*.safetensors > /dev/null"],
         "rtn": [*q, "convert", str(src), str(dst), "--method", "rtn", "--device", device, "--overwrite",
                 *args.extra.split()],
-        "rtn-overwrite": [*q, "convert", str(src), str(dst), "--method", "rtn", "--device", device,
-                          "--overwrite", *args.extra.split()],
         "verify": [*q, "verify", str(src), str(dst), "--device", device, "--no-layer-check"],
         "verify-layers": [*q, "verify", str(src), str(dst), "--device", device],
     }
+    cmds["rtn-overwrite"] = cmds["rtn"]  # (the same command; only the folder's state differs)
     for k, name in enumerate(args.only.split(",")):
         key = name if name not in res["runs"] else f"{name}-{k}"  # (a name asked for twice)
         ours = cmds[name][0] != "bash"

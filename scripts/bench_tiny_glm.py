@@ -37,6 +37,9 @@ from safetensors.torch import load_file, save_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_quality import parse_run  # METHOD[:key=value,...], values JSON
+
 from quantize.calib.data import SHIPPED_SETS
 from quantize.check.evaluate import EvalOptions, evaluate
 from quantize.options import ConvertOptions
@@ -70,12 +73,7 @@ def parse_runs(text: str) -> list[tuple[str, str, dict]]:
             items += [*filter(None, plain), f"{method}:{rest}"]
         else:
             items += list(filter(None, part.split(",")))
-    runs = []
-    for item in items:
-        method, _, rest = item.partition(":")
-        kw = {k: json.loads(v) for k, _, v in (o.partition("=") for o in filter(None, rest.split(",")))}
-        runs.append((item, method.strip(), kw))
-    return runs
+    return [(item, *parse_run(item.strip())) for item in items]
 
 
 def main() -> None:

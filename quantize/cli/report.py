@@ -227,8 +227,7 @@ def plan_tables(d: dict) -> list[Table]:
     disk = d.get("disk") or {}
     cal = d.get("calibration")
     if cal:
-        t.add_row("GPTQ group scales", "", clip_words(o.get("mse_clip", False),
-                                                      {k: tuple(v) for k, v in cal["clip"].items()}))
+        t.add_row("GPTQ group scales", "", clip_words(o.get("mse_clip", False), cal["clip"]))
         extra = gptq_extras(cal["gptaq"], cal["scale_refit"], cal.get("sequential_mlp", False))
         t.add_row("GPTQ beyond the column loop", "", "; ".join(extra) or "none")
     if disk.get("checkpoint"):

@@ -101,8 +101,7 @@ def _gptq_settings(r: dict) -> str:
         # (a report without clip_settings: one setting for every target; without mse_norm and
         # mse_weight_power: the activation-weighted clip of power 2)
         every = (r.get("mse_norm", 2), r.get("mse_weight_power", 1))
-        parts.append(clip_words(r["mse_clip"], {k: tuple(v) for k, v in r["clip_settings"].items()}
-                                if "clip_settings" in r else {"": every}))
+        parts.append(clip_words(r["mse_clip"], r.get("clip_settings", {"": every})))
     if "percdamp" in r:
         parts.append(f"dampening {r['percdamp']:g}")
     # ({kind of target present: rounds} for the re-fit)
