@@ -21,8 +21,8 @@ help: ## list targets and variables
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
 	@echo; echo "variables: MODEL OUT METHOD GROUP_SIZE TARGETS CALIB NUM_SAMPLES SEQ_LEN TP DEVICE"
 	@echo "           MAX_SHARD_SIZE MIN_SQNR REVISION REPO REPO_REVISION PRIVATE DRY_RUN EVAL EVAL_FLAGS"
-	@echo "           ASYMMETRIC SEED EXPERT_CALIBRATION MIN_EXPERT_TOKENS PERCDAMP MSE_CLIP SCALE_REFIT"
-	@echo "           CHECKPOINT_INTERVAL MAX_GPU_MEMORY BASE_MODEL CONFIG (a convert --config TOML)"
+	@echo "           ASYMMETRIC SEED EXPERT_CALIBRATION MIN_EXPERT_TOKENS EXPERT_COVERAGE PERCDAMP MSE_CLIP"
+	@echo "           SCALE_REFIT CHECKPOINT_INTERVAL MAX_GPU_MEMORY BASE_MODEL CONFIG (a convert --config TOML)"
 	@echo "e.g.  make all MODEL=zai-org/GLM-5.2-FP8 OUT=./GLM-5.2-INT4 METHOD=gptq REPO=my-org/GLM-5.2-INT4"
 
 # A venv with the package (editable) and EXTRAS, every version as CONSTRAINTS says.

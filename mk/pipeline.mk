@@ -38,6 +38,7 @@ ASYMMETRIC ?=
 SEED ?=
 EXPERT_CALIBRATION ?=
 MIN_EXPERT_TOKENS ?=
+EXPERT_COVERAGE ?=
 PERCDAMP ?=
 MSE_CLIP ?=
 SCALE_REFIT ?=
@@ -72,6 +73,7 @@ QUANT_FLAGS := --method $(METHOD) --group-size $(GROUP_SIZE) --targets $(TARGETS
   $(if $(ASYMMETRIC),--asymmetric) $(if $(SEED),--seed $(SEED)) $(if $(SCHEME),--scheme $(SCHEME)) \
   $(if $(MTP),--mtp $(MTP)) $(if $(KEEP_FP8),--keep-fp8) $(if $(EXPERT_CALIBRATION),--expert-calibration $(EXPERT_CALIBRATION)) \
   $(if $(MIN_EXPERT_TOKENS),--min-expert-tokens $(MIN_EXPERT_TOKENS)) \
+  $(if $(EXPERT_COVERAGE),--expert-coverage $(EXPERT_COVERAGE)) \
   $(if $(PERCDAMP),--percdamp $(PERCDAMP)) $(if $(filter 0 no false off,$(MSE_CLIP)),--no-mse-clip,$(if $(MSE_CLIP),--mse-clip)) \
   $(if $(SCALE_REFIT),--scale-refit $(SCALE_REFIT)) \
   $(if $(BASE_MODEL),--base-model $(BASE_MODEL)) $(if $(CONFIG),--config $(CONFIG))

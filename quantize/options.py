@@ -60,7 +60,7 @@ def parse_size(text: str) -> int:
 
 # Options the manifest leaves out at these values (to_json), as versions before them wrote it;
 # Manifest.resume reads a missing one as this value.
-OMITTED_AT = {"rtn_fallback": False, "mse_weight_power": 1.0}
+OMITTED_AT = {"rtn_fallback": False, "mse_weight_power": 1.0, "expert_coverage": 0}
 
 
 def recorded_option(options: dict, key: str):
@@ -102,6 +102,10 @@ class ConvertOptions:
     # Below this many routed tokens an expert's statistics come from all tokens instead
     # (a Hessian of rank < 16 over 2048+ inputs is mostly the dampening term).
     min_expert_tokens: int = 16
+    # Routed experts' statistics topped up to at least this many tokens: an expert routed
+    # fewer gets the tokens its router logit ranks highest among the rest (the ones the router
+    # nearly sent it), instead of the all-token fallback (capture.MLPStats.top_up). 0: off.
+    expert_coverage: int = 0
     # GPTQ dampening, relative to the mean Hessian diagonal (IST-DASLab `percdamp`). 0.1, not
     # the papers' 0.01: on SmolLM2 (scripts/bench_quality.py, BENCHMARKS.md) 0.01 overfits the
     # calibration text (held-out perplexity worse than RTN's out of domain); 0.1 with mse_clip
@@ -231,6 +235,9 @@ class ConvertOptions:
             raise ValueError("--num-samples and --seq-len must be positive")
         if self.min_expert_tokens < 0:
             raise ValueError("--min-expert-tokens must be >= 0")
+        if not 0 <= self.expert_coverage <= 65536:
+            raise ValueError(f"--expert-coverage must be 0 (off) to 65536 tokens, got "
+                             f"{self.expert_coverage}")
         if not 0 < self.percdamp < 1:
             raise ValueError("--percdamp must be in (0, 1)")
         if not 0 <= self.hessian_shrink < 1:

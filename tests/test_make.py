@@ -152,12 +152,14 @@ def test_make_passes_every_convert_option(tmp_path):
     out = tmp_path / "o"
     r = _make(_wrapper(tmp_path), "-n", "convert", "MODEL=zai-org/GLM-5.2-FP8", f"OUT={out}",
               "METHOD=gptq", "ASYMMETRIC=1", "SEED=7", "EXPERT_CALIBRATION=all",
-              "MIN_EXPERT_TOKENS=4", "PERCDAMP=0.05", "MSE_CLIP=1", "SCALE_REFIT=2", "CHECKPOINT_INTERVAL=0",
+              "MIN_EXPERT_TOKENS=4", "EXPERT_COVERAGE=64", "PERCDAMP=0.05", "MSE_CLIP=1", "SCALE_REFIT=2",
+              "CHECKPOINT_INTERVAL=0",
               "MAX_GPU_MEMORY=75", "BASE_MODEL=zai-org/GLM-5.2-FP8", "CONFIG=run.toml")
     assert r.returncode == 0, r.stderr
     (cmd,) = [x for x in r.stdout.splitlines() if "app()' convert" in x]
     for flag in ("--method gptq", "--asymmetric", "--seed 7", "--expert-calibration all",
-                 "--min-expert-tokens 4", "--percdamp 0.05", "--mse-clip", "--scale-refit 2",
+                 "--min-expert-tokens 4", "--expert-coverage 64", "--percdamp 0.05", "--mse-clip",
+                 "--scale-refit 2",
                  "--checkpoint-interval 0", "--max-gpu-memory 75",
                  "--base-model zai-org/GLM-5.2-FP8", "--config run.toml"):
         assert flag in cmd, (flag, cmd)

@@ -9,6 +9,11 @@ MoE statistics (`expert_calibration`):
     routed  expert e's gate/up Hessian from the tokens routed to e, its down Hessian from its
             intermediate activations on those tokens (an expert below `min_expert_tokens`
             falls back to all-token statistics: the caller decides, the report says so)
+            With `cover` N (`--expert-coverage`), an expert routed fewer than N tokens has its
+            statistics topped up to N with the tokens its router logit ranks highest among
+            those not routed to it (the tokens the router nearly sent it: `nearest` keeps
+            each expert's best N per pass, `top_up` adds them after the pass), instead of the
+            all-token fallback; the report says which and how many
     routed-weighted
             the same, each token's row scaled by its routing weight w_t (the expert's output
             enters the layer's as w_t y_t, so sum_t w_t^2 x_t x_tᵀ weighs its rounding error as
@@ -99,9 +104,21 @@ class MLPStats:
     C_in: torch.Tensor | None = None  # --gptaq: 2 Xfᵀ X / n of the MLP inputs (H, H)
     C_down: torch.Tensor | None = None  # --gptaq: the same of the dense / shared down inputs
     n_asym: int = 0  # tokens in C_in and C_down (every token of H_in and H_down)
+    cover: int = 0  # --expert-coverage N: routed experts' statistics topped up to N tokens
+    near_s: torch.Tensor | None = None  # (E, N) the best router logits of tokens not routed
+    near_x: torch.Tensor | None = None  # (E, N, H) those tokens' MLP inputs
+    w_sum: torch.Tensor | None = None  # (E,) routed weights' sums (router_weighted: the
+    # weight of an expert's added rows is its routed tokens' mean)
+    added: list[int] = field(default_factory=list)  # tokens added per expert (every rank's)
+    near_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # this rank's added rows
 
     def __post_init__(self) -> None:
         self.expert_tokens = [0] * self.num_experts
+        self.added = [0] * self.num_experts
+
+    def covered(self, e: int) -> int:
+        """Tokens in expert e's routed statistics: routed to it, plus those `top_up` added."""
+        return self.expert_tokens[e] + self.added[e]
 
     @property
     def routed_hessians(self) -> bool:
@@ -207,6 +224,92 @@ class MLPStats:
         if self.samples:
             self._keep(self.inter_e.setdefault(e, []), inter, SAMPLE_EXPERT_TOKENS)
 
+    def nearest(self, logits: torch.Tensor, topk_indices: torch.Tensor, x: torch.Tensor,
+                topk_weights: torch.Tensor) -> None:
+        """--expert-coverage: the chunk's router logits (T, E), its routed expert ids (T, k)
+        and weights, its MLP inputs x (T, H). Per expert, the `cover` tokens not routed to it
+        with the highest logits so far (over every chunk) are kept with their inputs."""
+        if not (self.cover and self.routed_hessians):
+            return
+        T, E = logits.shape
+        with torch.no_grad():
+            ids = topk_indices.long()
+            # routed pairs are no candidates (an id of E, expert parallelism's sentinel, lands
+            # in the extra column)
+            s = torch.cat([logits.detach().float(), logits.new_zeros(T, 1, dtype=torch.float32)], 1)
+            s = s.scatter_(1, ids, float("-inf"))[:, :E]
+            if self.router_weighted:
+                if self.w_sum is None:
+                    self.w_sum = torch.zeros(E + 1, device=x.device)
+                self.w_sum.index_add_(0, ids.reshape(-1), topk_weights.float().reshape(-1))
+            v, i = s.topk(min(self.cover, T), dim=0)  # (k, E): each expert's best tokens here
+            v, i = v.t(), i.t()  # (E, k)
+            if self.near_s is None:
+                self.near_s, self.near_x = v, x[i]  # (E, k), (E, k, H)
+                return
+            n_old = self.near_s.shape[1]  # merged with the best so far: the rows of the winners
+            v, pos = torch.cat([self.near_s, v], 1).topk(min(self.cover, n_old + v.shape[1]), dim=1)
+            old = pos < n_old
+            rows = self.near_x.gather(1, pos.clamp(max=n_old - 1)[..., None].expand(
+                -1, -1, x.shape[-1]))
+            new = ~old
+            rows[new] = x[i.gather(1, (pos - n_old).clamp(min=0))[new]]
+            self.near_s, self.near_x = v, rows
+
+    def top_up(self, experts: torch.nn.Module, d=None) -> None:
+        """--expert-coverage, after the pass (and after `all_reduce`'s counts): each expert
+        routed fewer than `cover` tokens (over every rank) gets the tokens with the highest
+        logits among those kept by `nearest` (over every rank), up to `cover` in all; their
+        inputs go into its gate/up statistics (`experts_H_in`), their down_proj inputs through
+        `experts`' weights (the unrounded layer's, as its routed tokens') into its down
+        statistics. `added` holds how many per expert."""
+        if self.near_s is None:
+            return
+        E, N = self.near_s.shape
+        if N < self.cover:  # (fewer tokens than `cover` seen: every rank's the same width)
+            pad = self.cover - N
+            self.near_s = F.pad(self.near_s, (0, pad), value=float("-inf"))
+            self.near_x = F.pad(self.near_x, (0, 0, 0, pad))
+            N = self.cover
+        need = torch.tensor([max(0, self.cover - n) for n in self.expert_tokens],
+                            device=self.near_s.device)
+        s = self.near_s
+        if d is not None:  # every rank's candidates (min of the negated: a gather by reduction)
+            buf = torch.full((d.world, E, N), float("inf"), device=s.device)
+            buf[d.rank] = -s
+            alls = -d.all_reduce(buf, op="min")  # (world, E, N)
+        else:
+            alls = s[None]
+        allv = alls.permute(1, 0, 2).reshape(E, -1).sort(dim=1, descending=True).values
+        k = torch.clamp(need, max=allv.shape[1]).long()
+        # each expert's threshold: its need-th best logit over every rank (-inf where none)
+        thr = allv.gather(1, torch.clamp(k - 1, min=0)[:, None])[:, 0]
+        thr = torch.where(k > 0, thr, float("inf"))
+        take = (s >= thr[:, None]) & torch.isfinite(s)  # (E, N) sorted best-first per expert
+        take &= torch.arange(N, device=s.device)[None] < k[:, None]
+        local = take.sum(1)
+        added = d.all_reduce(local.clone()) if d is not None else local
+        self.added = [int(a) for a in added.tolist()]
+        w_sum = None
+        if self.router_weighted:  # an added row's weight: its expert's routed mean (1: none)
+            w_sum = self.w_sum if self.w_sum is not None else torch.zeros(E + 1, device=s.device)
+            w_sum = (d.all_reduce(w_sum) if d is not None else w_sum).tolist()
+        W = experts.gate_up_proj
+        for e in torch.nonzero(local).flatten().tolist():
+            x = self.near_x[e][take[e]]  # (m, H)
+            gate, up = F.linear(x.to(W.dtype), W[e]).chunk(2, dim=-1)
+            inter = experts.act_fn(gate) * up
+            if w_sum is not None:  # (as routed() weighs a routed token's rows)
+                n = self.expert_tokens[e]
+                w = torch.full((x.shape[0],), w_sum[e] / n if n else 1.0, device=x.device)
+                x, inter = _weighted(x, w), _weighted(inter, w)
+            self.near_rows[e] = x
+            self.S_down_e[e] = xtx(inter, self.S_down_e.get(e))
+        for e, a in enumerate(self.added):
+            if a:
+                self.n_down_e[e] = self.n_down_e.get(e, 0) + a
+        self.near_s = self.near_x = None
+
     def expert_down(self, e: int, inter: torch.Tensor) -> None:
         self.S_down_e[e] = xtx(inter, self.S_down_e.get(e))
         self.n_down_e[e] = self.n_down_e.get(e, 0) + inter.shape[0]
@@ -238,10 +341,13 @@ class MLPStats:
         if not self.store_tokens:
             for e, j in want.items():
                 S = self.S_in_e.pop(e, None)
+                near = self.near_rows.pop(e, None)
+                if near is not None:
+                    S = xtx(near, S)
                 if S is None:
                     out[j].zero_()
                 else:
-                    torch.mul(S, 2.0 / self.expert_tokens[e], out=out[j])
+                    torch.mul(S, 2.0 / self.covered(e), out=out[j])
                     have[j] = True
             return have
         by_call: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | None]]] = {}
@@ -271,8 +377,14 @@ class MLPStats:
         for j in list(pending):
             flush(j)
         for e, j in want.items():
+            near = self.near_rows.pop(e, None)  # (--expert-coverage: the rows top_up added)
+            if near is not None:
+                xtx(near, acc=out[j])
+                have[j] = True
             if have[j]:
-                out[j].mul_(2.0 / self.expert_tokens[e])
+                out[j].mul_(2.0 / self.covered(e))
+        for e in es:
+            self.near_rows.pop(e, None)
         return have
 
     def expert_H_down(self, e: int) -> torch.Tensor | None:
@@ -378,21 +490,22 @@ def grouped_linear(x: torch.Tensor, W: torch.Tensor, counts: list[int]) -> torch
 
 
 def _route(moe: torch.nn.Module, x: torch.Tensor, token_major: bool
-           ) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:
+           ) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor, torch.Tensor]:
     """The router on x (..., H) (T tokens), its (token, top-k slot) pairs grouped by expert with one
     stable sort and one host read of the counts: (the pairs' flat positions in expert order,
-    the routing weights (T, k), each expert's pair count (E entries), the (T, k) expert ids).
+    the routing weights (T, k), each expert's pair count (E entries), the (T, k) expert ids,
+    the router's logits (T, E)).
     `token_major`: positions p = token * k + slot (ascending within an expert), else
     p = slot * T + token, the order transformers' eager loop visits an expert's pairs
     (torch.where over its (k, T) one-hot mask). An id of E (expert parallelism's sentinel)
     is dropped."""
-    _, topk_weights, topk_indices = moe.gate(x)  # (T, k) each
+    logits, topk_weights, topk_indices = moe.gate(x)  # (T, E), (T, k), (T, k)
     E = moe.experts.num_experts
     with torch.no_grad():
         flat = (topk_indices if token_major else topk_indices.t()).reshape(-1)
         order = torch.argsort(flat, stable=True)  # grouped by expert, p ascending within one
         counts = torch.bincount(flat, minlength=E + 1).tolist()[:E]
-    return order[:sum(counts)], topk_weights, counts, topk_indices
+    return order[:sum(counts)], topk_weights, counts, topk_indices, logits
 
 
 def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = None,
@@ -411,7 +524,9 @@ def moe_forward(moe: torch.nn.Module, x: torch.Tensor, stats: MLPStats | None = 
     E = experts.num_experts
     out = torch.zeros_like(xf) if outputs else None
     T = xf.shape[0]
-    p_all, topk_weights, counts, _ = _route(moe, x, token_major=False)
+    p_all, topk_weights, counts, topk_indices, logits = _route(moe, x, token_major=False)
+    if stats is not None:
+        stats.nearest(logits, topk_indices, xf, topk_weights)
     start = 0
     for e, n in enumerate(counts):
         p, start = p_all[start:start + n], start + n
@@ -458,7 +573,7 @@ def moe_output(moe: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     xf = x.reshape(-1, shape[-1])  # (T, H)
     experts = moe.experts
-    p, topk_weights, counts, idx = _route(moe, x, token_major=True)
+    p, topk_weights, counts, idx, _ = _route(moe, x, token_major=True)
     T, k = idx.shape
     gate, up = grouped_linear(xf.index_select(0, p // k), experts.gate_up_proj, counts).chunk(2, dim=-1)
     inter = experts.act_fn(gate) * up

@@ -311,6 +311,7 @@ class LayerRunner:
         stats = MLPStats(kind, hessians="gptq" in method, samples="awq" in method,
                          all_experts=o.expert_calibration == "all", num_experts=E,
                          router_weighted=o.expert_calibration == "routed-weighted",
+                         cover=o.expert_coverage if kind == "moe" else 0,
                          store_tokens=not self.carry.spilled and not HiddenStates.should_spill(2 * kept, self.device))
         clock = _Clock(self.device)
         ref0, h0, halves, fp0 = self._pass1(L, layer, kind, stats)
@@ -320,6 +321,8 @@ class LayerRunner:
         want = (ref0 - h0) if fp0 is None else (fp0[0] - fp0[1])
         clock.lap("pass1_forward_statistics")
         stats.all_reduce(self.dist, self.device)  # several ranks: counts and shared statistics summed
+        if kind == "moe":  # --expert-coverage: before round_in_place (the unrounded experts)
+            stats.top_up(mlp.experts, self.dist)
         quant = [n for n, t in targets.items() if t.quantize]
         # what round-to-nearest would give on chunk 0 (the module's targets rounded in place:
         # the rounding below reads the source from the checkpoint and overwrites every one)

@@ -10,9 +10,12 @@ The layer's driver (layer.LayerRunner) owns what happens to a result (into the m
 second pass, to the host for the writer); this module owns which weights are read with which
 scales (`LayerWeights`), which Hessian each solve gets, and in what batches.
 
-Statistics of a starved expert: one with fewer than `min_expert_tokens` routed tokens falls back
-to all-token statistics (the layer's all-token gate/up Hessian; down Hessian from a sample of
-all tokens run through it), and the report says which and why.
+Statistics of a starved expert: with `--expert-coverage` N, one routed fewer than N tokens has
+its Hessians topped up to N tokens by the tokens its router logit ranks highest among the rest
+(capture.MLPStats.top_up; the report's `topped_up`). One whose statistics still cover fewer than
+`min_expert_tokens` tokens falls back to all-token statistics (the layer's all-token gate/up
+Hessian; down Hessian from a sample of all tokens run through it), and the report says which
+and why.
 
 AWQ folds (quantize/rounding/awq.py does the search): each down_proj's input scale s (I,) goes into
 the same expert's up_proj rows; the MLP input's scale s (H,) into the norm that produces it
@@ -208,13 +211,21 @@ class LayerRounding:
         self.W = LayerWeights(ckpt, units, device)
         self.E = mlp.experts.num_experts if kind == "moe" else 0
         self.fallback: list[dict] = []
+        self.topped_up: list[dict] = []  # (--expert-coverage)
         if kind == "moe" and not stats.all_experts:  # (with "all" every expert saw every token)
             for e, n in enumerate(stats.expert_tokens):
-                if n < max(opts.min_expert_tokens, 1) and (stats.hessians or stats.samples):
+                if stats.added and stats.added[e]:
+                    self.topped_up.append({"expert": e, "tokens": n, "added": stats.added[e]})
+                if (stats.covered(e) < max(opts.min_expert_tokens, 1)
+                        and (stats.hessians or stats.samples)):
                     self.fallback.append({"expert": e, "tokens": n, "reason":
                                           f"{n} routed tokens < --min-expert-tokens "
                                           f"{opts.min_expert_tokens}: all-token statistics"})
         self.fb = {f["expert"] for f in self.fallback}
+        # AWQ's samples come from routed tokens only: an expert routed too few (topped up or
+        # not) searches on the all-token sample
+        self.few = self.fb | {t["expert"] for t in self.topped_up
+                              if t["tokens"] < max(opts.min_expert_tokens, 1)}
         self.x_sample = torch.cat(stats.x_sample)  # (T', H) float32, all tokens
         self.s_in: torch.Tensor | None = None  # AWQ's scale of the norm's output, when searched
         self.mods: dict[str, torch.Tensor] = {}
@@ -238,6 +249,8 @@ class LayerRounding:
         if self.kind == "moe":
             report["expert_tokens"] = list(stats.expert_tokens)
             report["fallback"] = self.fallback
+            if self.topped_up:
+                report["topped_up"] = self.topped_up
         if "awq" in self.opts.method:
             report["awq"] = self._awq()
         lap("awq_search")
@@ -257,7 +270,7 @@ class LayerRounding:
     def expert_inter_sample(self, e: int) -> torch.Tensor:
         """Expert e's down_proj inputs: its routed sample, or all-token sample through it."""
         stats, p = self.stats, self.p
-        if e in self.fb or stats.all_experts or e not in stats.inter_e:
+        if e in self.few or stats.all_experts or e not in stats.inter_e:
             W_gu = torch.cat([self.W.source(f"{p}experts.{e}.gate_proj.weight"),
                               self.W.source(f"{p}experts.{e}.up_proj.weight")])  # unscaled
             gate, up = (self.x_sample @ W_gu.t()).chunk(2, dim=-1)

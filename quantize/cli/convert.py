@@ -88,8 +88,13 @@ def convert(
              "expert's error; not measured on real weights: BENCHMARKS.md); all: every expert "
              "sees every token (llm-compressor's way).", rich_help_panel=CALIB)] = ExpertCalibration.routed,
     min_expert_tokens: Annotated[int, typer.Option(
-        help="Experts routed fewer tokens use all-token statistics (reported).",
+        help="Experts whose statistics cover fewer tokens use all-token statistics (reported).",
         rich_help_panel=CALIB)] = 16,
+    expert_coverage: Annotated[int, typer.Option(
+        min=0, max=65536,
+        help="Top up each routed expert's statistics to this many tokens: an expert routed fewer "
+             "gets the tokens its router ranks highest among the rest (reported; 0: off).",
+        rich_help_panel=CALIB)] = 0,
     percdamp: Annotated[float, typer.Option(
         help="GPTQ dampening, relative to the mean Hessian diagonal (0.01, the papers' value, "
              "overfits narrow calibration text: BENCHMARKS.md).", rich_help_panel=CALIB)] = 0.1,
@@ -232,7 +237,8 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
                            a["max_shard_size"], calib=a["calib"], num_samples=a["num_samples"],
                            seq_len=a["seq_len"], seed=a["seed"],
                            expert_calibration=a["expert_calibration"],
-                           min_expert_tokens=a["min_expert_tokens"], percdamp=a["percdamp"],
+                           min_expert_tokens=a["min_expert_tokens"],
+                           expert_coverage=a["expert_coverage"], percdamp=a["percdamp"],
                            mse_clip=a["mse_clip"], mse_norm=a["mse_norm"],
                            mse_weight_power=a["mse_weight_power"],
                            mse_norm_routed=a["mse_norm_routed"],
@@ -327,3 +333,8 @@ def calibration_table(rep: dict, dst: Path, console) -> None:
         err.print(f"[yellow]note:[/] {n_fb} expert(s) had fewer than --min-expert-tokens "
                   f"{rep['min_expert_tokens']} routed tokens and used all-token statistics; "
                   f"see {dst / CALIB_REPORT}", highlight=False)
+    n_up = sum(len(lay.get("topped_up") or []) for lay in rep["layers"])
+    if n_up:
+        err.print(f"note: {n_up} expert(s) were routed fewer than --expert-coverage "
+                  f"{rep['expert_coverage']} tokens and had their statistics topped up with the "
+                  f"tokens their router ranks highest; see {dst / CALIB_REPORT}", highlight=False)

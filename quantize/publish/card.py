@@ -57,6 +57,8 @@ class CalibrationFacts:
     expert_tokens: tuple[int, ...]  # routed tokens of every expert in every MoE layer
     fallbacks: tuple[tuple[int, int, int], ...]  # (layer, expert, routed tokens): all-token statistics
     rounded: tuple[tuple[int, str], ...] = ()  # (layer, why): rounded to nearest instead
+    coverage: int = 0  # --expert-coverage (0: off, or a report from before it)
+    topped_up: tuple[tuple[int, int, int, int], ...] = ()  # (layer, expert, routed, added)
     gptq: str = ""  # GPTQ's settings in words (calibration-report.json), "" for awq / old reports
 
     @property
@@ -210,6 +212,8 @@ def _calibration(f: CardFacts) -> list[str]:
              f"({len(et):,} experts in {c.moe_layers} MoE layers) |"),
             f"| expert fallbacks | {_fallbacks(c)} |",
         ]
+        if c.coverage and c.expert_calibration != "all":
+            lines.append(f"| expert coverage | {_coverage(c)} |")
     if c.gptq:
         lines.append(f"| GPTQ settings | {c.gptq} |")
     if c.rounded:
@@ -228,6 +232,17 @@ def _fallbacks(c: CalibrationFacts) -> str:
     return (f"{len(c.fallbacks)} of {len(c.expert_tokens)} experts had fewer than "
             f"{c.min_expert_tokens} routed tokens and used all-token statistics instead "
             f"(calibration-report.json lists each): {shown}{more}")
+
+
+def _coverage(c: CalibrationFacts) -> str:
+    head = f"each expert's statistics over at least {c.coverage:,} tokens"
+    if not c.topped_up:
+        return f"{head}: every expert was routed that many"
+    shown = ", ".join(f"layer {L} expert {e} ({n} + {a})" for L, e, n, a in c.topped_up[:8])
+    more = f" and {len(c.topped_up) - 8} more" if len(c.topped_up) > 8 else ""
+    return (f"{head}: {len(c.topped_up)} of {len(c.expert_tokens)} experts were routed fewer and "
+            f"got the tokens their router ranks highest among the rest (routed + added): "
+            f"{shown}{more}")
 
 
 def _sizes(f: CardFacts) -> list[str]:

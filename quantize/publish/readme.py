@@ -90,6 +90,9 @@ def _calibration(report: dict | None, opts: ConvertOptions) -> CalibrationFacts 
                             "--rtn-fallback)"))
             for lay in report["layers"] if (fb := lay.get("rtn_fallback"))),
         gptq=_gptq_settings(report) if "gptq" in opts.method else "",
+        coverage=report.get("expert_coverage", 0),
+        topped_up=tuple((lay["layer"], t["expert"], t["tokens"], t["added"]) for lay in moe
+                        for t in lay.get("topped_up") or ()),
     )
 
 
