@@ -124,7 +124,7 @@ def test_no_coverage_is_the_routed_tokens_alone(src):
             moe_forward(layer.mlp, x, a)
             moe_forward(layer.mlp, x, b)
         a.top_up(layer.mlp.experts)
-    assert a.near_x is None and a.added == [0] * E and b.near_x is not None
+    assert a.candidates is None and a.added == [0] * E and b.candidates is not None
     ref = _reference(layer, chunks, 0, False)
     for e in range(E):
         Hk = a.expert_H_in(e)

@@ -11,9 +11,8 @@ MoE statistics (`expert_calibration`):
             falls back to all-token statistics: the caller decides, the report says so)
             With `cover` N (`--expert-coverage`), an expert routed fewer than N tokens has its
             statistics topped up to N with the tokens its router logit ranks highest among
-            those not routed to it (the tokens the router nearly sent it: `nearest` keeps
-            each expert's best N per pass, `top_up` adds them after the pass), instead of the
-            all-token fallback; the report says which and how many
+            those not routed to it (the tokens the router nearly sent it; coverage.py),
+            instead of the all-token fallback; the report says which and how many
     routed-weighted
             the same, each token's row scaled by its routing weight w_t (the expert's output
             enters the layer's as w_t y_t, so sum_t w_t^2 x_t x_tᵀ weighs its rounding error as
@@ -42,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from quantize.calib import moe_triton
+from quantize.calib.coverage import Candidates
 from quantize.calib.decoder import MOE_CLASSES
 from quantize.rounding.gptq import accumulate_hessian, xtx
 
@@ -105,10 +105,7 @@ class MLPStats:
     C_down: torch.Tensor | None = None  # --gptaq: the same of the dense / shared down inputs
     n_asym: int = 0  # tokens in C_in and C_down (every token of H_in and H_down)
     cover: int = 0  # --expert-coverage N: routed experts' statistics topped up to N tokens
-    near_s: torch.Tensor | None = None  # (E, N) the best router logits of tokens not routed
-    near_x: torch.Tensor | None = None  # (E, N, H) those tokens' MLP inputs
-    w_sum: torch.Tensor | None = None  # (E,) routed weights' sums (router_weighted: the
-    # weight of an expert's added rows is its routed tokens' mean)
+    candidates: Candidates | None = None  # (with cover: kept through the pass, until top_up)
     added: list[int] = field(default_factory=list)  # tokens added per expert (every rank's)
     near_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # this rank's added rows
 
@@ -226,89 +223,33 @@ class MLPStats:
 
     def nearest(self, logits: torch.Tensor, topk_indices: torch.Tensor, x: torch.Tensor,
                 topk_weights: torch.Tensor) -> None:
-        """--expert-coverage: the chunk's router logits (T, E), its routed expert ids (T, k)
-        and weights, its MLP inputs x (T, H). Per expert, the `cover` tokens not routed to it
-        with the highest logits so far (over every chunk) are kept with their inputs."""
-        if not (self.cover and self.routed_hessians):
-            return
-        T, E = logits.shape
-        with torch.no_grad():
-            ids = topk_indices.long()
-            # routed pairs are no candidates (an id of E, expert parallelism's sentinel, lands
-            # in the extra column)
-            s = torch.cat([logits.detach().float(), logits.new_zeros(T, 1, dtype=torch.float32)], 1)
-            s = s.scatter_(1, ids, float("-inf"))[:, :E]
-            if self.router_weighted:
-                if self.w_sum is None:
-                    self.w_sum = torch.zeros(E + 1, device=x.device)
-                self.w_sum.index_add_(0, ids.reshape(-1), topk_weights.float().reshape(-1))
-            v, i = s.topk(min(self.cover, T), dim=0)  # (k, E): each expert's best tokens here
-            v, i = v.t(), i.t()  # (E, k)
-            if self.near_s is None:
-                self.near_s, self.near_x = v, x[i]  # (E, k), (E, k, H)
-                return
-            n_old = self.near_s.shape[1]  # merged with the best so far: the rows of the winners
-            v, pos = torch.cat([self.near_s, v], 1).topk(min(self.cover, n_old + v.shape[1]), dim=1)
-            old = pos < n_old
-            rows = self.near_x.gather(1, pos.clamp(max=n_old - 1)[..., None].expand(
-                -1, -1, x.shape[-1]))
-            new = ~old
-            rows[new] = x[i.gather(1, (pos - n_old).clamp(min=0))[new]]
-            self.near_s, self.near_x = v, rows
+        """--expert-coverage: the chunk's router logits (T, E), routed expert ids and weights
+        (T, k) and MLP inputs x (T, H), to the candidates (coverage.Candidates)."""
+        if self.cover and self.routed_hessians:
+            if self.candidates is None:
+                self.candidates = Candidates(self.cover, self.router_weighted)
+            self.candidates.observe(logits, topk_indices, x, topk_weights)
 
     def top_up(self, experts: torch.nn.Module, d=None) -> None:
         """--expert-coverage, after the pass (and after `all_reduce`'s counts): each expert
-        routed fewer than `cover` tokens (over every rank) gets the tokens with the highest
-        logits among those kept by `nearest` (over every rank), up to `cover` in all; their
-        inputs go into its gate/up statistics (`experts_H_in`), their down_proj inputs through
-        `experts`' weights (the unrounded layer's, as its routed tokens') into its down
-        statistics. `added` holds how many per expert."""
-        if self.near_s is None:
+        routed fewer than `cover` tokens (over every rank) gets the candidates with the highest
+        logits (over every rank), up to `cover` in all; their inputs go into its gate/up
+        statistics (`experts_H_in`), their down_proj inputs through `experts`' weights (the
+        unrounded layer's, as its routed tokens') into its down statistics; `added` says how
+        many per expert."""
+        if self.candidates is None:
             return
-        E, N = self.near_s.shape
-        if N < self.cover:  # (fewer tokens than `cover` seen: every rank's the same width)
-            pad = self.cover - N
-            self.near_s = F.pad(self.near_s, (0, pad), value=float("-inf"))
-            self.near_x = F.pad(self.near_x, (0, 0, 0, pad))
-            N = self.cover
-        need = torch.tensor([max(0, self.cover - n) for n in self.expert_tokens],
-                            device=self.near_s.device)
-        s = self.near_s
-        if d is not None:  # every rank's candidates (min of the negated: a gather by reduction)
-            buf = torch.full((d.world, E, N), float("inf"), device=s.device)
-            buf[d.rank] = -s
-            alls = -d.all_reduce(buf, op="min")  # (world, E, N)
-        else:
-            alls = s[None]
-        allv = alls.permute(1, 0, 2).reshape(E, -1).sort(dim=1, descending=True).values
-        k = torch.clamp(need, max=allv.shape[1]).long()
-        # each expert's threshold: its need-th best logit over every rank (-inf where none)
-        thr = allv.gather(1, torch.clamp(k - 1, min=0)[:, None])[:, 0]
-        thr = torch.where(k > 0, thr, float("inf"))
-        take = (s >= thr[:, None]) & torch.isfinite(s)  # (E, N) sorted best-first per expert
-        take &= torch.arange(N, device=s.device)[None] < k[:, None]
-        local = take.sum(1)
-        added = d.all_reduce(local.clone()) if d is not None else local
-        self.added = [int(a) for a in added.tolist()]
-        w_sum = None
-        if self.router_weighted:  # an added row's weight: its expert's routed mean (1: none)
-            w_sum = self.w_sum if self.w_sum is not None else torch.zeros(E + 1, device=s.device)
-            w_sum = (d.all_reduce(w_sum) if d is not None else w_sum).tolist()
+        self.added, rows = self.candidates.choose(self.expert_tokens, d)
+        self.candidates = None
         W = experts.gate_up_proj
-        for e in torch.nonzero(local).flatten().tolist():
-            x = self.near_x[e][take[e]]  # (m, H)
+        for e, (x, w) in rows.items():
             gate, up = F.linear(x.to(W.dtype), W[e]).chunk(2, dim=-1)
             inter = experts.act_fn(gate) * up
-            if w_sum is not None:  # (as routed() weighs a routed token's rows)
-                n = self.expert_tokens[e]
-                w = torch.full((x.shape[0],), w_sum[e] / n if n else 1.0, device=x.device)
-                x, inter = _weighted(x, w), _weighted(inter, w)
-            self.near_rows[e] = x
-            self.S_down_e[e] = xtx(inter, self.S_down_e.get(e))
+            self.near_rows[e] = _weighted(x, w)  # (as routed() weighs a routed token's rows)
+            self.S_down_e[e] = xtx(_weighted(inter, w), self.S_down_e.get(e))
         for e, a in enumerate(self.added):
             if a:
                 self.n_down_e[e] = self.n_down_e.get(e, 0) + a
-        self.near_s = self.near_x = None
 
     def expert_down(self, e: int, inter: torch.Tensor) -> None:
         self.S_down_e[e] = xtx(inter, self.S_down_e.get(e))
