@@ -58,6 +58,11 @@ def parse_size(text: str) -> int:
                          "unit (B, KB, MB, GB, KiB, MiB, GiB), e.g. 5GB or 512MiB") from None
 
 
+# --expert-coverage at most: each expert's candidates are held on the device through a layer's
+# first pass, experts x N x hidden values (GLM-5.2 at 1024: 3.2 GB of bf16, twice that while
+# a chunk's are merged in)
+MAX_EXPERT_COVERAGE = 1024
+
 # Options the manifest leaves out at these values (to_json), as versions before them wrote it;
 # Manifest.resume reads a missing one as this value.
 OMITTED_AT = {"rtn_fallback": False, "mse_weight_power": 1.0, "expert_coverage": 0}
@@ -104,7 +109,7 @@ class ConvertOptions:
     min_expert_tokens: int = 16
     # Routed experts' statistics topped up to at least this many tokens: an expert routed
     # fewer gets the tokens its router logit ranks highest among the rest (the ones the router
-    # nearly sent it), instead of the all-token fallback (capture.MLPStats.top_up). 0: off.
+    # nearly sent it), instead of the all-token fallback (calib/coverage.py). 0: off.
     expert_coverage: int = 0
     # GPTQ dampening, relative to the mean Hessian diagonal (IST-DASLab `percdamp`). 0.1, not
     # the papers' 0.01: on SmolLM2 (scripts/bench_quality.py, BENCHMARKS.md) 0.01 overfits the
@@ -235,8 +240,9 @@ class ConvertOptions:
             raise ValueError("--num-samples and --seq-len must be positive")
         if self.min_expert_tokens < 0:
             raise ValueError("--min-expert-tokens must be >= 0")
-        if not 0 <= self.expert_coverage <= 65536:
-            raise ValueError(f"--expert-coverage must be 0 (off) to 65536 tokens, got "
+        if not 0 <= self.expert_coverage <= MAX_EXPERT_COVERAGE:
+            raise ValueError(f"--expert-coverage must be 0 (off) to {MAX_EXPERT_COVERAGE} tokens "
+                             f"(its candidates are held through each layer's first pass), got "
                              f"{self.expert_coverage}")
         if not 0 < self.percdamp < 1:
             raise ValueError("--percdamp must be in (0, 1)")

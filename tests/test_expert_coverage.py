@@ -19,7 +19,7 @@ from quantize.calib.decoder import build_skeleton, load_layer
 from quantize.calib.distributed import Dist
 from quantize.check.verify import verify
 from quantize.names import CALIB_REPORT, MANIFEST
-from quantize.options import ConvertOptions, recorded_option
+from quantize.options import MAX_EXPERT_COVERAGE, ConvertOptions, recorded_option
 from quantize.pipeline import convert
 from quantize.plan import make_plan
 from quantize.source.checkpoint import open_checkpoint
@@ -253,6 +253,7 @@ def test_an_expert_the_router_never_picks_is_covered_end_to_end(tmp_path):
 
 
 def test_coverage_bounds():
-    with pytest.raises(ValueError, match="--expert-coverage"):
-        ConvertOptions(method="gptq", expert_coverage=-1)
-    assert ConvertOptions(method="gptq", expert_coverage=256).expert_coverage == 256
+    for bad in (-1, MAX_EXPERT_COVERAGE + 1):
+        with pytest.raises(ValueError, match="--expert-coverage must be 0 .off. to 1024 tokens"):
+            ConvertOptions(method="gptq", expert_coverage=bad)
+    assert ConvertOptions(method="gptq", expert_coverage=1024).expert_coverage == 1024

@@ -51,6 +51,7 @@ from quantize.cli.run_record import (
 )
 from quantize.errors import Problem, QuantizeError
 from quantize.names import CALIB_REPORT, CALIB_TIMINGS, MANIFEST, RUN_RECORD
+from quantize.options import MAX_EXPERT_COVERAGE
 
 
 @app.command()
@@ -91,9 +92,10 @@ def convert(
         help="Experts whose statistics cover fewer tokens use all-token statistics (reported).",
         rich_help_panel=CALIB)] = 16,
     expert_coverage: Annotated[int, typer.Option(
-        min=0, max=65536,
+        min=0, max=MAX_EXPERT_COVERAGE,
         help="Top up each routed expert's statistics to this many tokens: an expert routed fewer "
-             "gets the tokens its router ranks highest among the rest (reported; 0: off).",
+             "gets the tokens its router ranks highest among the rest (reported; 0: off; "
+             "held on the device in each layer's first pass: GLM-5.2 at 256, 0.8 GB).",
         rich_help_panel=CALIB)] = 0,
     percdamp: Annotated[float, typer.Option(
         help="GPTQ dampening, relative to the mean Hessian diagonal (0.01, the papers' value, "
