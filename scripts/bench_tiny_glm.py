@@ -42,6 +42,7 @@ from bench_quality import parse_run  # METHOD[:key=value,...], values JSON
 
 from quantize.calib.data import SHIPPED_SETS
 from quantize.check.evaluate import EvalOptions, evaluate
+from quantize.names import CALIB_REPORT
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
@@ -111,9 +112,15 @@ def main() -> None:
                                                          calib=str(calib), **kw), device="cpu", overwrite=True)
                         r = evaluate(src, out, EvalOptions(num_samples=16, seq_len=64, data=str(held)),
                                      device="cpu", write=False)
+                        rep = json.loads((out / CALIB_REPORT).read_text())
+                        moe = [lay for lay in rep["layers"] if lay.get("expert_tokens")]
                         row = {"arch": arch, "model_seed": ms, "calib_seed": cs, "run": label,
                                "hidden_rel_error": r["layers"][-1]["rel_error"],
-                               "kl_mean": r["summary"]["kl_mean"], "seconds": round(time.perf_counter() - t0, 1)}
+                               "kl_mean": r["summary"]["kl_mean"], "seconds": round(time.perf_counter() - t0, 1),
+                               # the MoE layers' experts (MTP included): all-token fallbacks, topped up
+                               "experts": sum(len(lay["expert_tokens"]) for lay in moe),
+                               "fallback": sum(len(lay.get("fallback") or []) for lay in moe),
+                               "topped_up": sum(len(lay.get("topped_up") or []) for lay in moe)}
                         res["runs"].append(row)
                         print(row, flush=True)
     summary = {}
@@ -123,6 +130,8 @@ def main() -> None:
         for label, _, _ in runs:
             rs = [r for r in res["runs"] if r["arch"] == arch and r["run"] == label]
             row = {k: sum(r[k] for r in rs) / len(rs) for k in ("hidden_rel_error", "kl_mean")}
+            row["fallback_share"] = sum(r["fallback"] for r in rs) / max(1, sum(r["experts"] for r in rs))
+            row["topped_up_share"] = sum(r["topped_up"] for r in rs) / max(1, sum(r["experts"] for r in rs))
             if label != first:
                 below = sum(r["kl_mean"] < base[r["model_seed"], r["calib_seed"]]["kl_mean"] for r in rs)
                 row["kl_below_first"] = f"{below} of {len(rs)}"
