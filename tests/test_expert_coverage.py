@@ -257,3 +257,17 @@ def test_coverage_bounds():
         with pytest.raises(ValueError, match="--expert-coverage must be 0 .off. to 1024 tokens"):
             ConvertOptions(method="gptq", expert_coverage=bad)
     assert ConvertOptions(method="gptq", expert_coverage=1024).expert_coverage == 1024
+
+
+def test_an_expert_still_short_after_the_top_up_falls_back_and_says_both_counts(tmp_path):
+    """--expert-coverage below --min-expert-tokens: an expert topped up to N < the minimum
+    still takes the all-token fallback, and its reason gives routed and added tokens."""
+    src = tmp_path / "src"
+    _starved(src)
+    out = tmp_path / "out"
+    convert(src, out, ConvertOptions(method="gptq", expert_coverage=32, min_expert_tokens=100,
+                                     num_samples=2, seq_len=64), device="cpu")
+    lay = next(x for x in json.loads((out / CALIB_REPORT).read_text())["layers"] if x["layer"] == 1)
+    fb = {f["expert"]: f["reason"] for f in lay["fallback"]}
+    assert fb[7] == "0 routed tokens + 32 added < --min-expert-tokens 100: all-token statistics"
+    assert {t["expert"] for t in lay["topped_up"]} >= {7}

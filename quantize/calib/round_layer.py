@@ -218,8 +218,9 @@ class LayerRounding:
                     self.topped_up.append({"expert": e, "tokens": n, "added": stats.added[e]})
                 if (stats.covered(e) < max(opts.min_expert_tokens, 1)
                         and (stats.hessians or stats.samples)):
+                    more = f" + {stats.added[e]} added" if stats.added and stats.added[e] else ""
                     self.fallback.append({"expert": e, "tokens": n, "reason":
-                                          f"{n} routed tokens < --min-expert-tokens "
+                                          f"{n} routed tokens{more} < --min-expert-tokens "
                                           f"{opts.min_expert_tokens}: all-token statistics"})
         self.fb = {f["expert"] for f in self.fallback}
         # AWQ's samples come from routed tokens only: an expert routed too few (topped up or
