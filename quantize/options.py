@@ -244,6 +244,11 @@ class ConvertOptions:
             raise ValueError(f"--expert-coverage must be 0 (off) to {MAX_EXPERT_COVERAGE} tokens "
                              f"(its candidates are held through each layer's first pass), got "
                              f"{self.expert_coverage}")
+        if self.expert_coverage and ("gptq" not in self.method or self.expert_calibration == "all"):
+            raise ValueError(f"--expert-coverage tops up the routed experts' GPTQ statistics: it "
+                             f"applies to --method gptq or awq+gptq with --expert-calibration "
+                             f"routed or routed-weighted (got --method {self.method}, "
+                             f"--expert-calibration {self.expert_calibration})")
         if not 0 < self.percdamp < 1:
             raise ValueError("--percdamp must be in (0, 1)")
         if not 0 <= self.hessian_shrink < 1:

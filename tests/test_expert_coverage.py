@@ -257,6 +257,12 @@ def test_coverage_bounds():
         with pytest.raises(ValueError, match="--expert-coverage must be 0 .off. to 1024 tokens"):
             ConvertOptions(method="gptq", expert_coverage=bad)
     assert ConvertOptions(method="gptq", expert_coverage=1024).expert_coverage == 1024
+    for kw in ({"method": "awq"}, {"method": "rtn"},
+               {"method": "gptq", "expert_calibration": "all"}):
+        with pytest.raises(ValueError, match="--expert-coverage tops up the routed experts' GPTQ"):
+            ConvertOptions(expert_coverage=64, **kw)
+    assert ConvertOptions(method="awq+gptq", expert_calibration="routed-weighted",
+                          expert_coverage=64).expert_coverage == 64
 
 
 def test_an_expert_still_short_after_the_top_up_falls_back_and_says_both_counts(tmp_path):
