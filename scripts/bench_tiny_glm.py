@@ -19,6 +19,12 @@ counts, per run, how often its KL is below the first run's on the same model and
 
 The weights are random: this says whether an option works as meant on a model with a router
 and routed experts, not what it does to a real model (none with experts can be built here).
+`--routers kmeans` makes the experts specialise at least: each MoE layer's router is fitted to
+k-means centroids of its inputs on the calibration half (`kmeans_routers`), so each expert is
+sent its own cluster of inputs, with uneven loads, instead of a random router's split.
+
+    PYTHONPATH=. python3 scripts/bench_tiny_glm.py --routers kmeans --num-samples 1 \
+        --runs "gptq;gptq:expert_coverage=32" --out bench_out/kmeans.json
 """
 
 from __future__ import annotations
@@ -64,6 +70,74 @@ def outlier_norms(src: Path, cfg: dict, scale: float = 16.0) -> None:
         save_file(t, f, metadata={"format": "pt"})
 
 
+def kmeans_routers(src: Path, cfg: dict, text: Path, seed: int, tokens: int = 4096,
+                   spread: float = 2.0) -> dict:
+    """Routers whose experts specialise: each MoE layer's router rows set, layer by layer, to
+    the k-means centroids (cosine, E clusters) of that layer's MLP inputs on `text` (its first
+    `tokens` tokens, windows of 64), scaled so the logits spread `spread` (std) over those
+    tokens, the correction bias zeroed. A random router splits tokens along one random
+    direction; these send each cluster of inputs to its own expert, with the uneven loads of
+    uneven clusters. Fitted on a float32 transformers model of the source's BF16 dequant;
+    written into the source (routers are stored unquantized). Returns each layer's routed
+    load (tokens per expert on `text`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantize.calib.data import read_documents, tokenize_documents
+    from quantize.pipeline import source_weight
+    from quantize.plan import make_plan
+    from quantize.source.checkpoint import open_checkpoint
+
+    ck = open_checkpoint(src)
+    L_mtp = ck.num_hidden_layers
+    sd = {u.source: (ck.read(u.source) if u.action == "copy" else source_weight(ck, u, torch.device("cpu")))
+          for u in make_plan(ck, ConvertOptions()).units if f"layers.{L_mtp}." not in u.source}
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file({k: v.to(torch.float32).contiguous() for k, v in sd.items()}, f"{tmp}/model.safetensors",
+                  metadata={"format": "pt"})
+        (Path(tmp) / "config.json").write_text(json.dumps(
+            {k: v for k, v in ck.config.items() if k != "quantization_config"}))
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(src)
+    doc_ids, _, _ = tokenize_documents(read_documents(text), tok)  # (chats rendered, as calibration)
+    ids = torch.tensor([t for d in doc_ids for t in d][:tokens])
+    ids = ids[: len(ids) // 64 * 64].reshape(-1, 64)
+    gen = torch.Generator().manual_seed(seed)
+    E = cfg["n_routed_experts"]
+    fitted, loads = {}, {}
+    for L in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
+        mlp = model.model.layers[L].mlp
+        got: list[torch.Tensor] = []
+        h = mlp.register_forward_pre_hook(lambda m, a, got=got: got.append(a[0].reshape(-1, a[0].shape[-1])))
+        with torch.no_grad():
+            model(ids)
+        h.remove()
+        X = torch.cat(got)
+        Xn = X / X.norm(dim=-1, keepdim=True)
+        C = Xn[torch.randperm(len(Xn), generator=gen)[:E]].clone()
+        for _ in range(25):  # spherical k-means
+            a = (Xn @ C.T).argmax(-1)
+            for e in range(E):
+                if (a == e).any():
+                    c = Xn[a == e].mean(0)
+                    C[e] = c / c.norm()
+        W = C * (spread / (X @ C.T).std())
+        with torch.no_grad():
+            mlp.gate.weight.copy_(W)
+            mlp.gate.e_score_correction_bias.zero_()
+            _, _, top = mlp.gate(X)
+        loads[L] = torch.bincount(top.reshape(-1), minlength=E).tolist()
+        fitted[f"model.layers.{L}.mlp.gate.weight"] = W
+        fitted[f"model.layers.{L}.mlp.gate.e_score_correction_bias"] = torch.zeros(E)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    for f in sorted({index[n] for n in fitted}):
+        t = load_file(src / f)
+        for n, v in fitted.items():
+            if index[n] == f:
+                t[n] = v.to(t[n].dtype).contiguous()
+        save_file(t, src / f, metadata={"format": "pt"})
+    return loads
+
+
 def parse_runs(text: str) -> list[tuple[str, str, dict]]:
     """'rtn,gptq:percdamp=0.1,mse_clip=false;awq' -> [(label, method, options), ...]."""
     items: list[str] = []
@@ -86,11 +160,14 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=8, help="calibration windows of 64 tokens")
     ap.add_argument("--outlier-scale", type=float, default=16.0,
                     help="every 64th post-attention-norm channel times this (1: none)")
+    ap.add_argument("--routers", choices=("random", "kmeans"), default="random",
+                    help="kmeans: each MoE layer's router set to k-means centroids of its inputs on "
+                         "the calibration half, so experts specialise (kmeans_routers)")
     args = ap.parse_args()
     runs = parse_runs(args.runs)
     res = {"command": " ".join(sys.argv), "torch": torch.__version__, "host": platform.node(),
            "commit": os.environ.get("BENCH_COMMIT"), "outlier_scale": args.outlier_scale,
-           "num_samples": args.num_samples, "runs": []}
+           "num_samples": args.num_samples, "routers": args.routers, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         lines = SHIPPED_SETS["small"].read_text().splitlines()  # as the test
@@ -104,6 +181,10 @@ def main() -> None:
                 write_checkpoint(src, cfg, fmt, seed=ms)
                 write_tokenizer(src, cfg["vocab_size"])
                 outlier_norms(src, cfg, args.outlier_scale)
+                if args.routers == "kmeans":
+                    loads = kmeans_routers(src, cfg, calib, seed=ms)
+                    res.setdefault("router_loads", {})[f"{arch}-{ms}"] = loads
+                    print(f"{arch} seed {ms}: k-means routers, tokens per expert {loads}", flush=True)
                 for cs in [int(s) for s in args.calib_seeds.split(",")]:
                     for label, method, kw in runs:
                         out = tmp / "out"
