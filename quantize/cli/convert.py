@@ -161,7 +161,8 @@ def convert(
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --num-samples 512 --calib shipped:small
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --rtn-fallback
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --expert-calibration routed-weighted
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --expert-calibration routed-weighted
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 32 --expert-coverage 256
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --targets routed,shared,dense
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --targets routed,shared --gptaq 0 --scale-refit 0
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --calib HuggingFaceH4/ultrachat_200k:train_sft
