@@ -72,8 +72,8 @@ def main() -> None:
         shutil.rmtree(dst, ignore_errors=True)  # a fresh conversion each run, not a resume
         steps = [
             ("convert", q + ["convert", str(src), str(dst), "--method", method, "--device",
-                             a.device, "--num-samples", str(a.num_samples), "--seq-len", "256",
-                             "--json"]),
+                             a.device, "--json"]
+             + ([] if method == "rtn" else ["--num-samples", str(a.num_samples), "--seq-len", "256"])),
             ("verify", q + ["verify", str(src), str(dst), "--device", a.device, "--json"]),
             ("eval", q + ["eval", str(src), str(dst), "--device", a.device, "--num-samples", "8",
                           "--seq-len", "256", "--json"]),

@@ -383,3 +383,19 @@ def test_config_file_run_record_and_replay(dsa_fp8, tmp_path):
     assert not (tmp_path / "c").exists()
     r = runner.invoke(app, ["convert", "--from", str(tmp_path), str(tmp_path / "c")], env=wide)
     assert r.exit_code == 2 and "quantize-run.toml" in r.output
+
+
+def test_rtn_refuses_calibration_flags_typed_on_the_command_line(dsa_fp8, tmp_path):
+    """`convert SRC DST --num-samples 512 --calib shipped:small` (no --method: rtn) would round
+    to nearest and ignore both: refused with exit 2, naming them and the fix, before anything
+    is written. The same values from a --config file (or a --from record, which holds every
+    option) stay accepted: test_config_file_run_record_and_replay."""
+    wide = {"COLUMNS": "300"}
+    out = tmp_path / "o"
+    r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--num-samples", "512",
+                            "--calib", "shipped:small"], env=wide)
+    assert r.exit_code == 2, r.output
+    assert "--calib, --num-samples apply to the calibrated methods" in r.output
+    assert "Add --method gptq" in r.output and not out.exists()
+    r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--method", "rtn", "--seed", "3"], env=wide)
+    assert r.exit_code == 2 and "--seed applies to the calibrated methods" in r.output

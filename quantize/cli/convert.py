@@ -56,6 +56,7 @@ from quantize.options import MAX_EXPERT_COVERAGE
 
 @app.command()
 def convert(
+    ctx: typer.Context,
     src: Annotated[str | None, typer.Argument(
         help="Source checkpoint: a folder or a Hub repo id org/name (with --from: default the "
              "recorded one).", show_default=False)] = None,
@@ -158,13 +159,13 @@ def convert(
       quantize convert zai-org/GLM-5.2-FP8 ./GLM-5.2-INT4     # downloads into HF_HOME first
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --base-model zai-org/GLM-5.2-FP8
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 512
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --num-samples 512 --calib shipped:small
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 512 --calib shipped:small
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --rtn-fallback
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --expert-calibration routed-weighted
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 32 --expert-coverage 256
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --targets routed,shared,dense
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --targets routed,shared --gptaq 0 --scale-refit 0
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --targets routed,shared --gptaq 0 --scale-refit 0
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --calib HuggingFaceH4/ultrachat_200k:train_sft
       torchrun --nproc-per-node 8 -m quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq
       quantize convert --config run.toml ./GLM-5.2-FP8 ./GLM-5.2-INT4   # options from a file
@@ -183,6 +184,8 @@ def convert(
         raise typer.BadParameter("SRC and DST are required (SRC may come from --from or --config)",
                                  param_hint="SRC DST")
     dst = Path(dst)
+    if value(method) == "rtn":
+        _refuse_calibration_flags(ctx)
     record = {k: given[k] for k in RUN_KEYS} | {
         "src": src, "calib": None if calib is None or is_dataset_spec(calib) else str(Path(calib).resolve())}
     command = public_command(sys.argv[1:], src, dst, base_model) \
@@ -210,6 +213,23 @@ def convert(
     resolved = {k: getattr(opts, k) for k in RESOLVED_KEYS if record.get(k) is None}
     write_run_record(dst, record | resolved)
     _summary(res, src, dst, total, time.perf_counter() - t0, value(method), json_)
+
+
+def _refuse_calibration_flags(ctx: typer.Context) -> None:
+    """--method rtn with calibration options typed on the command line (not from --config or
+    --from, whose records hold every option): refused by name instead of a round-to-nearest
+    run that ignores them."""
+    def typed_here(name: str) -> bool:  # (click's ParameterSource, by name: typer vendors click)
+        return getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
+
+    typed = [p.opts[0] for p in ctx.command.params
+             if getattr(p, "rich_help_panel", None) == CALIB and typed_here(p.name)]
+    if typed:
+        them = "it" if len(typed) == 1 else "them"
+        raise typer.BadParameter(
+            f"{', '.join(typed)} appl{'ies' if len(typed) == 1 else 'y'} to the calibrated methods; "
+            f"--method rtn (the default) rounds to nearest without calibration. Add --method gptq "
+            f"(or awq, awq+gptq), or drop {them}", param_hint="--method")
 
 
 def _checked_numbers(checkpoint_interval: float, max_gpu_memory: float | None) -> int | None:
