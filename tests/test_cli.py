@@ -385,11 +385,12 @@ def test_config_file_run_record_and_replay(dsa_fp8, tmp_path):
     assert r.exit_code == 2 and "quantize-run.toml" in r.output
 
 
-def test_rtn_refuses_calibration_flags_typed_on_the_command_line(dsa_fp8, tmp_path):
+def test_options_the_method_ignores_are_refused_by_name(dsa_fp8, tmp_path):
     """`convert SRC DST --num-samples 512 --calib shipped:small` (no --method: rtn) would round
     to nearest and ignore both: refused with exit 2, naming them and the fix, before anything
-    is written. The same values from a --config file (or a --from record, which holds every
-    option) stay accepted: test_config_file_run_record_and_replay."""
+    is written; so are GPTQ's options with --method awq. The same values from a --config file
+    (or a --from record, which holds every option) stay accepted:
+    test_config_file_run_record_and_replay."""
     wide = {"COLUMNS": "300"}
     out = tmp_path / "o"
     r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--num-samples", "512",
@@ -399,3 +400,7 @@ def test_rtn_refuses_calibration_flags_typed_on_the_command_line(dsa_fp8, tmp_pa
     assert "Add --method gptq" in r.output and not out.exists()
     r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--method", "rtn", "--seed", "3"], env=wide)
     assert r.exit_code == 2 and "--seed applies to the calibrated methods" in r.output
+    r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--method", "awq", "--percdamp", "0.05",
+                            "--mse-norm", "2", "--num-samples", "8"], env=wide)
+    assert r.exit_code == 2 and "--percdamp, --mse-norm apply to GPTQ" in r.output, r.output
+    assert "--num-samples" not in r.output.split("apply to")[0] and not out.exists()

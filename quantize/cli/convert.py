@@ -184,8 +184,7 @@ def convert(
         raise typer.BadParameter("SRC and DST are required (SRC may come from --from or --config)",
                                  param_hint="SRC DST")
     dst = Path(dst)
-    if value(method) == "rtn":
-        _refuse_calibration_flags(ctx)
+    _refuse_unused_flags(ctx, value(method))
     record = {k: given[k] for k in RUN_KEYS} | {
         "src": src, "calib": None if calib is None or is_dataset_spec(calib) else str(Path(calib).resolve())}
     command = public_command(sys.argv[1:], src, dst, base_model) \
@@ -215,21 +214,34 @@ def convert(
     _summary(res, src, dst, total, time.perf_counter() - t0, value(method), json_)
 
 
-def _refuse_calibration_flags(ctx: typer.Context) -> None:
-    """--method rtn with calibration options typed on the command line (not from --config or
-    --from, whose records hold every option): refused by name instead of a round-to-nearest
-    run that ignores them."""
+# convert's options that only GPTQ reads (with --method awq they would do nothing)
+GPTQ_ONLY = ("percdamp", "mse_clip", "mse_norm", "mse_weight_power", "mse_norm_routed",
+             "mse_weight_power_routed", "scale_refit", "gptaq", "sequential_mlp", "expert_coverage")
+
+
+def _refuse_unused_flags(ctx: typer.Context, method: str) -> None:
+    """Options typed on the command line that the method would ignore: calibration options
+    with --method rtn (the default), GPTQ's with --method awq. Refused by name with the fix,
+    instead of a run that ignores them. (Values from --config or --from are not: a run
+    record holds every option.)"""
     def typed_here(name: str) -> bool:  # (click's ParameterSource, by name: typer vendors click)
         return getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
 
-    typed = [p.opts[0] for p in ctx.command.params
-             if getattr(p, "rich_help_panel", None) == CALIB and typed_here(p.name)]
+    if method == "rtn":
+        typed = [p.opts[0] for p in ctx.command.params
+                 if getattr(p, "rich_help_panel", None) == CALIB and typed_here(p.name)]
+        want = "the calibrated methods; --method rtn (the default) rounds to nearest without " \
+               "calibration. Add --method gptq (or awq, awq+gptq)"
+    elif method == "awq":
+        typed = [p.opts[0] for p in ctx.command.params if p.name in GPTQ_ONLY and typed_here(p.name)]
+        want = "GPTQ; --method awq searches scales and rounds to nearest. Use --method awq+gptq " \
+               "(or gptq)"
+    else:
+        return
     if typed:
-        them = "it" if len(typed) == 1 else "them"
-        raise typer.BadParameter(
-            f"{', '.join(typed)} appl{'ies' if len(typed) == 1 else 'y'} to the calibrated methods; "
-            f"--method rtn (the default) rounds to nearest without calibration. Add --method gptq "
-            f"(or awq, awq+gptq), or drop {them}", param_hint="--method")
+        one = len(typed) == 1
+        raise typer.BadParameter(f"{', '.join(typed)} appl{'ies' if one else 'y'} to {want}, or "
+                                 f"drop {'it' if one else 'them'}", param_hint="--method")
 
 
 def _checked_numbers(checkpoint_interval: float, max_gpu_memory: float | None) -> int | None:
