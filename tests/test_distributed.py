@@ -145,7 +145,7 @@ def test_gptaq_under_torchrun_sums_its_statistics_over_the_ranks(src, tmp_path):
     streams are the same tokens; within 3 % after it, where the ranks' other integers move the
     streams a little); the output verifies. With --sequential-mlp the shared experts' second
     pass is summed over the ranks alike: the same token count, and its within-layer D term
-    within 3 % of one process's."""
+    within 3 % of one process's on the first calibrated layer (20 % after it)."""
     from quantize.check.verify import verify
 
     one, two = tmp_path / "one", tmp_path / "two"
@@ -172,7 +172,12 @@ def test_gptaq_under_torchrun_sums_its_statistics_over_the_ranks(src, tmp_path):
     for L in s1:
         assert s1[L]["tokens"] == s2[L]["tokens"] == g1[L]["tokens"]
         assert s1[L]["D_within_rel"] > 0
-        assert abs(s2[L]["D_within_rel"] - s1[L]["D_within_rel"]) <= 0.03 * s1[L]["D_within_rel"], (L, s1[L], s2[L])
+        # (a difference of two streams through the layer's own rounded gate/up: on the first
+        # calibrated layer, whose inputs are the same tokens in both runs, within 3 %; after it
+        # the inputs differ by the earlier layers' integers (measured: 3.8 % on layer 2, 10 % on
+        # the MTP layer, on one CPU), so 20 %, still far from one rank's share alone)
+        tol = 0.03 if L == first else 0.20
+        assert abs(s2[L]["D_within_rel"] - s1[L]["D_within_rel"]) <= tol * s1[L]["D_within_rel"], (L, s1[L], s2[L])
 
 
 def test_ranks_split_samples_and_experts_and_refuse_awq(src):
