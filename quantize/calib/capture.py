@@ -279,10 +279,11 @@ class MLPStats:
         Each call's inputs are read (or recomputed) once for the whole batch."""
         have = [False] * len(es)
         want = {e: j for j, e in enumerate(es) if e not in skip}
+        near_of = {e: self.near_rows.pop(e, None) for e in es}  # (--expert-coverage: top_up's rows)
         if not self.store_tokens:
             for e, j in want.items():
                 S = self.S_in_e.pop(e, None)
-                near = self.near_rows.pop(e, None)
+                near = near_of[e]
                 if near is not None:
                     S = xtx(near, S)
                 if S is None:
@@ -318,14 +319,11 @@ class MLPStats:
         for j in list(pending):
             flush(j)
         for e, j in want.items():
-            near = self.near_rows.pop(e, None)  # (--expert-coverage: the rows top_up added)
-            if near is not None:
-                xtx(near, acc=out[j])
+            if near_of[e] is not None:
+                xtx(near_of[e], acc=out[j])
                 have[j] = True
             if have[j]:
                 out[j].mul_(2.0 / self.covered(e))
-        for e in es:
-            self.near_rows.pop(e, None)
         return have
 
     def expert_H_down(self, e: int) -> torch.Tensor | None:

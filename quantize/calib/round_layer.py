@@ -212,21 +212,23 @@ class LayerRounding:
         self.E = mlp.experts.num_experts if kind == "moe" else 0
         self.fallback: list[dict] = []
         self.topped_up: list[dict] = []  # (--expert-coverage)
+        # AWQ's samples come from routed tokens only: an expert routed too few (topped up or
+        # not) searches on the all-token sample
+        self.few: set[int] = set()
+        low = max(opts.min_expert_tokens, 1)
         if kind == "moe" and not stats.all_experts:  # (with "all" every expert saw every token)
             for e, n in enumerate(stats.expert_tokens):
-                if stats.added and stats.added[e]:
-                    self.topped_up.append({"expert": e, "tokens": n, "added": stats.added[e]})
-                if (stats.covered(e) < max(opts.min_expert_tokens, 1)
-                        and (stats.hessians or stats.samples)):
-                    more = f" + {stats.added[e]} added" if stats.added and stats.added[e] else ""
+                added = stats.added[e]
+                if added:
+                    self.topped_up.append({"expert": e, "tokens": n, "added": added})
+                if n < low:
+                    self.few.add(e)
+                if stats.covered(e) < low and (stats.hessians or stats.samples):
+                    more = f" + {added} added" if added else ""
                     self.fallback.append({"expert": e, "tokens": n, "reason":
                                           f"{n} routed tokens{more} < --min-expert-tokens "
                                           f"{opts.min_expert_tokens}: all-token statistics"})
         self.fb = {f["expert"] for f in self.fallback}
-        # AWQ's samples come from routed tokens only: an expert routed too few (topped up or
-        # not) searches on the all-token sample
-        self.few = self.fb | {t["expert"] for t in self.topped_up
-                              if t["tokens"] < max(opts.min_expert_tokens, 1)}
         self.x_sample = torch.cat(stats.x_sample)  # (T', H) float32, all tokens
         self.s_in: torch.Tensor | None = None  # AWQ's scale of the norm's output, when searched
         self.mods: dict[str, torch.Tensor] = {}

@@ -40,17 +40,11 @@ class Deleting:
         if self.trash.is_symlink() or self.trash.exists() and not self.trash.is_dir():
             _remove(self.trash)  # (a file of that name: among the contents --overwrite deletes)
         self.trash.mkdir(exist_ok=True)
-        self.count = 0
-        for p in paths:
-            if p == self.trash:
-                continue
-            dest = self.trash / f"{os.getpid()}-{self.count}-{p.name}"
-            try:
-                os.rename(p, dest)  # (the same folder's file system: no copy)
+        for i, p in enumerate(q for q in paths if q != self.trash):
+            try:  # (the same folder's file system: a rename, no copy)
+                os.rename(p, self.trash / f"{os.getpid()}-{i}-{p.name}")
             except OSError:
                 _remove(p)  # (not movable: deleted here, its error raised here, as before)
-                continue
-            self.count += 1
         # (an error here is wait()'s to report: it tries again where the run can still say so)
         self._thread = threading.Thread(target=shutil.rmtree, args=(self.trash,),
                                         kwargs={"ignore_errors": True}, name="quantize-deleting",
