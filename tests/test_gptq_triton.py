@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     # the arithmetic compared first is float32's; the TF32 defaults are checked at the end
     G.FACTOR_TF32 = G.PROPAGATE_TF32 = False
     g = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
-    B, N, K = 3, 40, 320  # K: two full blocks of 128 and a short one
+    B, N, K = 3, 40, 160  # K: a full block of 128 and a short one
     W = torch.randn(B, N, K, generator=g).to(dev)
     mix = torch.randn(K, K, generator=g) * 0.3
     X = (torch.randn(B, 400, K, generator=g) @ mix).to(dev)
@@ -42,14 +42,16 @@ SCRIPT = textwrap.dedent("""
             for shared in (False, True):
                 Hs = H[0] if shared else H
                 ref = gptq_quantize(W, Hs, GPTQConfig(symmetric=sym, fused=False)).weight
-                runs = []  # errors handed on block by block (the eager loop's sums), then in
-                for ws in ((128,), (32, 128, 256)):  # levels (the same sums regrouped)
+                runs = []  # errors handed on block by block (the eager loop's sums), then, once
+                # (each run costs ~10 s under the interpreter), in levels (the same sums regrouped)
+                regroup = not same_hinv and sym and not shared
+                for ws in ((128,), (32, 128, 256)) if regroup else ((128,),):
                     G.FUSED_WIDTHS = ws
                     runs.append(gptq_quantize(W, Hs, GPTQConfig(symmetric=sym)).weight)
                 G.FUSED_WIDTHS = widths
-                # regrouped float sums: a code at a near-tie may flip and move the rest of its row
-                agree = (runs[0].q == runs[1].q).float().mean().item()
-                assert agree >= 0.99, agree
+                if regroup:  # regrouped float sums: a near-tie code may flip and move its row
+                    agree = (runs[0].q == runs[1].q).float().mean().item()
+                    assert agree >= 0.99, agree
                 got = runs[0]
                 assert torch.equal(ref.scale, got.scale)
                 same = (ref.q == got.q).float().mean().item()
