@@ -18,6 +18,26 @@ def test_help_lists_commands_with_examples():
     assert "Example" in r.output and "--group-size" in r.output and "--resume" in r.output
 
 
+def test_help_prose_wraps_at_the_terminal_width():
+    """Each command's help paragraphs are reflowed: a sentence the docstring breaks across
+    lines reads on one line of a wide terminal, and no line of an 80-column one is a fragment
+    left by the docstring's own breaks; the examples keep one command a line."""
+    from quantize.cli import COMMANDS
+
+    wide = runner.invoke(app, ["convert", "--help"], env={"COLUMNS": "200"}).output
+    assert "recorded in DST/quantize-manifest.json, so an interrupted run continues" in wide
+    assert "\n   quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --resume" in wide
+    for cmd in COMMANDS:
+        narrow = runner.invoke(app, [cmd, "--help"], env={"COLUMNS": "80"}).output
+        text = narrow.split("╭")[0]  # the text above the option panels
+        for para in text.split("\n \n"):
+            lines = [line.rstrip() for line in para.strip("\n").splitlines() if line.strip()]
+            if not lines or any(line.startswith("   ") for line in lines) or "Usage:" in para:
+                continue  # examples keep their lines
+            short = [line for line in lines[:-1] if len(line) < 60]
+            assert not short, (cmd, short)  # a paragraph's lines fill the width but its last
+
+
 def test_version_and_short_help():
     """`--version` / `-V` names the package and the libraries it runs with; `-h` is `--help`
     on every command (the hf CLI's conventions)."""

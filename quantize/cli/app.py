@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from inspect import cleandoc
 from typing import Annotated
 
 import typer
@@ -65,14 +66,25 @@ def _one_line_errors(command: Callable) -> Callable:
     return run
 
 
+def reflow(doc: str | None) -> str:
+    """A command's docstring as its --help text: each prose paragraph on one line, for the
+    terminal to wrap at its own width (the docstring's line breaks, at ~95 columns, left ragged
+    fragments on an 80-column terminal). A paragraph with an indented line or a "- " item (the
+    examples, lists) keeps its lines."""
+    paragraphs = cleandoc(doc or "").split("\n\n")
+    return "\n\n".join(
+        p if any(line[:1].isspace() or line.startswith("- ") for line in p.splitlines()[1:])
+        else " ".join(line.strip() for line in p.splitlines())
+        for p in paragraphs)
+
+
 class App(typer.Typer):
-    """typer.Typer whose every command goes through `_one_line_errors`."""
+    """typer.Typer whose every command goes through `_one_line_errors`, its help reflowed."""
 
     def command(self, *args, **kwargs):
-        register = super().command(*args, **kwargs)
-
         def decorate(f: Callable) -> Callable:
-            register(_one_line_errors(f))
+            kw = kwargs if "help" in kwargs else {**kwargs, "help": reflow(f.__doc__)}
+            super(App, self).command(*args, **kw)(_one_line_errors(f))
             return f
 
         return decorate
