@@ -29,13 +29,16 @@ def test_help_prose_wraps_at_the_terminal_width():
     assert "\n   quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --resume" in wide
     for cmd in COMMANDS:
         narrow = runner.invoke(app, [cmd, "--help"], env={"COLUMNS": "80"}).output
-        text = narrow.split("╭")[0]  # the text above the option panels
-        for para in text.split("\n \n"):
-            lines = [line.rstrip() for line in para.strip("\n").splitlines() if line.strip()]
-            if not lines or any(line.startswith("   ") for line in lines) or "Usage:" in para:
-                continue  # examples keep their lines
-            short = [line for line in lines[:-1] if len(line) < 60]
-            assert not short, (cmd, short)  # a paragraph's lines fill the width but its last
+        text = "\n".join(line.rstrip() for line in narrow.split("╭")[0].splitlines())
+        paras = [p.strip("\n").splitlines() for p in text.split("\n\n") if p.strip()]
+        assert paras[0][0].startswith(" Usage:") and len(paras) >= 4, (cmd, paras)
+        examples = [p for p in paras if p[0] == " Examples:"]
+        assert len(examples) == 1, (cmd, paras)  # each example on its line, indented
+        assert all(line.startswith(f"   quantize {cmd} ") for line in examples[0][1:3]), examples
+        for lines in paras[1:]:
+            if lines[0] != " Examples:":  # prose: its lines fill the width but its last
+                short = [line for line in lines[:-1] if len(line) < 60]
+                assert not short, (cmd, short)
 
 
 def test_version_and_short_help():

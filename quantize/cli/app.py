@@ -95,6 +95,7 @@ app = App(
          "Typical run:  quantize inspect SRC; quantize plan SRC --tp 8; "
          "quantize convert SRC DST; quantize verify SRC DST",
     no_args_is_help=True,
+    rich_markup_mode="rich",  # the default, said: typer 0.16 otherwise joined the examples' lines
     pretty_exceptions_show_locals=False,
     add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish
     context_settings={"help_option_names": ["-h", "--help"]},

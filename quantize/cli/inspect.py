@@ -8,7 +8,9 @@ from quantize.cli.params import Debug, Json, Revision, Src
 
 @app.command()
 def inspect(src: Src, revision: Revision = None, json_: Json = False, debug: Debug = False) -> None:
-    """What a checkpoint holds: format, layers, experts, bytes by category. Reads headers only.
+    """What a checkpoint holds: format, layers, experts, bytes by category.
+
+    Reads config.json and the safetensors headers only, from a folder or the Hub: no weights.
 
     Examples:
       quantize inspect ./GLM-5.2-FP8
