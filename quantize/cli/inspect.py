@@ -10,7 +10,8 @@ from quantize.cli.params import Debug, Json, Revision, Src
 def inspect(src: Src, revision: Revision = None, json_: Json = False, debug: Debug = False) -> None:
     """What a checkpoint holds: format, layers, experts, bytes by category.
 
-    Reads config.json and the safetensors headers only, from a folder or the Hub: no weights.
+    Reads config.json, the index and the safetensors headers (and an output's manifest), from a
+    folder or the Hub; never the weights.
 
     Examples:
       quantize inspect ./GLM-5.2-FP8
