@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -139,6 +140,27 @@ def _cgroup_room() -> int | None:
     return None
 
 
+QUIET_AHEAD = 64 * 2**20  # how far a reader runs ahead while it yields to an import
+# experiment switch for the device A/B (none | quiet | idle | both); removed once measured
+_YIELD = os.environ.get("QUANTIZE_YIELD", "quiet")
+
+
+def _io_idle(idle: bool) -> bool:
+    """Put the calling thread at idle I/O priority (or back to best-effort); whether it is
+    idle now. Linux only (ioprio_set on the thread's id); elsewhere, or refused: unchanged."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        nr = {"x86_64": 251, "aarch64": 30}.get(os.uname().machine)
+        if nr is None:
+            return False
+        value = (3 << 13) if idle else (2 << 13) | 4  # IOPRIO_CLASS_IDLE; BE level 4 (the default)
+        return libc.syscall(nr, 1, threading.get_native_id(), value) == 0 and idle
+    except (OSError, AttributeError):
+        return False
+
+
 class _Ahead:
     """A reader that stays at most `ahead` bytes beyond the bytes its consumer reported
     (`consumed`): `_wait(done)` blocks while `done` bytes read are that far ahead and says
@@ -149,15 +171,38 @@ class _Ahead:
         self._cv = threading.Condition()
         self._taken = 0
         self._stop = False
+        self._gate: Future | None = None  # while pending: stay at most QUIET_AHEAD ahead
+        self._idle = False  # this reader's thread is at idle I/O priority (_io_idle)
 
     def consumed(self, nbytes: int) -> None:
         with self._cv:
             self._taken += nbytes
             self._cv.notify()
 
+    def yield_to(self, work: Future) -> None:
+        """While `work` (an import on another thread: its small reads of the Python packages
+        wait behind each long read of ours on a saturated disk) is pending, read at most
+        QUIET_AHEAD beyond the consumer instead of `ahead`: the disk then serves the
+        consumer's pace, not a full queue (BENCHMARKS.md, "verify lets the imports through")."""
+        mode = _YIELD
+        if work.done() or mode == "none":
+            return
+        with self._cv:
+            self._gate = work
+        work.add_done_callback(lambda _: self.consumed(0))
+
+    def _limit(self) -> int:
+        gate = self._gate
+        pending = gate is not None and not gate.done()
+        if _YIELD in ("idle", "both") and pending != self._idle:
+            self._idle = _io_idle(pending)
+        if pending and _YIELD in ("quiet", "both"):
+            return min(self.ahead, QUIET_AHEAD)
+        return self.ahead
+
     def _wait(self, done: int) -> bool:
         with self._cv:
-            self._cv.wait_for(lambda: self._stop or done - self._taken < self.ahead)
+            self._cv.wait_for(lambda: self._stop or done - self._taken < self._limit())
             return not self._stop
 
     def _signal_stop(self) -> None:
@@ -178,8 +223,11 @@ class Readahead(_Ahead):
     bytes the consumer reported (`consumed`). Read errors are left to the real reads; `close`
     (or leaving the `with`) stops it within one chunk."""
 
-    def __init__(self, ckpt, names: list[str], ahead: int | None = None) -> None:
+    def __init__(self, ckpt, names: list[str], ahead: int | None = None,
+                 yield_to: Future | None = None) -> None:
         super().__init__(ahead)
+        if yield_to is not None:
+            self.yield_to(yield_to)
         self.ckpt, self.names = ckpt, [n for n in names if n in ckpt.tensors]
         self._thread = threading.Thread(target=self._run, daemon=True, name="quantize-readahead")
         self._thread.start()
@@ -207,8 +255,11 @@ class HashAhead(_Ahead):
     `digests(started=True)` only for the files whose reading has begun (at most the budget
     beyond the consumer). `close` (or leaving the `with`) stops it within one chunk."""
 
-    def __init__(self, paths: list, ahead: int | None = None, chunk: int = 16 * 2**20) -> None:
+    def __init__(self, paths: list, ahead: int | None = None, chunk: int = 16 * 2**20,
+                 yield_to: Future | None = None) -> None:
         super().__init__(ahead)
+        if yield_to is not None:
+            self.yield_to(yield_to)
         self.paths, self.chunk = list(paths), chunk
         self.read_bytes = 0  # read so far (the last file's hashing may still be under way)
         self._no_more = False  # set: no file is opened after the one being read

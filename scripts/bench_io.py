@@ -39,13 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import STAMP, drop_caches, prepare_slice, seconds_of_day, slice_config
 
 
-def timed(cmd: list[str], log: Path, cgroup: Path | None = None, code: Path | None = None) -> dict:
+def timed(cmd: list[str], log: Path, cgroup: Path | None = None, code: Path | None = None,
+          extra_env: dict | None = None) -> dict:
     """One cold run of `cmd`: wall, peak RSS, the bytes it read from and wrote to the disk
     (the kernel's count of block I/O, page-cache hits not counted), its stamped stderr lines
     (s since start); run inside `cgroup` (a memory cgroup's folder: its limit bounds the page
     cache the run may fill, as a model larger than the memory would) when given, with the
     quantize package of the tree `code` when given."""
-    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     if code is not None:  # that tree's quantize first on the path, not the working directory's
         env["PYTHONPATH"] = os.pathsep.join([str(code.resolve()), *filter(None, [env.get("PYTHONPATH")])])
         env["PYTHONSAFEPATH"] = "1"
@@ -71,6 +72,8 @@ def timed(cmd: list[str], log: Path, cgroup: Path | None = None, code: Path | No
         res["cgroup"] = str(cgroup)
     if code is not None:
         res["code"] = str(code)
+    if extra_env:
+        res["env"] = extra_env
     if res["exit"] != 0:
         res["stderr_tail"] = log.read_text(errors="replace")[-3000:]
     return res
@@ -118,7 +121,9 @@ def main() -> None:
                     help="byte-compile the packages the CLI imports into DIR first and run with "
                          "PYTHONPYCACHEPREFIX=DIR: as a pip install leaves them (an image whose "
                          "site-packages hold no .pyc compiles torch's sources in every process)")
-    ap.add_argument("--only", default="copy,rtn,verify,verify-layers", help="which runs, comma list")
+    ap.add_argument("--only", default="copy,rtn,verify,verify-layers",
+                    help="which runs, comma list; NAME@VAR=VALUE runs NAME with that environment "
+                         "variable set (an A/B of a switch on one machine)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (figures meaningless)")
     ap.add_argument("--device", default=None, help="the slice's and the runs' device (default: cuda; "
                     "cpu on a machine without one: slower builds and runs, the disk's share the same)")
@@ -148,20 +153,22 @@ def main() -> None:
         "verify-layers": [*q, "verify", str(src), str(dst), "--device", device],
     }
     cmds["rtn-overwrite"] = cmds["rtn"]  # (the same command; only the folder's state differs)
-    for k, name in enumerate(args.only.split(",")):
-        key = name if name not in res["runs"] else f"{name}-{k}"  # (a name asked for twice)
+    for k, entry in enumerate(args.only.split(",")):
+        name, *sets = entry.split("@")  # verify@QUANTIZE_X=1: that run with this variable set
+        extra_env = dict(kv.split("=", 1) for kv in sets)
+        key = entry if entry not in res["runs"] else f"{entry}-{k}"  # (a run asked for twice)
         ours = cmds[name][0] != "bash"
         if name == "rtn":  # into a new folder, as a user converts: an earlier run's output is
             shutil.rmtree(dst, ignore_errors=True)  # deleted before the clock (in it, 3.5-4 s)
         r = timed(cmds[name], args.workdir / f"{name}.log", args.cgroup if ours else None,
-                  args.code if ours else None)
+                  args.code if ours else None, extra_env)
         if name == "copy":
             subprocess.run(["rm", "-rf", str(copy)], check=False)
         if name.startswith("rtn") and dst.exists():
             r["output_bytes"] = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
         res["runs"][key] = r
         args.out.write_text(json.dumps(res, indent=2))
-        print(f"{name}: exit {r['exit']}, {r['wall_s']} s, RSS {r['peak_rss_gib']} GiB", flush=True)
+        print(f"{entry}: exit {r['exit']}, {r['wall_s']} s, RSS {r['peak_rss_gib']} GiB", flush=True)
         if args.profile is not None and name != "copy":
             args.profile.mkdir(parents=True, exist_ok=True)
             ext = {"raw": "txt", "chrometrace": "json"}[args.profile_format]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -281,3 +282,43 @@ def test_read_order_is_the_plans_and_leaves_out_the_kept_shards(ckpt):
     assert plan.read_order({first.file}) == want
     assert plan.read_order() == [n for u in first.units for n in (u.source, u.scale) if n] + want
     assert set(plan.read_order()) <= set(ckpt.tensors)
+
+
+def test_readers_stay_close_to_the_consumer_while_an_import_is_pending(tmp_path, ckpt, monkeypatch):
+    """While the Future they yield to is pending, HashAhead and Readahead run at most
+    QUIET_AHEAD beyond the consumer (the imports' small reads are not queued behind a full
+    budget of ours); once it is done, their whole budget."""
+    from quantize import overlap
+
+    monkeypatch.setattr(overlap, "_YIELD", "quiet")
+    piece = 2**16
+    monkeypatch.setattr(overlap, "QUIET_AHEAD", 2 * piece)
+    paths = _files(tmp_path, [8 * piece], seed=3)
+    importing: Future = Future()
+
+    def settle(h, want: int) -> None:
+        t0 = time.monotonic()
+        while h.read_bytes < want and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        time.sleep(0.1)
+
+    with HashAhead(paths, ahead=6 * piece, chunk=piece, yield_to=importing) as h:
+        settle(h, 2 * piece)
+        assert h.read_bytes == 2 * piece  # the quiet budget, not the 6 pieces
+        h.consumed(piece)
+        settle(h, 3 * piece)
+        assert h.read_bytes == 3 * piece  # keeps the consumer's pace
+        importing.set_result(None)  # the import is done: the whole budget again
+        settle(h, 7 * piece)
+        assert h.read_bytes == 7 * piece
+
+    asked = _recording(ckpt, monkeypatch)
+    names = sorted(ckpt.tensors, key=lambda n: -ckpt.tensors[n].nbytes)[:6]
+    monkeypatch.setattr(overlap, "QUIET_AHEAD", ckpt.tensors[names[0]].nbytes + 1)
+    pending: Future = Future()
+    with Readahead(ckpt, names, ahead=2**40, yield_to=pending):
+        _settle(asked, 2)
+        assert asked == names[:2]  # the first tensor, then one more within the quiet budget
+        pending.set_result(None)
+        _settle(asked, len(names))
+        assert asked == names

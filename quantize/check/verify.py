@@ -285,6 +285,7 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     from quantize.check.layercheck import prepare_in_background
 
     loading = prepare_in_background(reads.src) if layer_check else _done(None)
+    reads.shards.yield_to(loading)
     try:
         return _verify(_Run(report, src, dst, manifest, reads, loading, min_sqnr_db, dev, on_unit,
                             on_start, layer_check, log, write))
@@ -465,7 +466,7 @@ def _check_tensors_and_layers(run: _Run, src_ckpt: Checkpoint, dst_ckpt: Checkpo
     # evicted those first and read them twice: a page read twice counts as in use)
     src_ckpt.drop_read = dst_ckpt.drop_read = True
     source = Readahead(src_ckpt, [n for u in plan.units for n in (u.source, u.scale) if n],
-                       ahead=reads.ahead)  # (started here: `Reads` says why)
+                       ahead=reads.ahead, yield_to=run.loading)  # (started here: `Reads` says why)
     try:
         checker = _check_units(run, src_ckpt, dst_ckpt, plan, opts, awq_scales, checker,
                                (source, reads.shards), _lag_bytes(reads.ahead, run.dev))
