@@ -10,6 +10,8 @@
         ...; h.consumed(nbytes)                   most `ahead` bytes beyond what the reader has
     h.digests()                                   taken: its reads then come from the page cache
                                                   (each file read from the disk once)
+    Readahead(..., yield_to=fut)                  (and HashAhead) at most QUIET_AHEAD beyond
+                                                  the reader while `fut` (an import) is pending
     copies = Bounded(pool, limit)                 work handed to an executor, at most `limit`
     fut = copies.submit(fn, nbytes, *args)        bytes of it unfinished: submit waits for the
                                                   oldest first (what it holds stays bounded)
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import os
 import queue
 import threading
 from collections.abc import Callable
@@ -141,24 +142,6 @@ def _cgroup_room() -> int | None:
 
 
 QUIET_AHEAD = 64 * 2**20  # how far a reader runs ahead while it yields to an import
-# experiment switch for the device A/B (none | quiet | idle | both); removed once measured
-_YIELD = os.environ.get("QUANTIZE_YIELD", "quiet")
-
-
-def _io_idle(idle: bool) -> bool:
-    """Put the calling thread at idle I/O priority (or back to best-effort); whether it is
-    idle now. Linux only (ioprio_set on the thread's id); elsewhere, or refused: unchanged."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        nr = {"x86_64": 251, "aarch64": 30}.get(os.uname().machine)
-        if nr is None:
-            return False
-        value = (3 << 13) if idle else (2 << 13) | 4  # IOPRIO_CLASS_IDLE; BE level 4 (the default)
-        return libc.syscall(nr, 1, threading.get_native_id(), value) == 0 and idle
-    except (OSError, AttributeError):
-        return False
 
 
 class _Ahead:
@@ -172,7 +155,6 @@ class _Ahead:
         self._taken = 0
         self._stop = False
         self._gate: Future | None = None  # while pending: stay at most QUIET_AHEAD ahead
-        self._idle = False  # this reader's thread is at idle I/O priority (_io_idle)
 
     def consumed(self, nbytes: int) -> None:
         with self._cv:
@@ -183,22 +165,18 @@ class _Ahead:
         """While `work` (an import on another thread: its small reads of the Python packages
         wait behind each long read of ours on a saturated disk) is pending, read at most
         QUIET_AHEAD beyond the consumer instead of `ahead`: the disk then serves the
-        consumer's pace, not a full queue (BENCHMARKS.md, "verify lets the imports through")."""
-        mode = _YIELD
-        if work.done() or mode == "none":
+        consumer's pace, not a full queue (verify's layer check loaded in 6.1-7.0 s instead of
+        8.8-9.3 s beside its tensor checks on a 2-core machine: BENCHMARKS.md, "verify lets
+        the imports through")."""
+        if work.done():
             return
         with self._cv:
             self._gate = work
-        work.add_done_callback(lambda _: self.consumed(0))
+        work.add_done_callback(lambda _: self.consumed(0))  # (wakes a reader held back)
 
     def _limit(self) -> int:
         gate = self._gate
-        pending = gate is not None and not gate.done()
-        if _YIELD in ("idle", "both") and pending != self._idle:
-            self._idle = _io_idle(pending)
-        if pending and _YIELD in ("quiet", "both"):
-            return min(self.ahead, QUIET_AHEAD)
-        return self.ahead
+        return min(self.ahead, QUIET_AHEAD) if gate is not None and not gate.done() else self.ahead
 
     def _wait(self, done: int) -> bool:
         with self._cv:

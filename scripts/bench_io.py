@@ -4,6 +4,7 @@ on the GLM-5.2-shaped slice of scripts/bench_pipeline.py (~21 GB block FP8).
     PYTHONPATH=. python3 scripts/bench_io.py --out benchmarks/h200_io.json
     PYTHONPATH=. python3 scripts/bench_io.py --out x.json --profile DIR   # also under py-spy
     PYTHONPATH=. python3 scripts/bench_io.py --smoke --out /tmp/io.json    # tiny, CPU: checks the script
+    PYTHONPATH=. python3 scripts/bench_io.py --host --layers 8 --out x.json  # GBs, CPU: a host's disk
     ... --cgroup /sys/fs/cgroup/qb   # the quantize runs in a memory cgroup the caller made and
                                      # limited (echo 6G > memory.max): the page cache smaller
                                      # than the output, as on the real model
@@ -125,6 +126,9 @@ def main() -> None:
                     help="which runs, comma list; NAME@VAR=VALUE runs NAME with that environment "
                          "variable set (an A/B of a switch on one machine)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (figures meaningless)")
+    ap.add_argument("--host", action="store_true",
+                    help="a glm_moe_dsa for the CPU (hidden 2048, 64 experts of width 768; --layers of "
+                         "them, ~0.32 GB each): the disk's share measured on a machine without a GPU")
     ap.add_argument("--device", default=None, help="the slice's and the runs' device (default: cuda; "
                     "cpu on a machine without one: slower builds and runs, the disk's share the same)")
     ap.add_argument("--cgroup", type=Path, default=None,
@@ -136,6 +140,12 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg, device, src = slice_config(args)
+    if args.host:  # a model for the CPU whose reads take seconds: the A/Bs of the disk's share
+        from quantize.source.synth import tiny_config
+
+        cfg = tiny_config("glm_moe_dsa", hidden_size=2048, intermediate_size=4096, moe_intermediate_size=768,
+                          n_routed_experts=64, vocab_size=32768, num_hidden_layers=args.layers)
+        device, src = "cpu", args.workdir / f"host-{args.layers}layer-fp8"
     device = args.device or device
     res: dict = {"source": str(src), "command": " ".join(sys.argv), "runs": {}}
     if args.pycache is not None:

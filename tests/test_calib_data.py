@@ -44,19 +44,21 @@ def test_small_set_checksum_matches_readme():
     assert any(isinstance(d, list) for d in docs) and any(isinstance(d, str) for d in docs)
 
 
-# bench_quality's second out-of-domain text (not shipped: the benchmark's, beside eval's)
+# bench_quality's other out-of-domain texts (not shipped: the benchmark's, beside eval's)
 HELDOUT_ENGLISH_2 = Path(__file__).resolve().parent.parent / "calib_data" / "heldout_english_2.md"
+HELDOUT_ENGLISH_3 = Path(__file__).resolve().parent.parent / "calib_data" / "heldout_english_3.md"
+HELDOUT_TEXTS = (HELDOUT_ENGLISH, HELDOUT_ENGLISH_2, HELDOUT_ENGLISH_3)
 
 
-@pytest.mark.parametrize("path", [HELDOUT_ENGLISH, HELDOUT_ENGLISH_2], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", HELDOUT_TEXTS, ids=lambda p: p.name)
 def test_heldout_english_is_in_no_calibration_set(path):
-    """eval's out-of-domain text (and the benchmark's second one): CC0 as its header says, and
+    """eval's out-of-domain text (and the benchmark's others): CC0 as its header says, and
     no sentence of it in the small calibration set (which would make it in-domain; the large
-    set: its own test) nor in the other held-out text."""
+    set: its own test) nor in another held-out text."""
     text = path.read_text(encoding="utf-8")
     assert "CC0-1.0" in text.split("-->")[0] and len(text.split()) > 4000
-    other = (HELDOUT_ENGLISH_2 if path == HELDOUT_ENGLISH else HELDOUT_ENGLISH).read_text(encoding="utf-8")
-    other = other.split("-->", 1)[1]  # (the two headers say the same)
+    other = "".join(p.read_text(encoding="utf-8").split("-->", 1)[1]  # (the headers say the same)
+                    for p in HELDOUT_TEXTS if p != path)
     calib = SHIPPED_SETS["small"].read_text(encoding="utf-8")
     sentences = [x.strip() for x in re.split(r"[.!?]\s", text) if len(x.strip()) > 40]
     assert len(sentences) > 150
@@ -254,7 +256,7 @@ def test_the_large_shipped_set(tok):
     assert sum(isinstance(d, list) for d in docs) > 150 and "def " in text
     cs = load_calibration("shipped:large", tok, 2, 32, seed=0)
     assert cs.source == "large.jsonl.xz" and cs.eval_reserve == len(docs) // EVAL_EVERY
-    for path in (HELDOUT_ENGLISH, HELDOUT_ENGLISH_2):  # the out-of-domain texts stay out
+    for path in HELDOUT_TEXTS:  # the out-of-domain texts stay out
         heldout = path.read_text(encoding="utf-8")
         sentences = [x.strip() for x in re.split(r"[.!?]\s", heldout) if len(x.strip()) > 40]
         assert not [x for x in sentences if x in text], path.name

@@ -413,11 +413,14 @@ def test_tensor_checks_go_on_while_the_layer_check_prepares(dsa_fp8, dsa_out, mo
     def log(msg):
         if m := re.match(r"layer (\d+): output error", msg):
             events.append(("layer", int(m.group(1))))
+        elif re.match(r"the layer check's transformers, layer classes and tokens loaded in [\d.]+ s$", msg):
+            events.append(("loaded", None))  # (said from the loading thread)
 
     rep = verify(dsa_fp8, dsa_out, write=False, on_unit=on_unit, log=log)
     assert rep.ok, rep.problems
     first_unit_1 = events.index(("unit", 1))
     layer_0 = events.index(("layer", 0))
+    assert events.count(("loaded", None)) == 1 and events.index(("loaded", None)) < layer_0
     assert (first_unit_1 < layer_0) if lag else (layer_0 < first_unit_1), events[:40]
     got = [(e["layer"], e["rel_error"], e.get("rtn_rel_error")) for e in rep.layer_check["layers"]]
     assert got == [(e["layer"], e["rel_error"], e.get("rtn_rel_error")) for e in ref.layer_check["layers"]]

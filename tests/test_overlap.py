@@ -290,7 +290,6 @@ def test_readers_stay_close_to_the_consumer_while_an_import_is_pending(tmp_path,
     budget of ours); once it is done, their whole budget."""
     from quantize import overlap
 
-    monkeypatch.setattr(overlap, "_YIELD", "quiet")
     piece = 2**16
     monkeypatch.setattr(overlap, "QUIET_AHEAD", 2 * piece)
     paths = _files(tmp_path, [8 * piece], seed=3)
