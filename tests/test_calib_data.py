@@ -47,7 +47,8 @@ def test_small_set_checksum_matches_readme():
 # bench_quality's other out-of-domain texts (not shipped: the benchmark's, beside eval's)
 HELDOUT_ENGLISH_2 = Path(__file__).resolve().parent.parent / "calib_data" / "heldout_english_2.md"
 HELDOUT_ENGLISH_3 = Path(__file__).resolve().parent.parent / "calib_data" / "heldout_english_3.md"
-HELDOUT_TEXTS = (HELDOUT_ENGLISH, HELDOUT_ENGLISH_2, HELDOUT_ENGLISH_3)
+HELDOUT_ENGLISH_4 = Path(__file__).resolve().parent.parent / "calib_data" / "heldout_english_4.md"
+HELDOUT_TEXTS = (HELDOUT_ENGLISH, HELDOUT_ENGLISH_2, HELDOUT_ENGLISH_3, HELDOUT_ENGLISH_4)
 
 
 @pytest.mark.parametrize("path", HELDOUT_TEXTS, ids=lambda p: p.name)
