@@ -15,7 +15,8 @@
    (default `calib_data/heldout_english.md` and `heldout_english_2.md` to `_4.md`, general
    English written for the project and in no calibration set, ~23k words, 24 windows of 512
    Gemma tokens in the reported halves; the JSONs before 2026-12-05 pooled the first two, ~10.3k
-   words, 11 windows; `ood:all` pools their reported halves, and the validation score weighs in domain and the pooled out-of-domain validation halves equally).
+   words, 11 windows; `ood:all` pools their reported halves, and the validation score weighs
+   in domain and the pooled out-of-domain validation halves equally).
 3. Calibration token ids: `quantize.calib.data.load_calibration(file, tokenizer, N, L, seed)`,
    the function `convert` itself calls with the same file and seed; the same tensor goes to
    llm-compressor's `oneshot` as its dataset (input_ids), so both tools see the same tokens.
