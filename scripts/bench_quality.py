@@ -211,35 +211,44 @@ def _totals(per: list[list[float]]) -> dict:
 def paired_ratio(ours: list[dict], theirs: list[dict], text: str, n_boot: int = 2000,
                  seed: int = 0) -> dict | None:
     """Ours against theirs on `text` (a score name; `ood:all` pools the out-of-domain texts),
-    paired by calibration seed and by window: the ratio of the mean (over seeds) perplexity
-    added, and of the mean KL, with a 90 % interval from a bootstrap that redraws the seeds
-    and the windows (the same draw for both tools). None without per-window scores for
-    common seeds."""
-    paired = [(a["seed"], wa, wb) for a in ours for b in theirs if a["seed"] == b["seed"]
-              and (wa := _windows(a, text)) and (wb := _windows(b, text)) and len(wa) == len(wb)]
+    paired by calibration seed and, where the runs kept them, by window: the ratio of the mean
+    (over seeds) perplexity added, and of the mean KL, with a 90 % interval from a bootstrap
+    that redraws the seeds and the windows (the same draw for both tools); runs without
+    per-window scores (before 2026-12-05): the seeds alone ("windows": null). None without a
+    common seed."""
+    paired = [(a, b) for a in ours for b in theirs if a["seed"] == b["seed"]
+              and text in (a.get("scores") or {}) and text in (b.get("scores") or {})]
     if not paired:
         return None
-    pairs = [(wa, wb) for _, wa, wb in paired]
+    wins = [(_windows(a, text), _windows(b, text)) for a, b in paired]
+    by_window = all(wa and wb and len(wa) == len(wb) for wa, wb in wins)
 
-    def ratios(seeds: list[int], picks: list[list[int]]) -> tuple[float, float]:
-        sa = [_totals([pairs[s][0][i] for i in pick]) for s, pick in zip(seeds, picks)]
-        sb = [_totals([pairs[s][1][i] for i in pick]) for s, pick in zip(seeds, picks)]
-        mean = lambda xs, k: sum(x[k] for x in xs) / len(xs)
-        return mean(sa, "ppl_added") / mean(sb, "ppl_added"), mean(sa, "kl") / mean(sb, "kl")
+    def one(s: int, pick: list[int] | None) -> tuple[dict, dict]:
+        if pick is None:
+            return paired[s][0]["scores"][text], paired[s][1]["scores"][text]
+        return _totals([wins[s][0][i] for i in pick]), _totals([wins[s][1][i] for i in pick])
 
-    every = [list(range(len(p[0]))) for p in pairs]
-    point = ratios(list(range(len(pairs))), every)
+    def ratios(seeds: list[int], picks: list) -> tuple[float, float]:
+        both = [one(s, pick) for s, pick in zip(seeds, picks)]
+        sums = [sum(x[t][k] for x in both) for k in ("ppl_added", "kl") for t in (0, 1)]
+        return sums[0] / sums[1], sums[2] / sums[3]
+
+    n = [len(w[0]) if by_window else 0 for w in wins]
+    every = [list(range(k)) if by_window else None for k in n]
+    point = ratios(list(range(len(paired))), every)
     rng = random.Random(seed)
     draws = []
     for _ in range(n_boot):
-        seeds = [rng.randrange(len(pairs)) for _ in pairs]
-        draws.append(ratios(seeds, [[rng.randrange(len(every[s])) for _ in every[s]] for s in seeds]))
+        seeds = [rng.randrange(len(paired)) for _ in paired]
+        draws.append(ratios(seeds, [[rng.randrange(n[s]) for _ in range(n[s])] if by_window else None
+                                    for s in seeds]))
 
     def interval(k: int) -> list[float]:
         xs = sorted(d[k] for d in draws)
         return [xs[int(0.05 * (len(xs) - 1))], xs[int(0.95 * (len(xs) - 1))]]
 
-    return {"text": text, "seeds": [sd for sd, _, _ in paired], "windows": len(pairs[0][0]), "ppl_added_ratio": point[0], "ppl_added_ratio_90": interval(0),
+    return {"text": text, "seeds": [a["seed"] for a, _ in paired], "windows": n[0] if by_window else None,
+            "ppl_added_ratio": point[0], "ppl_added_ratio_90": interval(0),
             "kl_ratio": point[1], "kl_ratio_90": interval(1), "bootstrap": n_boot}
 
 
@@ -342,7 +351,7 @@ def summarize(files: list[Path], out: Path, pairs: tuple[tuple[str, str], ...] =
               "KL ratio (90 %) |\n|---|---|---|---|---|---|---|")
         for c in compared:
             print(f"| {c['group_size']} | {c['calib']} | {c['pair'][0]} / {c['pair'][1]} | {c['text']} | "
-                  f"{len(c['seeds'])} x {c['windows']} | {c['ppl_added_ratio']:.3f} "
+                  f"{len(c['seeds'])} x {c['windows'] or '(seeds only)'} | {c['ppl_added_ratio']:.3f} "
                   f"({c['ppl_added_ratio_90'][0]:.3f}..{c['ppl_added_ratio_90'][1]:.3f}) | "
                   f"{c['kl_ratio']:.3f} ({c['kl_ratio_90'][0]:.3f}..{c['kl_ratio_90'][1]:.3f}) |")
         summary = json.loads(out.read_text())

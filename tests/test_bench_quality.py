@@ -123,7 +123,14 @@ def test_paired_ratio_resamples_seeds_and_windows_together():
     assert lo < got["ppl_added_ratio"] < hi < 1  # noisy windows: an interval, below 1 throughout
     same = bq.paired_ratio(b, b, "ood:x.md", n_boot=50)  # a run against itself: exactly 1
     assert same["ppl_added_ratio_90"] == pytest.approx([1.0, 1.0]) and same["kl_ratio"] == pytest.approx(1.0)
-    assert bq.paired_ratio([_row("gptq", 32, 0, 0.1, 0.1)], b, "ood:x.md") is None  # no windows kept
+    assert bq.paired_ratio([_row("gptq", 32, 5, 0.1, 0.1)], b, "ood:x.md") is None  # no common seed
+    # runs without windows (before they were kept): the seeds alone are redrawn
+    old = [_row("gptq", 32, s, 0.1, r) for s, r in ((0, 0.2), (1, 0.3))]
+    ref = [_row("llmc-gptq", 32, s, 0.1, r) for s, r in ((0, 0.4), (1, 0.3))]
+    by_seed = bq.paired_ratio(old, ref, "ood:x.md", n_boot=400)
+    assert by_seed["windows"] is None and by_seed["ppl_added_ratio"] == pytest.approx(0.5 / 0.7)
+    lo, hi = by_seed["ppl_added_ratio_90"]  # draws of (0, 0), (0, 1), (1, 1): 0.5, 5/7, 1
+    assert lo == pytest.approx(0.5) and hi == pytest.approx(1.0)
 
 
 def test_pooled_windows_are_every_out_of_domain_texts_in_turn(tmp_path, capsys):
