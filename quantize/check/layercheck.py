@@ -117,16 +117,22 @@ def prepare(src: Checkpoint, seed: int = 0) -> Prepared:
     return Prepared(skeleton, tokens, text)
 
 
-def prepare_in_background(src: Checkpoint | None) -> Future:
+def prepare_in_background(src: Checkpoint | None, log: Callable[[str], None] | None = None) -> Future:
     """`prepare(src)` on its own thread, transformers imported there first; the Future holds
-    its result (None without `src`: the import alone) or its error. The calling thread goes on
-    meanwhile; it must not import transformers itself until the Future is done (two threads
-    initializing it at once can see it half-made: "cannot import name 'AutoConfig'")."""
+    its result (None without `src`: the import alone) or its error; `log`: one line with the
+    time it took, said before the Future is done. The calling thread goes on meanwhile; it
+    must not import transformers itself until the Future is done (two threads initializing it
+    at once can see it half-made: "cannot import name 'AutoConfig'")."""
+    t0 = time.perf_counter()
 
     def run() -> Prepared | None:
         from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
 
-        return prepare(src) if src is not None else None
+        prepared = prepare(src) if src is not None else None
+        if log:
+            what = "transformers, layer classes and tokens" if src is not None else "transformers"
+            log(f"the layer check's {what} loaded in {time.perf_counter() - t0:.1f} s")
+        return prepared
 
     return background(run)
 

@@ -284,13 +284,8 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     # config.json's quantization_config is compared without compressed-tensors)
     from quantize.check.layercheck import prepare_in_background
 
-    loading = prepare_in_background(reads.src) if layer_check else _done(None)
+    loading = prepare_in_background(reads.src, log) if layer_check else _done(None)
     reads.shards.yield_to(loading)
-    if log and layer_check:  # (said from the loading thread once done: what the imports took)
-        t_load = time.perf_counter()
-        loading.add_done_callback(lambda f: f.exception() is None and log(
-            f"the layer check's transformers, layer classes and tokens loaded in "
-            f"{time.perf_counter() - t_load:.1f} s"))
     try:
         return _verify(_Run(report, src, dst, manifest, reads, loading, min_sqnr_db, dev, on_unit,
                             on_start, layer_check, log, write))
