@@ -214,9 +214,9 @@ def paired_ratio(ours: list[dict], theirs: list[dict], text: str, n_boot: int = 
     paired by calibration seed and, where the runs kept them, by window: the ratio of the mean
     (over seeds) perplexity added, and of the mean KL, with a 90 % interval from a bootstrap
     that redraws the seeds and the windows (the same draw for both tools); runs without
-    per-window scores (before 2026-12-05): the seeds alone ("windows": null). None without a
-    common seed."""
-    paired = [(a, b) for a in ours for b in theirs if a["seed"] == b["seed"]
+    per-window scores (before 2026-12-05): the seeds alone ("windows": null). A run without a
+    seed (RTN) pairs with every seed of the other. None without a common seed."""
+    paired = [(a, b) for a in ours for b in theirs if (a["seed"] == b["seed"] or None in (a["seed"], b["seed"]))
               and text in (a.get("scores") or {}) and text in (b.get("scores") or {})]
     if not paired:
         return None
@@ -247,7 +247,8 @@ def paired_ratio(ours: list[dict], theirs: list[dict], text: str, n_boot: int = 
         xs = sorted(d[k] for d in draws)
         return [xs[int(0.05 * (len(xs) - 1))], xs[int(0.95 * (len(xs) - 1))]]
 
-    return {"text": text, "seeds": [a["seed"] for a, _ in paired], "windows": n[0] if by_window else None,
+    return {"text": text, "seeds": [a["seed"] if a["seed"] is not None else b["seed"] for a, b in paired],
+            "windows": n[0] if by_window else None,
             "ppl_added_ratio": point[0], "ppl_added_ratio_90": interval(0),
             "kl_ratio": point[1], "kl_ratio_90": interval(1), "bootstrap": n_boot}
 
@@ -338,13 +339,17 @@ def summarize(files: list[Path], out: Path, pairs: tuple[tuple[str, str], ...] =
               f"{r['validation_score']:.4f} | "
               + " | ".join(cells) + " |")
     compared = []
+
+    def rows_of(g: int, cset: str, spec: str) -> list | None:  # (RTN's: no calibration set)
+        return table.get((g, cset, spec)) or table.get((g, "-", spec))
+
     for a, b in pairs:
         for g, cset, _ in sorted(table, key=lambda k: (k[0], k[1])):
-            if (g, cset, a) not in table or (g, cset, b) not in table or \
+            if cset == "-" or not rows_of(g, cset, a) or not rows_of(g, cset, b) or \
                     any(c["group_size"] == g and c["calib"] == cset and c["pair"] == [a, b] for c in compared):
                 continue
             for text in texts:
-                if (pr := paired_ratio(table[(g, cset, a)], table[(g, cset, b)], text)) is not None:
+                if (pr := paired_ratio(rows_of(g, cset, a), rows_of(g, cset, b), text)) is not None:
                     compared.append({"group_size": g, "calib": cset, "pair": [a, b], **pr})
     if compared:
         print("\n| group | calibration | ours / theirs | text | seeds x windows | ppl added ratio (90 %) | "

@@ -124,6 +124,9 @@ def test_paired_ratio_resamples_seeds_and_windows_together():
     same = bq.paired_ratio(b, b, "ood:x.md", n_boot=50)  # a run against itself: exactly 1
     assert same["ppl_added_ratio_90"] == pytest.approx([1.0, 1.0]) and same["kl_ratio"] == pytest.approx(1.0)
     assert bq.paired_ratio([_row("gptq", 32, 5, 0.1, 0.1)], b, "ood:x.md") is None  # no common seed
+    rtn = [_windowed("rtn", None, theirs[1])]  # no seed: paired with each of ours
+    vs_rtn = bq.paired_ratio(a, rtn, "ood:x.md", n_boot=50)
+    assert vs_rtn["seeds"] == seeds and vs_rtn["windows"] == 7
     # runs without windows (before they were kept): the seeds alone are redrawn
     old = [_row("gptq", 32, s, 0.1, r) for s, r in ((0, 0.2), (1, 0.3))]
     ref = [_row("llmc-gptq", 32, s, 0.1, r) for s, r in ((0, 0.4), (1, 0.3))]
