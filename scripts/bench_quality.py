@@ -369,6 +369,9 @@ def main() -> None:
         files = [Path(a) for a in sys.argv[2:] if not a.startswith("--")]
         out = next((Path(a[6:]) for a in sys.argv[2:] if a.startswith("--out=")), Path("bench_out/quality.json"))
         pairs = tuple(tuple(a[7:].split("/", 1)) for a in sys.argv[2:] if a.startswith("--pair="))
+        if bad := [p for p in pairs if len(p) != 2]:
+            raise SystemExit(f"--pair={bad[0][0]}: give two run specs as OURS/THEIRS, "
+                             f"e.g. --pair='gptq/llmc-gptq:dampening_frac=0.1'")
         return summarize(files, out, pairs)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=None)
