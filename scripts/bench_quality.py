@@ -15,8 +15,8 @@
    the in-domain evaluation text. Calibration sets, written to the workdir: narrow = the other
    language-reference records (Python documentation only); broad = every other record of the
    default set (language reference, code, prose, dialogue). Out of domain: each `--ood` file
-   (default `calib_data/heldout_english.md` and `heldout_english_2.md` to `_4.md`, general
-   English written for the project and in no calibration set, ~23k words, 24 windows of 512
+   (default `calib_data/heldout_english.md` and `heldout_english_2.md` to `_5.md`, general
+   English written for the project and in no calibration set, ~27k words, 28 windows of 512
    Gemma tokens in the reported halves; the JSONs before 2026-12-05 pooled the first two, ~10.3k
    words, 11 windows; `ood:all` pools their reported halves, and the validation score weighs
    in domain and the pooled out-of-domain validation halves equally).
@@ -144,7 +144,7 @@ def pooled(scores: dict, prefix: str) -> dict | None:
 
 
 POOLED = "all"  # "ood:all": every out-of-domain text's reported half as one text
-OOD_TEXTS = ("heldout_english.md", "heldout_english_2.md", "heldout_english_3.md", "heldout_english_4.md")
+OOD_TEXTS = tuple(f"heldout_english{s}.md" for s in ("", "_2", "_3", "_4", "_5"))
 
 
 def validation_score(row: dict) -> float:
@@ -395,7 +395,7 @@ def main() -> None:
     ap.add_argument("--eval-len", type=int, default=2048)
     ap.add_argument("--ood", type=Path, action="append", default=None,
                     help="out-of-domain text file (repeatable; with several, ood:all pools their "
-                         "reported halves); default calib_data/heldout_english.md and _2.md to _4.md")
+                         "reported halves); default calib_data/heldout_english.md and _2.md to _5.md")
     ap.add_argument("--ood-len", type=int, default=512)
     ap.add_argument("--append", action="store_true", help="add to --out's runs instead of replacing")
     args = ap.parse_args()

@@ -48,7 +48,8 @@ def test_small_set_checksum_matches_readme():
 HELDOUT_ENGLISH_2 = Path(__file__).resolve().parent.parent / "calib_data" / "heldout_english_2.md"
 HELDOUT_ENGLISH_3 = Path(__file__).resolve().parent.parent / "calib_data" / "heldout_english_3.md"
 HELDOUT_ENGLISH_4 = Path(__file__).resolve().parent.parent / "calib_data" / "heldout_english_4.md"
-HELDOUT_TEXTS = (HELDOUT_ENGLISH, HELDOUT_ENGLISH_2, HELDOUT_ENGLISH_3, HELDOUT_ENGLISH_4)
+HELDOUT_ENGLISH_5 = Path(__file__).resolve().parent.parent / "calib_data" / "heldout_english_5.md"
+HELDOUT_TEXTS = (HELDOUT_ENGLISH, HELDOUT_ENGLISH_2, HELDOUT_ENGLISH_3, HELDOUT_ENGLISH_4, HELDOUT_ENGLISH_5)
 
 
 @pytest.mark.parametrize("path", HELDOUT_TEXTS, ids=lambda p: p.name)
