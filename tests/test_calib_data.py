@@ -44,12 +44,10 @@ def test_small_set_checksum_matches_readme():
     assert any(isinstance(d, list) for d in docs) and any(isinstance(d, str) for d in docs)
 
 
-# bench_quality's other out-of-domain texts (not shipped: the benchmark's, beside eval's)
-HELDOUT_ENGLISH_2 = Path(__file__).resolve().parent.parent / "calib_data" / "heldout_english_2.md"
-HELDOUT_ENGLISH_3 = Path(__file__).resolve().parent.parent / "calib_data" / "heldout_english_3.md"
-HELDOUT_ENGLISH_4 = Path(__file__).resolve().parent.parent / "calib_data" / "heldout_english_4.md"
-HELDOUT_ENGLISH_5 = Path(__file__).resolve().parent.parent / "calib_data" / "heldout_english_5.md"
-HELDOUT_TEXTS = (HELDOUT_ENGLISH, HELDOUT_ENGLISH_2, HELDOUT_ENGLISH_3, HELDOUT_ENGLISH_4, HELDOUT_ENGLISH_5)
+# eval's out-of-domain text and bench_quality's others (heldout_english_2.md ...: not shipped,
+# the benchmark's), every one in the folder
+HELDOUT_TEXTS = (HELDOUT_ENGLISH,
+                 *sorted((Path(__file__).resolve().parent.parent / "calib_data").glob("heldout_english_*.md")))
 
 
 @pytest.mark.parametrize("path", HELDOUT_TEXTS, ids=lambda p: p.name)
@@ -57,6 +55,7 @@ def test_heldout_english_is_in_no_calibration_set(path):
     """eval's out-of-domain text (and the benchmark's others): CC0 as its header says, and
     no sentence of it in the small calibration set (which would make it in-domain; the large
     set: its own test) nor in another held-out text."""
+    assert len(HELDOUT_TEXTS) == 5  # (the benchmark's four found beside eval's)
     text = path.read_text(encoding="utf-8")
     assert "CC0-1.0" in text.split("-->")[0] and len(text.split()) > 4000
     other = "".join(p.read_text(encoding="utf-8").split("-->", 1)[1]  # (the headers say the same)

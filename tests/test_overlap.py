@@ -149,6 +149,15 @@ def _files(tmp_path, sizes: list[int], seed: int = 0) -> list:
     return paths
 
 
+def _settle_read(h: HashAhead, want: int, timeout: float = 10.0) -> None:
+    """Wait until `h` has read `want` bytes (or `timeout`), then a little more (to see that it
+    reads no further: checked by the caller)."""
+    t0 = time.monotonic()
+    while h.read_bytes < want and time.monotonic() - t0 < timeout:
+        time.sleep(0.01)
+    time.sleep(0.1)
+
+
 def test_hash_ahead_gives_each_files_sha256(tmp_path):
     import hashlib
 
@@ -166,17 +175,11 @@ def test_hash_ahead_reads_within_its_budget_beyond_what_was_consumed(tmp_path):
     piece = 2**16
     paths = _files(tmp_path, [4 * piece, 4 * piece], seed=1)
 
-    def settle(h, want: int) -> None:
-        t0 = time.monotonic()
-        while h.read_bytes < want and time.monotonic() - t0 < 10:
-            time.sleep(0.01)
-        time.sleep(0.1)  # (and no further)
-
     with HashAhead(paths, ahead=3 * piece, chunk=piece) as h:
-        settle(h, 3 * piece)
+        _settle_read(h, 3 * piece)
         assert h.read_bytes == 3 * piece  # begins at once, stops at the budget
         h.consumed(4 * piece)  # the reader is into the second file
-        settle(h, 7 * piece)
+        _settle_read(h, 7 * piece)
         assert h.read_bytes == 7 * piece
         assert len(h.digests()) == 2 and h.read_bytes == 8 * piece  # the rest, once asked
 
@@ -295,20 +298,14 @@ def test_readers_stay_close_to_the_consumer_while_an_import_is_pending(tmp_path,
     paths = _files(tmp_path, [8 * piece], seed=3)
     importing: Future = Future()
 
-    def settle(h, want: int) -> None:
-        t0 = time.monotonic()
-        while h.read_bytes < want and time.monotonic() - t0 < 10:
-            time.sleep(0.01)
-        time.sleep(0.1)
-
     with HashAhead(paths, ahead=6 * piece, chunk=piece, yield_to=importing) as h:
-        settle(h, 2 * piece)
+        _settle_read(h, 2 * piece)
         assert h.read_bytes == 2 * piece  # the quiet budget, not the 6 pieces
         h.consumed(piece)
-        settle(h, 3 * piece)
+        _settle_read(h, 3 * piece)
         assert h.read_bytes == 3 * piece  # keeps the consumer's pace
         importing.set_result(None)  # the import is done: the whole budget again
-        settle(h, 7 * piece)
+        _settle_read(h, 7 * piece)
         assert h.read_bytes == 7 * piece
 
     asked = _recording(ckpt, monkeypatch)
