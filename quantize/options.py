@@ -121,6 +121,10 @@ class ConvertOptions:
     # terms, which GPTQ's compensation fits to the calibration text, shrunk toward its
     # diagonal (gptq.py `GPTQConfig.shrink`). 0: plain GPTQ.
     hessian_shrink: float = 0.0
+    # Passes of coordinate descent on GPTQ's codes after each column loop, scales kept: every
+    # code moved to the level that lowers the layer's calibration error most (gptq.py
+    # `descend_codes`). 0: off (plain GPTQ).
+    descend: int = 0
     # GPTQ group scales from the clipped range (1.00 ... 0.80) x [min, max] that minimizes the
     # group's Hessian-weighted error (power mse_norm), instead of the full range (gptq.py `mse_clip`).
     # None: on for gptq and awq+gptq (held-out perplexity added 11-14 % -> 3-5 % in domain on
@@ -253,6 +257,10 @@ class ConvertOptions:
             raise ValueError("--percdamp must be in (0, 1)")
         if not 0 <= self.hessian_shrink < 1:
             raise ValueError(f"--hessian-shrink must be in [0, 1), got {self.hessian_shrink}")
+        if not 0 <= self.descend <= 8:
+            raise ValueError(f"descend must be 0 (off) to 8 passes, got {self.descend}")
+        if self.descend and "gptq" not in self.method:
+            raise ValueError("descend refines GPTQ's codes: use it with --method gptq or awq+gptq")
         for v in (self.scale_refit, self.scale_refit_routed):
             if not 0 <= v <= 8:
                 raise ValueError(f"--scale-refit must be 0 (off) to 8 rounds, got {v}")

@@ -278,7 +278,7 @@ class Calibrator:
         o = self.opts
         return {"method": o.method, "expert_calibration": o.expert_calibration,
                 "min_expert_tokens": o.min_expert_tokens, "expert_coverage": o.expert_coverage,
-                "percdamp": o.percdamp, "hessian_shrink": o.hessian_shrink,
+                "percdamp": o.percdamp, "hessian_shrink": o.hessian_shrink, "descend": o.descend,
                 "mse_clip": o.mse_clip, "mse_norm": o.mse_norm,
                 "mse_weight_power": o.mse_weight_power, "mse_norm_routed": o.mse_norm_routed,
                 "mse_weight_power_routed": o.mse_weight_power_routed, "scale_refit": o.scale_refit,

@@ -200,7 +200,8 @@ class LayerRounding:
                                    percdamp=opts.percdamp, mse_clip=opts.mse_clip,
                                    mse_norm=opts.mse_norm, mse_weight_power=opts.mse_weight_power,
                                    scale_refit=opts.scale_refit,
-                                   gptaq=opts.gptaq, shrink=opts.hessian_shrink)
+                                   gptaq=opts.gptaq, shrink=opts.hessian_shrink,
+                                   descend=opts.descend)
         # routed experts: their own rounds of the scale re-fit (0 by default: its cost there) and
         # their own clip settings (the activation-weighted clip by default: options.py)
         self.gptq_cfg_routed = replace(self.gptq_cfg, scale_refit=opts.scale_refit_routed,
