@@ -36,6 +36,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import platform
@@ -155,7 +156,7 @@ def validation_score(row: dict) -> float:
     v = [x["kl"] for k, x in sc.items() if k.startswith("val:") and not k.startswith("val:ood:")]
     if (ood := pooled(sc, "val:ood:")) is not None:
         v.append(ood["kl"])
-    return sum(v) / len(v)
+    return sum(v) / len(v) if v else math.nan  # (nan: a run scored with --reported-only)
 
 
 def resolve_best(spec: str, rows: list[dict], g: int, cset: str) -> str | None:
@@ -185,19 +186,36 @@ def parse_run(spec: str) -> tuple[str, dict]:
 
 
 @torch.no_grad()
-def score(src_model, q_model, windows: torch.Tensor, dev: torch.device) -> dict:
+def score(src_model, q_model, windows: torch.Tensor, dev: torch.device, cache: Path | None = None,
+          tag: str = "") -> dict:
     """Perplexity of both models, the increase, mean KL(source || quantized) per token over
     `windows`; "windows": each window's [nll, nll_source, kl, tokens] sums (`paired_ratio`
-    resamples them)."""
+    resamples them). `cache`: a folder where the source's logits of each window are kept
+    (float32, as the forward gave them, so the scores are the same to the last bit) and read
+    back by later runs instead of running the source again; `tag` names the source in it."""
     per = []
     for w in windows:
         x = w.unsqueeze(0).to(dev)
-        ls = torch.log_softmax(src_model(x).logits.double()[0, :-1], -1)  # (T-1, V)
+        ls = torch.log_softmax(_source_logits(src_model, x, cache, tag).double()[0, :-1], -1)  # (T-1, V)
         lq = torch.log_softmax(q_model(x).logits.double()[0, :-1], -1)
         tgt = x[0, 1:]
         per.append([-float(lq.gather(1, tgt[:, None]).sum()), -float(ls.gather(1, tgt[:, None]).sum()),
                     float((ls.exp() * (ls - lq)).sum()), tgt.numel()])
     return dict(_totals(per), windows=per)
+
+
+def _source_logits(model, x: torch.Tensor, cache: Path | None, tag: str) -> torch.Tensor:
+    if cache is None:
+        return model(x).logits
+    key = hashlib.sha256(tag.encode() + x.cpu().numpy().tobytes()).hexdigest()[:32]
+    path = cache / f"{key}.pt"
+    if path.exists():
+        return torch.load(path, map_location=x.device)
+    logits = model(x).logits
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.save(logits.float().cpu(), path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    return logits
 
 
 def _totals(per: list[list[float]]) -> dict:
@@ -398,6 +416,13 @@ def main() -> None:
                          "reported halves); default calib_data/heldout_english.md and _2.md to _5.md")
     ap.add_argument("--ood-len", type=int, default=512)
     ap.add_argument("--append", action="store_true", help="add to --out's runs instead of replacing")
+    ap.add_argument("--reported-only", action="store_true",
+                    help="score the reported texts only, not the validation halves (a run whose "
+                         "configurations were chosen before: half the scoring time)")
+    ap.add_argument("--cache-source", type=Path, default=None,
+                    help="folder for the source's logits per window (float32; ~0.5 GB per window "
+                         "of 512 at Gemma's vocabulary), read back by later runs: the same scores, "
+                         "one forward per window instead of two")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -428,6 +453,8 @@ def main() -> None:
         half = len(ids) // 2
         texts[f"val:ood:{p.name}"] = windows_of(ids[:half], args.eval_windows, args.ood_len)
         texts[f"ood:{p.name}"] = windows_of(ids[half:], args.eval_windows, args.ood_len)
+    if args.reported_only:
+        texts = {k: v for k, v in texts.items() if not k.startswith("val:")}
     src_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
                                                      trust_remote_code=False).to(dev).eval()
     res = {"model": args.label, "source_fingerprint": fingerprint(src), "commit": commit(),
@@ -479,7 +506,8 @@ def main() -> None:
                         row["seconds"] = round(time.perf_counter() - t0, 1)
                         q = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                                  trust_remote_code=False).to(dev).eval()
-                        row["scores"] = {k: score(src_model, q, w, dev) for k, w in texts.items()}
+                        row["scores"] = {k: score(src_model, q, w, dev, args.cache_source, res["source_fingerprint"])
+                                         for k, w in texts.items()}
                         if len(oods) > 1:  # the reported out-of-domain figure over every file
                             row["scores"][f"ood:{POOLED}"] = pooled(row["scores"], "ood:")
                         del q

@@ -155,3 +155,22 @@ def test_pooled_windows_are_every_out_of_domain_texts_in_turn(tmp_path, capsys):
     paired = {c["text"]: c for c in json.loads(out.read_text())["paired"]}
     assert paired["ood:all"]["windows"] == 3 and paired["ood:all"]["kl_ratio"] == pytest.approx(0.5)
     assert "| 32 | broad | gptq / llmc-gptq | ood:all | 2 x 3 |" in capsys.readouterr().out
+
+
+def test_cached_source_logits_give_the_same_scores_without_the_source(tmp_path):
+    """--cache-source: the first scoring keeps the source's logits per window; a later one reads
+    them back (the source model is not run: a different model in its place changes nothing)
+    and gives the same scores to the last bit; another tag (source) does not reuse them."""
+    import torch
+
+    src, q, other = _tiny_lm(1), _tiny_lm(2), _tiny_lm(3)
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    w = torch.randint(0, 97, (3, 16), generator=gen)
+    dev = torch.device("cpu")
+    plain = bq.score(src, q, w, dev)
+    first = bq.score(src, q, w, dev, cache=tmp_path / "c", tag="src")
+    assert len(list((tmp_path / "c").glob("*.pt"))) == 3
+    again = bq.score(other, q, w, dev, cache=tmp_path / "c", tag="src")
+    assert plain == first == again
+    assert bq.score(other, q, w, dev, cache=tmp_path / "c", tag="other") != plain
+    assert len(list((tmp_path / "c").glob("*.pt"))) == 6
