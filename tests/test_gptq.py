@@ -598,3 +598,22 @@ def test_gptq_with_descend_lowers_the_calibration_error(extras):
     assert _output_error(W, got, X) < _output_error(W, plain, X)
     with pytest.raises(ValueError, match="descend"):
         GPTQConfig(descend=9)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_descend_in_expert_chunks_equals_all_at_once(monkeypatch, shared):
+    """Experts taken a chunk at a time (REFIT_CHUNK_BYTES lowered to one expert) give the codes
+    of all experts at once, with one Hessian per expert and with one shared."""
+    from quantize.rounding import gptq
+
+    B, N, K, g = 3, 8, 64, 32
+    W = torch.randn(B, N, K, generator=_gen(70))
+    X = torch.stack([_correlated_inputs(256, K, seed=71 + b) for b in range(B)])
+    H, _ = accumulate_hessian(torch.zeros(B, K, K), X, 0)
+    H = H[:1] if shared else H
+    w = gptq_quantize(W, H[0] if shared else H, GPTQConfig(group_size=g)).weight
+    frac = torch.full((H.shape[0],), 0.1)
+    whole = gptq.descend_codes(W, H, w.q, w.scale, None, g, frac, passes=3)
+    monkeypatch.setattr(gptq, "REFIT_CHUNK_BYTES", N * K * 4)
+    assert torch.equal(gptq.descend_codes(W, H, w.q, w.scale, None, g, frac, passes=3), whole)
+    assert not torch.equal(whole, w.q)

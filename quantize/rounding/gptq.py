@@ -589,9 +589,26 @@ def descend_codes(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: torc
     rounding of R; a row whose float64 error rose all the same keeps its old codes). Columns
     in blocks of `blocksize`: the updates of R inside a block are rank-1 on the block's
     columns, the block's moves reach the rest of R in one matmul (as GPTQ's lazy batches).
-    With a diagonal H one pass gives each weight's nearest served level.""" 
+    With a diagonal H one pass gives each weight's nearest served level. Experts in chunks of
+    at most REFIT_CHUNK_BYTES per float32 (b, N, K) tensor (a GLM-5.2 gate batch whole would
+    need ~100 GB)."""
     B, N, K = W.shape
-    g = group_size
+    step = max(1, REFIT_CHUNK_BYTES // (N * K * 4))
+    out = []
+    for b0 in range(0, B, step):
+        b1 = min(b0 + step, B)
+        one = H.shape[0] == 1
+        out.append(_descend_chunk(W[b0:b1], H if one else H[b0:b1], q[b0:b1], scale[b0:b1],
+                                  None if zp is None else zp[b0:b1], group_size,
+                                  frac if one else frac[b0:b1], passes, shrink, blocksize))
+    return torch.cat(out)
+
+
+def _descend_chunk(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                   zp: torch.Tensor | None, g: int, frac: torch.Tensor, passes: int,
+                   shrink: float, blocksize: int) -> torch.Tensor:
+    """`descend_codes` for one chunk of experts."""
+    B, N, K = W.shape
     Hd = _damped(H, frac.to(H.dtype), shrink)  # (Bh, K, K) float32
     hdiag = torch.diagonal(Hd, dim1=-2, dim2=-1)  # (Bh, K)
     s_col = scale.repeat_interleave(g, -1)  # (B, N, K) bf16, each column's group scale
@@ -604,7 +621,7 @@ def descend_codes(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: torc
     zf = None if z_col is None else z_col.float()
     for _ in range(passes):
         R = _mm_rows(Wf - V, Hd)  # (B, N, K), afresh each pass: no drift carried over
-        moved = 0
+        moved = torch.zeros((), dtype=torch.int64, device=W.device)  # (one sync per pass)
         for i1 in range(0, K, blocksize):
             i2 = min(i1 + blocksize, K)
             dV = torch.zeros(B, N, i2 - i1, dtype=torch.float32, device=W.device)
@@ -623,7 +640,7 @@ def descend_codes(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: torc
                     best_d = torch.where(better, dc, best_d)
                     best_c = torch.where(better, c.to(torch.int8), best_c)
                 d = best_d  # (B, N), 0 where no level lowers the error
-                moved += int((best < 0).sum())
+                moved += (best < 0).sum()
                 q[..., j] = best_c
                 V[..., j] += d
                 dV[..., j - i1] = d
@@ -635,7 +652,7 @@ def descend_codes(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: torc
             R[..., :i1] -= rest[..., :i1]
             R[..., i2:] -= rest[..., i2:]
             R[..., i1:i2] -= _mm_rows(dV, torch.tril(Hd[:, i1:i2, i1:i2], -1))
-        if not moved:
+        if not bool(moved):
             break
     Wd, Hdd = W.double(), Hd.double()
     worse = _row_error(Wd, _dequant(q, s_col, z_col).double(), Hdd) > \
