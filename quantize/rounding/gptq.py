@@ -594,10 +594,10 @@ def descend_codes(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: torc
     need ~100 GB)."""
     B, N, K = W.shape
     step = max(1, REFIT_CHUNK_BYTES // (N * K * 4))
+    one = H.shape[0] == 1  # one shared Hessian: every chunk takes it whole
     out = []
     for b0 in range(0, B, step):
         b1 = min(b0 + step, B)
-        one = H.shape[0] == 1
         out.append(_descend_chunk(W[b0:b1], H if one else H[b0:b1], q[b0:b1], scale[b0:b1],
                                   None if zp is None else zp[b0:b1], group_size,
                                   frac if one else frac[b0:b1], passes, shrink, blocksize))
@@ -620,7 +620,7 @@ def _descend_chunk(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: tor
     sf = s_col.float()
     zf = None if z_col is None else z_col.float()
     for _ in range(passes):
-        R = _mm_rows(Wf - V, Hd)  # (B, N, K), afresh each pass: no drift carried over
+        R = (Wf - V) @ Hd  # (B, N, K) (a shared Hd broadcasts), afresh each pass: no drift carried over
         moved = torch.zeros((), dtype=torch.int64, device=W.device)  # (one sync per pass)
         for i1 in range(0, K, blocksize):
             i2 = min(i1 + blocksize, K)
@@ -648,24 +648,16 @@ def _descend_chunk(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: tor
                 R[..., j:i2] -= d[..., None] * (Hd[:, None, j, j:i2])
             # the block's moves onto the columns outside it, and onto the block's columns
             # before each mover (the rank-1 updates reached only those from the mover on)
-            rest = _mm_rows(dV, Hd[:, i1:i2, :])  # (B, N, K)
+            rest = dV @ Hd[:, i1:i2, :]  # (B, N, K)
             R[..., :i1] -= rest[..., :i1]
             R[..., i2:] -= rest[..., i2:]
-            R[..., i1:i2] -= _mm_rows(dV, torch.tril(Hd[:, i1:i2, i1:i2], -1))
+            R[..., i1:i2] -= dV @ torch.tril(Hd[:, i1:i2, i1:i2], -1)
         if not bool(moved):
             break
     Wd, Hdd = W.double(), Hd.double()
     worse = _row_error(Wd, _dequant(q, s_col, z_col).double(), Hdd) > \
         _row_error(Wd, _dequant(q0, s_col, z_col).double(), Hdd)  # (B, N)
     return torch.where(worse[..., None], q0, q)
-
-
-def _mm_rows(X: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
-    """X (B, N, a) @ M (Bh, a, b) with Bh = B or 1 (one shared matrix): (B, N, b)."""
-    if M.shape[0] == X.shape[0]:
-        return X @ M
-    B, N, a = X.shape
-    return (X.reshape(B * N, a) @ M[0]).reshape(B, N, -1)
 
 
 def _codes(Wb: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, Hinv: torch.Tensor,
