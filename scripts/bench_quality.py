@@ -171,6 +171,32 @@ def resolve_best(spec: str, rows: list[dict], g: int, cset: str) -> str | None:
     return min(mine, key=validation_score)["run"]
 
 
+def eval_texts(tok, split: dict, oods: list[Path], n: int, eval_len: int, ood_len: int,
+               reported_only: bool = False) -> dict[str, torch.Tensor]:
+    """The scored texts as (windows, length) token ids: the held-out in-domain records of
+    `split` (validation and reported topics) and each out-of-domain file, its first half for
+    validation and its second half reported; `reported_only` drops the validation texts."""
+    eos = tok.eos_token_id
+
+    def doc_ids(records):
+        ids: list[int] = []
+        for r in records:
+            ids += tok(r["text"], add_special_tokens=False)["input_ids"] + [eos]
+        return ids
+
+    # validation texts choose each tool's configuration (`-best` runs); the others are reported
+    texts = {"in_domain": windows_of(doc_ids(split["held_out"]), n, eval_len)}
+    if not reported_only:
+        texts = {"val:in_domain": windows_of(doc_ids(split["validation"]), n, eval_len), **texts}
+    for p in oods:  # first half: validation, second half: reported
+        ids = tok(p.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        half = len(ids) // 2
+        if not reported_only:
+            texts[f"val:ood:{p.name}"] = windows_of(ids[:half], n, ood_len)
+        texts[f"ood:{p.name}"] = windows_of(ids[half:], n, ood_len)
+    return texts
+
+
 def windows_of(ids: list[int], n: int, length: int) -> torch.Tensor:
     n = min(n, len(ids) // length)
     return torch.tensor(ids[: n * length]).view(n, length)  # (n, length) consecutive
@@ -437,24 +463,8 @@ def main() -> None:
         make_source(args.gguf or find_gguf(), src, args.tokenizer)
     tok = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
     split = split_text(work)
-    eos = tok.eos_token_id
-    def doc_ids(records):
-        ids: list[int] = []
-        for r in records:
-            ids += tok(r["text"], add_special_tokens=False)["input_ids"] + [eos]
-        return ids
-
-    # validation texts choose each tool's configuration (`-best` runs); the others are reported
-    texts = {"val:in_domain": windows_of(doc_ids(split["validation"]), args.eval_windows, args.eval_len),
-             "in_domain": windows_of(doc_ids(split["held_out"]), args.eval_windows, args.eval_len)}
     oods = args.ood or [ROOT / "calib_data" / n for n in OOD_TEXTS]
-    for p in oods:  # first half: validation, second half: reported
-        ids = tok(p.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
-        half = len(ids) // 2
-        texts[f"val:ood:{p.name}"] = windows_of(ids[:half], args.eval_windows, args.ood_len)
-        texts[f"ood:{p.name}"] = windows_of(ids[half:], args.eval_windows, args.ood_len)
-    if args.reported_only:
-        texts = {k: v for k, v in texts.items() if not k.startswith("val:")}
+    texts = eval_texts(tok, split, oods, args.eval_windows, args.eval_len, args.ood_len, args.reported_only)
     src_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
                                                      trust_remote_code=False).to(dev).eval()
     res = {"model": args.label, "source_fingerprint": fingerprint(src), "commit": commit(),

@@ -174,3 +174,76 @@ def test_cached_source_logits_give_the_same_scores_without_the_source(tmp_path):
     assert plain == first == again
     assert bq.score(other, q, w, dev, cache=tmp_path / "c", tag="other") != plain
     assert len(list((tmp_path / "c").glob("*.pt"))) == 6
+
+
+def test_reported_only_texts_are_the_full_sets_reported_windows(tmp_path):
+    """--reported-only drops the validation halves before tokenizing them; the reported windows
+    are the same token ids, in the same order, as when every text is built."""
+    from transformers import AutoTokenizer
+
+    from quantize.source.synth import write_tokenizer
+
+    (tmp_path / "tok").mkdir()
+    tok = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "tok", 512))
+    split = bq.split_text(tmp_path)
+    oods = [bq.ROOT / "calib_data" / n for n in bq.OOD_TEXTS[:2]]
+    full = bq.eval_texts(tok, split, oods, 3, 64, 32)
+    rep = bq.eval_texts(tok, split, oods, 3, 64, 32, reported_only=True)
+    assert list(full) == ["val:in_domain", "in_domain", "val:ood:heldout_english.md", "ood:heldout_english.md",
+                          "val:ood:heldout_english_2.md", "ood:heldout_english_2.md"]
+    assert list(rep) == [k for k in full if not k.startswith("val:")]
+    for k, v in rep.items():
+        assert v.shape == (3, 64 if k == "in_domain" else 32) and v.equal(full[k])
+    assert not full["ood:heldout_english.md"].equal(full["val:ood:heldout_english.md"])
+
+
+def _confidence():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import bench_confidence
+
+    return bench_confidence
+
+
+def test_confidence_splits_perplexity_added_into_kl_and_the_texts_share():
+    """bench_confidence: per window, log-perplexity added = KL + D, checked against a float64
+    computation from the logits; the source against itself adds nothing; a sharp source on
+    uniformly random tokens is over-confident, so its best temperature is the largest tried."""
+    import torch
+
+    bc = _confidence()
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    T, V = 40, 23
+    ls = torch.log_softmax(torch.randn(T, V, generator=gen, dtype=torch.float64) * 4, -1)
+    lq = torch.log_softmax(ls + 0.3 * torch.randn(T, V, generator=gen, dtype=torch.float64), -1)
+    y = torch.randint(0, V, (T,), generator=gen)
+    per = [bc.window_sums(ls[:20], lq[:20], y[:20], bc.TEMPERATURES),
+           bc.window_sums(ls[20:], lq[20:], y[20:], bc.TEMPERATURES)]
+    got = bc.totals(per)
+    added = float((ls.gather(1, y[:, None]) - lq.gather(1, y[:, None])).mean())
+    kl = float((ls.exp() * (ls - lq)).sum(-1).mean())
+    assert got["log_ppl_added"] == pytest.approx(added, rel=1e-12)
+    assert got["kl"] == pytest.approx(kl, rel=1e-12) and kl > 0
+    assert got["d"] == pytest.approx(added - kl, rel=1e-9, abs=1e-12)
+    assert got["entropy"] == pytest.approx(float(-(lq.exp() * lq).sum(-1).mean()), rel=1e-12)
+    same = bc.totals([bc.window_sums(ls, ls, y, bc.TEMPERATURES)])
+    assert same["ppl_added"] == 0 and same["kl"] == pytest.approx(0, abs=1e-12)
+    src = bc.totals([bc.window_sums(ls, None, y, bc.TEMPERATURES)])
+    assert src["ppl_source_at"]["1.0"] == pytest.approx(src["ppl_source"], rel=1e-12)
+    assert src["best_temperature"] == max(bc.TEMPERATURES)
+
+
+def test_confidence_gain_of_scaled_weights():
+    """The least-squares gain of MLP weights scaled by c is c, their relative error |1 - c|;
+    the source against itself: gain 1, error 0."""
+    import torch
+
+    bc = _confidence()
+    src, q = _tiny_lm(1), _tiny_lm(1)
+    with torch.no_grad():
+        for name, p in q.named_parameters():
+            if ".mlp." in name:
+                p.mul_(0.9)
+    got = bc.gains(src, q)
+    assert got["linears"] == 3 and got["gain"] == pytest.approx(0.9, rel=1e-6)
+    assert got["rel_error"] == pytest.approx(0.1, rel=1e-5)
+    assert bc.gains(src, src)["gain"] == 1 and bc.gains(src, src)["rel_error"] == 0
