@@ -118,6 +118,10 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=10)
     ap.add_argument("--eval-len", type=int, default=512)
     ap.add_argument("--ood-len", type=int, default=512)
+    ap.add_argument("--bos", action="store_true",
+                    help="begin every window with the tokenizer's BOS token (the same tokens are "
+                         "scored: the BOS position's prediction is dropped); the source's logits "
+                         "are not cached then")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -133,29 +137,36 @@ def main() -> None:
     src_model = load(args.source)
     models = dict(m.split("=", 1) for m in args.model)
     per: dict[str, dict[str, list]] = {name: {} for name in ["source", *models]}
-    res: dict = {"command": " ".join(sys.argv), "texts": {k: list(v.shape) for k, v in texts.items()},
+    if args.bos and tok.bos_token_id is None:
+        raise SystemExit(f"--bos: the tokenizer of {args.source} has no BOS token")
+    res: dict = {"command": " ".join(sys.argv), "bos": args.bos, "texts": {k: list(v.shape) for k, v in texts.items()},
                  "models": models, "weights": {}, "scores": {}}
-    for name, d in [("source", None), *models.items()]:
-        q = None if d is None else load(d)
-        if d is not None:
-            res["weights"][name] = gains(src_model, load_decompressed(d))
-        for text, windows in texts.items():
-            rows = per[name].setdefault(text, [])
-            for w in windows:
-                x = w.unsqueeze(0).to(dev)
-                ls = torch.log_softmax(_source_logits(src_model, x, args.cache_source, tag).double()[0, :-1], -1)
-                lq = None if q is None else torch.log_softmax(q(x).logits.double()[0, :-1], -1)
-                rows.append(window_sums(ls, lq, x[0, 1:], TEMPERATURES))
-        scores = {t: totals(rows) for t, rows in per[name].items()}
-        scores["ood:all"] = totals([w for t, rows in per[name].items() if t.startswith("ood:") for w in rows])
+    qs = {name: load(d) for name, d in models.items()}  # all at once: one source forward per window
+    for name, d in models.items():
+        res["weights"][name] = gains(src_model, load_decompressed(d))
+    for text, windows in texts.items():
+        for w in windows:
+            x = w.unsqueeze(0).to(dev)
+            cut = slice(0, -1)  # the predictions of the window's tokens 1..
+            if args.bos:
+                x, cut = torch.cat([torch.tensor([[tok.bos_token_id]], device=dev), x], 1), slice(1, -1)
+            ls = _source_logits(src_model, x, None if args.bos else args.cache_source, tag)
+            ls = torch.log_softmax(ls.double()[0, cut], -1)
+            y = w[1:].to(dev)
+            per["source"].setdefault(text, []).append(window_sums(ls, None, y, TEMPERATURES))
+            for name, q in qs.items():
+                lq = torch.log_softmax(q(x).logits.double()[0, cut], -1)
+                per[name].setdefault(text, []).append(window_sums(ls, lq, y, TEMPERATURES))
+        print(text, flush=True)
+    for name, texts_rows in per.items():
+        scores = {t: totals(rows) for t, rows in texts_rows.items()}
+        scores["ood:all"] = totals([w for t, rows in texts_rows.items() if t.startswith("ood:") for w in rows])
         res["scores"][name] = scores
-        del q
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
         brief = {t: {k: round(v, 4) for k, v in s.items() if isinstance(v, float) and k != "ppl_source"}
                  for t, s in scores.items() if t in ("in_domain", "ood:all")}
         print(name, res["weights"].get(name), json.dumps(brief), flush=True)
-
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1))
 
 if __name__ == "__main__":
     main()

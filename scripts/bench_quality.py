@@ -41,6 +41,7 @@ import json
 import math
 import platform
 import random
+import shutil
 import sys
 import time
 import traceback
@@ -213,18 +214,23 @@ def parse_run(spec: str) -> tuple[str, dict]:
 
 @torch.no_grad()
 def score(src_model, q_model, windows: torch.Tensor, dev: torch.device, cache: Path | None = None,
-          tag: str = "") -> dict:
+          tag: str = "", bos: int | None = None) -> dict:
     """Perplexity of both models, the increase, mean KL(source || quantized) per token over
     `windows`; "windows": each window's [nll, nll_source, kl, tokens] sums (`paired_ratio`
     resamples them). `cache`: a folder where the source's logits of each window are kept
     (float32, as the forward gave them, so the scores are the same to the last bit) and read
-    back by later runs instead of running the source again; `tag` names the source in it."""
+    back by later runs instead of running the source again; `tag` names the source in it.
+    `bos`: a token id put before every window (a model trained with a BOS token, as Gemma's
+    is, is far from itself without it); the same tokens are scored, its prediction dropped."""
     per = []
+    cut = slice(0, -1) if bos is None else slice(1, -1)  # the predictions of tokens 1.. of w
     for w in windows:
         x = w.unsqueeze(0).to(dev)
-        ls = torch.log_softmax(_source_logits(src_model, x, cache, tag).double()[0, :-1], -1)  # (T-1, V)
-        lq = torch.log_softmax(q_model(x).logits.double()[0, :-1], -1)
-        tgt = x[0, 1:]
+        if bos is not None:
+            x = torch.cat([torch.full((1, 1), bos, dtype=x.dtype, device=dev), x], 1)
+        ls = torch.log_softmax(_source_logits(src_model, x, cache, tag).double()[0, cut], -1)  # (T-1, V)
+        lq = torch.log_softmax(q_model(x).logits.double()[0, cut], -1)
+        tgt = w[1:].to(dev)
         per.append([-float(lq.gather(1, tgt[:, None]).sum()), -float(ls.gather(1, tgt[:, None]).sum()),
                     float((ls.exp() * (ls - lq)).sum()), tgt.numel()])
     return dict(_totals(per), windows=per)
@@ -335,6 +341,7 @@ def run_llmc(src: Path, out: Path, kw: dict, g: int, tokens: torch.Tensor, devic
     ds = Dataset.from_dict({"input_ids": tokens.tolist(), "attention_mask": torch.ones_like(tokens).tolist()})
     oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=tokens.shape[0],
             max_seq_length=tokens.shape[1], processor=tok)
+    shutil.rmtree(out, ignore_errors=True)  # an earlier run's files (our index.json) must not stay beside
     model.save_pretrained(out, save_compressed=True)
     tok.save_pretrained(out)
     del model
@@ -445,6 +452,9 @@ def main() -> None:
     ap.add_argument("--reported-only", action="store_true",
                     help="score the reported texts only, not the validation halves (a run whose "
                          "configurations were chosen before: half the scoring time)")
+    ap.add_argument("--bos", action="store_true",
+                    help="score every window with the tokenizer's BOS token before it (the same "
+                         "tokens scored); the JSONs before 2026-12-05 scored windows without it")
     ap.add_argument("--cache-source", type=Path, default=None,
                     help="folder for the source's logits per window (float32; ~0.5 GB per window "
                          "of 512 at Gemma's vocabulary), read back by later runs: the same scores, "
@@ -465,12 +475,15 @@ def main() -> None:
     split = split_text(work)
     oods = args.ood or [ROOT / "calib_data" / n for n in OOD_TEXTS]
     texts = eval_texts(tok, split, oods, args.eval_windows, args.eval_len, args.ood_len, args.reported_only)
+    bos = tok.bos_token_id if args.bos else None
+    if args.bos and bos is None:
+        raise SystemExit(f"--bos: the tokenizer of {src} has no BOS token")
     src_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
                                                      trust_remote_code=False).to(dev).eval()
     res = {"model": args.label, "source_fingerprint": fingerprint(src), "commit": commit(),
            "targets": "dense (gate/up/down_proj of every layer)", "device": args.device,
            "host": platform.node(), "torch": torch.__version__, "command": " ".join(sys.argv),
-           "calibration": {"num_samples": args.num_samples, "seq_len": args.seq_len,
+           "bos": bos, "calibration": {"num_samples": args.num_samples, "seq_len": args.seq_len,
                            "records": split["sets"], "held_out_topics": split["topics"]},
            "eval": {k: list(v.shape) for k, v in texts.items()}, "runs": []}
     if args.append and args.out.exists():
@@ -516,8 +529,8 @@ def main() -> None:
                         row["seconds"] = round(time.perf_counter() - t0, 1)
                         q = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                                  trust_remote_code=False).to(dev).eval()
-                        row["scores"] = {k: score(src_model, q, w, dev, args.cache_source, res["source_fingerprint"])
-                                         for k, w in texts.items()}
+                        row["scores"] = {k: score(src_model, q, w, dev, args.cache_source, res["source_fingerprint"],
+                                                  bos) for k, w in texts.items()}
                         if len(oods) > 1:  # the reported out-of-domain figure over every file
                             row["scores"][f"ood:{POOLED}"] = pooled(row["scores"], "ood:")
                         del q

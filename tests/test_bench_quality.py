@@ -6,6 +6,7 @@ counted once."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -247,3 +248,30 @@ def test_confidence_gain_of_scaled_weights():
     assert got["linears"] == 3 and got["gain"] == pytest.approx(0.9, rel=1e-6)
     assert got["rel_error"] == pytest.approx(0.1, rel=1e-5)
     assert bc.gains(src, src)["gain"] == 1 and bc.gains(src, src)["rel_error"] == 0
+
+
+def test_scores_with_a_bos_token_score_the_same_tokens_after_it():
+    """score(bos=B): each window is run as [B, w0, w1, ...] and the same tokens w1.. are scored
+    (the prediction of w0 from B dropped): equal to a float64 computation on that sequence, and
+    not to the scores without B."""
+    import torch
+
+    src, q = _tiny_lm(1), _tiny_lm(2)
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    w = torch.randint(3, 97, (2, 12), generator=gen)
+    dev = torch.device("cpu")
+    got = bq.score(src, q, w, dev, bos=1)
+    nll = nll_src = kl = 0.0
+    with torch.no_grad():
+        for row in w:
+            x = torch.cat([torch.tensor([1]), row])[None]
+            ls = torch.log_softmax(src(x).logits.double()[0, 1:-1], -1)
+            lq = torch.log_softmax(q(x).logits.double()[0, 1:-1], -1)
+            y = row[1:, None]
+            nll, nll_src = nll - float(lq.gather(1, y).sum()), nll_src - float(ls.gather(1, y).sum())
+            kl += float((ls.exp() * (ls - lq)).sum())
+    assert got["tokens"] == 2 * 11
+    assert got["ppl"] == pytest.approx(math.exp(nll / 22), rel=1e-9)
+    assert got["ppl_source"] == pytest.approx(math.exp(nll_src / 22), rel=1e-9)
+    assert got["kl"] == pytest.approx(kl / 22, rel=1e-9)
+    assert bq.score(src, q, w, dev)["ppl_source"] != pytest.approx(got["ppl_source"], rel=1e-6)
