@@ -128,6 +128,8 @@ def main() -> None:
 
     dev = torch.device(args.device)
     tok = AutoTokenizer.from_pretrained(args.source, trust_remote_code=False)
+    if args.bos and tok.bos_token_id is None:
+        raise SystemExit(f"--bos: the tokenizer of {args.source} has no BOS token")
     oods = [ROOT / "calib_data" / n for n in OOD_TEXTS]
     texts = eval_texts(tok, split_text(args.workdir), oods, args.eval_windows, args.eval_len, args.ood_len,
                        reported_only=True)
@@ -137,8 +139,6 @@ def main() -> None:
     src_model = load(args.source)
     models = dict(m.split("=", 1) for m in args.model)
     per: dict[str, dict[str, list]] = {name: {} for name in ["source", *models]}
-    if args.bos and tok.bos_token_id is None:
-        raise SystemExit(f"--bos: the tokenizer of {args.source} has no BOS token")
     res: dict = {"command": " ".join(sys.argv), "bos": args.bos, "texts": {k: list(v.shape) for k, v in texts.items()},
                  "models": models, "weights": {}, "scores": {}}
     qs = {name: load(d) for name, d in models.items()}  # all at once: one source forward per window
@@ -167,6 +167,7 @@ def main() -> None:
         print(name, res["weights"].get(name), json.dumps(brief), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
+
 
 if __name__ == "__main__":
     main()
