@@ -36,7 +36,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_quality import OOD_TEXTS, ROOT, _source_logits, eval_texts, fingerprint, split_text
+from bench_quality import (
+    OOD_TEXTS,
+    ROOT,
+    _source_logits,
+    eval_texts,
+    fingerprint,
+    model_input,
+    split_text,
+)
 
 TEMPERATURES = (0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.7, 2.0)
 
@@ -146,10 +154,7 @@ def main() -> None:
         res["weights"][name] = gains(src_model, load_decompressed(d))
     for text, windows in texts.items():
         for w in windows:
-            x = w.unsqueeze(0).to(dev)
-            cut = slice(0, -1)  # the predictions of the window's tokens 1..
-            if args.bos:
-                x, cut = torch.cat([torch.tensor([[tok.bos_token_id]], device=dev), x], 1), slice(1, -1)
+            x, cut = model_input(w, dev, tok.bos_token_id if args.bos else None)
             ls = _source_logits(src_model, x, None if args.bos else args.cache_source, tag)
             ls = torch.log_softmax(ls.double()[0, cut], -1)
             y = w[1:].to(dev)

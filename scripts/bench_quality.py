@@ -223,17 +223,24 @@ def score(src_model, q_model, windows: torch.Tensor, dev: torch.device, cache: P
     `bos`: a token id put before every window (a model trained with a BOS token, as Gemma's
     is, is far from itself without it); the same tokens are scored, its prediction dropped."""
     per = []
-    cut = slice(0, -1) if bos is None else slice(1, -1)  # the predictions of tokens 1.. of w
     for w in windows:
-        x = w.unsqueeze(0).to(dev)
-        if bos is not None:
-            x = torch.cat([torch.full((1, 1), bos, dtype=x.dtype, device=dev), x], 1)
+        x, cut = model_input(w, dev, bos)
         ls = torch.log_softmax(_source_logits(src_model, x, cache, tag).double()[0, cut], -1)  # (T-1, V)
         lq = torch.log_softmax(q_model(x).logits.double()[0, cut], -1)
         tgt = w[1:].to(dev)
         per.append([-float(lq.gather(1, tgt[:, None]).sum()), -float(ls.gather(1, tgt[:, None]).sum()),
                     float((ls.exp() * (ls - lq)).sum()), tgt.numel()])
     return dict(_totals(per), windows=per)
+
+
+def model_input(w: torch.Tensor, dev: torch.device, bos: int | None) -> tuple[torch.Tensor, slice]:
+    """A window `w` (T,) as the models' input (1, T) or (1, T + 1) with `bos` first, and the
+    slice of their logits that predicts w's tokens 1.. (the prediction of w0 from the BOS
+    dropped, so the same tokens are scored with and without it)."""
+    x = w.unsqueeze(0).to(dev)
+    if bos is None:
+        return x, slice(0, -1)
+    return torch.cat([torch.full((1, 1), bos, dtype=x.dtype, device=dev), x], 1), slice(1, -1)
 
 
 def _source_logits(model, x: torch.Tensor, cache: Path | None, tag: str) -> torch.Tensor:
