@@ -65,7 +65,8 @@ MAX_EXPERT_COVERAGE = 1024
 
 # Options the manifest leaves out at these values (to_json), as versions before them wrote it;
 # Manifest.resume reads a missing one as this value.
-OMITTED_AT = {"rtn_fallback": False, "mse_weight_power": 1.0, "expert_coverage": 0}
+OMITTED_AT = {"rtn_fallback": False, "mse_weight_power": 1.0, "expert_coverage": 0,
+              "calib_bos": False}
 
 
 def recorded_option(options: dict, key: str):
@@ -98,6 +99,12 @@ class ConvertOptions:
     num_samples: int = 128
     seq_len: int = 2048
     seed: int = 0
+    # Each calibration window begins with the tokens every served request begins with
+    # (calib.data.tokenizer_prefix: the tokenizer's BOS, Gemma's and Llama's; else the special
+    # tokens the chat template writes before any message, GLM's [gMASK]<sop>; else nothing),
+    # then seq_len minus that many tokens of the text. False:
+    # windows cut from the text alone (before 2026-12-05; a manifest without the key); rtn: False.
+    calib_bos: bool = True
     # routed: each expert's statistics from the tokens routed to it (the true distribution);
     # routed-weighted: the same tokens, each weighted by its squared routing weight (the
     # expert's output is scaled by that weight, so its rounding error reaches the layer output
@@ -227,6 +234,8 @@ class ConvertOptions:
                 object.__setattr__(self, k, SMALL_GROUP_DEFAULTS[k] if small and self.mse_clip else other)
         if self.sequential_mlp is None:
             object.__setattr__(self, "sequential_mlp", "gptq" in self.method)
+        if self.method == "rtn":  # no calibration windows (not applicable: not recorded)
+            object.__setattr__(self, "calib_bos", False)
 
     def _check_values(self) -> None:
         """Each option's range, and the combinations the method, scheme and kernels refuse."""

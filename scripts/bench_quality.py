@@ -20,9 +20,11 @@
    Gemma tokens in the reported halves; the JSONs before 2026-12-05 pooled the first two, ~10.3k
    words, 11 windows; `ood:all` pools their reported halves, and the validation score weighs
    in domain and the pooled out-of-domain validation halves equally).
-3. Calibration token ids: `quantize.calib.data.load_calibration(file, tokenizer, N, L, seed)`,
+3. Calibration token ids: `quantize.calib.data.load_calibration(file, tokenizer, N, L, seed, bos)`,
    the function `convert` itself calls with the same file and seed; the same tensor goes to
    llm-compressor's `oneshot` as its dataset (input_ids), so both tools see the same tokens.
+   `--calib-bos` (default; `convert --calib-bos`'s): each window begins with the tokenizer's
+   BOS, as served requests do; the JSONs before 2026-12-05 calibrated without it.
 4. Runs: `--runs` items `METHOD[:key=value,...]` with METHOD one of ours (rtn, gptq, awq,
    awq+gptq; keys: ConvertOptions fields such as percdamp, mse_clip) or `llmc-gptq` (oneshot
    GPTQModifier, W4A16 symmetric group G on the same MLP Linears; keys: GPTQModifier fields such
@@ -462,6 +464,10 @@ def main() -> None:
     ap.add_argument("--bos", action="store_true",
                     help="score every window with the tokenizer's BOS token before it (the same "
                          "tokens scored); the JSONs before 2026-12-05 scored windows without it")
+    ap.add_argument("--calib-bos", action=argparse.BooleanOptionalAction, default=True,
+                    help="calibration windows begin with the tokenizer's BOS, for both tools "
+                         "(load_calibration's bos; ours through ConvertOptions.calib_bos unless a "
+                         "run sets calib_bos); the JSONs before 2026-12-05 calibrated without it")
     ap.add_argument("--cache-source", type=Path, default=None,
                     help="folder for the source's logits per window (float32; ~0.5 GB per window "
                          "of 512 at Gemma's vocabulary), read back by later runs: the same scores, "
@@ -491,6 +497,7 @@ def main() -> None:
            "targets": "dense (gate/up/down_proj of every layer)", "device": args.device,
            "host": platform.node(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "bos": bos, "calibration": {"num_samples": args.num_samples, "seq_len": args.seq_len,
+                                       "bos": args.calib_bos,
                            "records": split["sets"], "held_out_topics": split["topics"]},
            "eval": {k: list(v.shape) for k, v in texts.items()}, "runs": []}
     if args.append and args.out.exists():
@@ -524,15 +531,17 @@ def main() -> None:
                     row = {"run": spec, "method": method, "options": kw, "group_size": g,
                            "chosen_on_validation": chosen is not None,
                            "calib": None if method == "rtn" else cset,
+                           "calib_bos": None if method == "rtn" else kw.get("calib_bos", args.calib_bos),
                            "seed": None if method == "rtn" else seed}
                     t0 = time.perf_counter()
                     try:
                         if method == "llmc-gptq":
-                            tokens = load_calibration(calib, tok, args.num_samples, args.seq_len, seed).tokens
+                            tokens = load_calibration(calib, tok, args.num_samples, args.seq_len, seed,
+                                                      args.calib_bos).tokens
                             row["version"] = run_llmc(src, out, kw, g, tokens, args.device)
                         else:
-                            run_ours(src, out, method, kw, g, calib, args.num_samples, args.seq_len, seed,
-                                     args.device)
+                            run_ours(src, out, method, {"calib_bos": args.calib_bos, **kw}, g, calib,
+                                     args.num_samples, args.seq_len, seed, args.device)
                         row["seconds"] = round(time.perf_counter() - t0, 1)
                         q = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                                  trust_remote_code=False).to(dev).eval()

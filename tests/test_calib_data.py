@@ -20,7 +20,9 @@ from quantize.calib.data import (
     join_documents,
     load_calibration,
     read_documents,
+    text_prefix,
     tokenize_documents,
+    tokenizer_prefix,
 )
 from quantize.errors import QuantizeError
 from quantize.source.synth import write_tokenizer
@@ -106,6 +108,63 @@ def test_jsonl_messages_use_the_chat_template(tok, tmp_path):
     assert cs.documents == 2 and cs.chat_template == "checkpoint"
     user = tok.convert_tokens_to_ids("<|user|>")
     assert (cs.tokens == user).any()  # the template's role marker made it into the tokens
+
+
+def _prefixed_tok(path: Path, prefix: tuple[str, ...], suffix: tuple[str, ...] = ()):
+    from transformers import AutoTokenizer
+
+    path.mkdir()
+    write_tokenizer(path, 512, prefix, suffix)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.mark.parametrize("prefix,suffix", [((), ()), (("<|begin|>",), ()),
+                                           (("<|begin|>", "<|system|>"), ("<|endoftext|>",)),
+                                           ((), ("<|endoftext|>",))])
+def test_windows_begin_with_the_tokenizers_prefix(tmp_path, prefix, suffix):
+    """Each window is the tokens the tokenizer puts before a text, then the next seq_len - p
+    tokens of the same stream the windows without it are cut from (a suffix is not a prefix);
+    the summary names the prefix; a --seq-len the prefix fills is refused by name."""
+    from tokenizers import Tokenizer
+
+    t = _prefixed_tok(tmp_path / "tok", prefix, suffix)
+    ids = [t.convert_tokens_to_ids(x) for x in prefix]
+    assert tokenizer_prefix(t) == ids
+    rust = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))  # the Rust library's view
+    assert text_prefix(lambda x, sp: rust.encode(x, add_special_tokens=sp).ids) == ids
+    n, S, p = 5, 24, len(ids)
+    cs = load_calibration("shipped:small", t, n, S, seed=4)
+    plain = load_calibration("shipped:small", t, n, S - p, seed=4, bos=False)  # the stream
+    assert cs.tokens.shape == (n, S) and cs.summary()["prefix"] == list(prefix)
+    assert torch.equal(cs.tokens[:, :p], torch.tensor(ids, dtype=torch.int64).expand(n, p))
+    assert torch.equal(cs.tokens[:, p:], plain.tokens)
+    off = load_calibration("shipped:small", t, n, S, seed=4, bos=False)
+    assert off.summary()["prefix"] == []
+    assert torch.equal(off.tokens.flatten()[: n * (S - p)], plain.tokens.flatten())
+    if p:
+        with pytest.raises(QuantizeError, match="no-calib-bos"):
+            load_calibration("shipped:small", t, 2, p, seed=0)
+
+
+def test_a_chat_templates_constant_start_is_the_prefix_when_the_tokenizer_adds_none(tmp_path):
+    """GLM's tokenizer adds nothing before a text; its chat template writes `[gMASK]<sop>`
+    before any message, as every request begins: those special tokens are the prefix. A start
+    with plain text in it, a template that needs a message, or a tokenizer's own BOS (which
+    wins) give no such prefix."""
+    from transformers import AutoTokenizer
+
+    def tok_with(name, **kw):
+        (tmp_path / name).mkdir()
+        write_tokenizer(tmp_path / name, 512, **kw)
+        return AutoTokenizer.from_pretrained(str(tmp_path / name))
+
+    glm = tok_with("glm", chat_start="<|begin|><|system|>")
+    assert tokenizer_prefix(glm) == [0, 2]
+    cs = load_calibration("shipped:small", glm, 2, 16, seed=0)
+    assert cs.tokens[:, :2].tolist() == [[0, 2]] * 2 and cs.summary()["prefix"] == ["<|begin|>", "<|system|>"]
+    assert tokenizer_prefix(tok_with("text", chat_start="Hello <|begin|>")) == []
+    assert tokenizer_prefix(tok_with("needs", chat_start="{{ messages[0]['content'] | upper }}")) == []
+    assert tokenizer_prefix(tok_with("bos", prefix=("<|begin|>",), chat_start="<|system|>")) == [0]
 
 
 def test_plain_text_and_overlap(tok, tmp_path):

@@ -533,9 +533,15 @@ def test_routed_experts_keep_the_weighted_clip_at_every_group_size(tmp_path):
     # the plan from it), also the values left out of it and those set per kind of target
     for kw in ({"method": "rtn"}, {"method": "gptq"}, {"method": "gptq", "group_size": 128},
                {"method": "awq+gptq", "targets": frozenset({"routed", "shared"}), "mse_weight_power": 0.5},
-               {"method": "gptq", "mse_norm_routed": 2, "mse_clip": True, "rtn_fallback": True}):
+               {"method": "gptq", "mse_norm_routed": 2, "mse_clip": True, "rtn_fallback": True},
+               {"method": "gptq", "calib_bos": False}, {"method": "awq", "calib_bos": True}):
         o = ConvertOptions(**kw)
         assert ConvertOptions.from_json(o.to_json()) == o, kw
+    # calibration windows without the tokenizer's BOS: what a manifest from before the option
+    # ran (no key), and rtn (no windows) records nothing
+    gptq = ConvertOptions(method="gptq").to_json()
+    assert gptq["calib_bos"] is True and "calib_bos" not in ConvertOptions().to_json()
+    assert ConvertOptions.from_json({k: v for k, v in gptq.items() if k != "calib_bos"}).calib_bos is False
     # a manifest of group 32 from before mse_weight_power was recorded: the weighted clip it ran,
     # not today's group-32 default
     old = ConvertOptions(method="gptq", mse_norm=3, mse_weight_power=1.0).to_json()

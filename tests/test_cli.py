@@ -408,6 +408,28 @@ def test_config_file_run_record_and_replay(dsa_fp8, tmp_path):
     assert r.exit_code == 2 and "quantize-run.toml" in r.output
 
 
+def test_a_run_record_from_before_calib_bos_replays_without_it(tmp_path):
+    """A calibrated run's record without calib_bos (written before the option: its windows had
+    no BOS) replays as --no-calib-bos; a record that has it, and a --config file, keep theirs;
+    an rtn record gets nothing (no windows)."""
+    import click
+    import typer
+
+    from quantize.cli.run_record import config_callback, from_callback
+
+    cmd = typer.main.get_command(app).commands["convert"]
+    for body, want in (('method = "gptq"\nseed = 2\n', False), ('method = "gptq"\ncalib_bos = true\n', True),
+                       ('method = "rtn"\n', None)):
+        (tmp_path / "quantize-run.toml").write_text("[convert]\n" + body)
+        ctx = click.Context(cmd)
+        from_callback(ctx, tmp_path)
+        assert ctx.default_map.get("calib_bos") is want, body
+    (tmp_path / "c.toml").write_text('[convert]\nmethod = "gptq"\n')
+    ctx = click.Context(cmd)
+    config_callback(ctx, tmp_path / "c.toml")
+    assert "calib_bos" not in ctx.default_map  # a --config file: today's default
+
+
 def test_options_the_method_ignores_are_refused_by_name(dsa_fp8, tmp_path):
     """`convert SRC DST --num-samples 512 --calib shipped:small` (no --method: rtn) would round
     to nearest and ignore both: refused with exit 2, naming them and the fix, before anything
@@ -423,6 +445,8 @@ def test_options_the_method_ignores_are_refused_by_name(dsa_fp8, tmp_path):
     assert "Add --method gptq" in r.output and not out.exists()
     r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--method", "rtn", "--seed", "3"], env=wide)
     assert r.exit_code == 2 and "--seed applies to the calibrated methods" in r.output
+    r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--no-calib-bos"], env=wide)
+    assert r.exit_code == 2 and "--calib-bos applies to the calibrated methods" in r.output
     r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--method", "awq", "--percdamp", "0.05",
                             "--mse-norm", "2", "--num-samples", "8"], env=wide)
     assert r.exit_code == 2 and "--percdamp, --mse-norm apply to GPTQ" in r.output, r.output

@@ -32,6 +32,7 @@ from quantize.check.evaluate import (
     summarize,
 )
 from quantize.errors import QuantizeError
+from quantize.names import CALIB_REPORT
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert, source_weight
 from quantize.plan import make_plan
@@ -224,37 +225,82 @@ def _ngrams(t: torch.Tensor, n: int) -> set[tuple[int, ...]]:
     return {tuple(r[i: i + n].tolist()) for r in t for i in range(t.shape[1] - n + 1)}
 
 
-def test_eval_windows_are_disjoint_from_calibration(tok, tmp_path):
-    """(3) The calibration windows as calib_data cuts them share no text with the eval windows;
-    a calibration that covers the whole file is reported as an unavoidable overlap."""
+@pytest.mark.parametrize("bos", [None, "<|begin|>"])
+def test_eval_windows_are_disjoint_from_calibration(tok, tmp_path, bos):
+    """(3) The calibration windows as calib_data cuts them (with the tokenizer's BOS first when
+    it adds one) share no text with the eval windows, which begin with the same BOS; a
+    calibration that covers the whole file is reported as an unavoidable overlap."""
+    if bos is not None:
+        from transformers import AutoTokenizer
+
+        write_tokenizer(tmp_path, 512, (bos,))
+        tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    head = [tok.convert_tokens_to_ids(bos)] if bos else []
     p = _random_docs(tmp_path / "words.jsonl", 60, 40)  # random words: no n-gram repeats by chance
     doc_ids, _, _ = tokenize_documents(read_documents(p), tok)
     eos = tok.eos_token_id
     for n_c, S_c, seed_c in ((4, 64, 0), (3, 100, 7)):
         calib = load_calibration(p, tok, n_c, S_c, seed_c).tokens
-        es = select_windows(doc_ids, eos, 8, 32, seed_c, CalibWindows(n_c, S_c, seed_c), str(p))
+        es = select_windows(doc_ids, eos, 8, 32, seed_c, CalibWindows(n_c, S_c, seed_c, len(head)),
+                            str(p), prefix=head)
         assert es.disjoint and es.overlap_avoidable is None and es.tokens.shape == (8, 32)
+        assert es.prefix == len(head) and es.tokens[:, : len(head)].eq(torch.tensor(head)).all()
         assert 0 < es.held_out < es.documents
         # 12 random-word tokens in a row never recur by chance; shared ones would be shared text
         assert not _ngrams(calib, 12) & _ngrams(es.tokens, 12)
-        same_seed_all_docs = select_windows(doc_ids, eos, 8, 32, seed_c, None, str(p))
+        same_seed_all_docs = select_windows(doc_ids, eos, 8, 32, seed_c, None, str(p), prefix=head)
         assert _ngrams(calib, 12) & _ngrams(same_seed_all_docs.tokens, 12)  # the test can see overlap
     # overlapping (random-start) calibration windows covering every document
     es = select_windows(doc_ids, eos, 4, 32, 0, CalibWindows(400, 64, 0), str(p))
     assert not es.disjoint and es.overlap_avoidable is False and "overlap" in es.calibration
 
 
-def test_calibrated_conversion_is_held_out(tmp_path):
-    """evaluate reads the conversion's calibration options from the manifest."""
+def test_prefix_targets_and_hidden_states_are_not_scored(converted):
+    """Windows that begin with a two-token prefix ([gMASK]<sop>-like): the scores are
+    score_logits of the streamed logits (equal to transformers': the test above) on the targets
+    after the prefix only, and the per-layer error leaves the prefix's hidden states out."""
+    src, dst = converted
+    V = open_checkpoint(src).config["vocab_size"]
+    ids = torch.randint(4, V, (2, 20), generator=torch.Generator().manual_seed(3))
+    ids[:, :2] = torch.tensor([0, 2])  # the same two tokens before every window
+    plain = _streams(src, dst, ids)
+    ev = Evaluator(open_checkpoint(src), {u.source: u for u in make_plan(open_checkpoint(src),
+                   ConvertOptions()).units}, open_output(dst), ids, CPU, torch.float32, prefix=2)
+    ev.embed()
+    for L in range(ev.num_layers):
+        e = ev.run_layer(L)
+    hs = plain.hidden["source"].on_device(0)  # (both ran every layer: the last layer's states)
+    got = ev.score()
+    ls, lq = plain.logits("source", 0), plain.logits("quantized", 0)  # (2, 20, V)
+    want = score_logits(ls[:, 1:-1].reshape(-1, V), lq[:, 1:-1].reshape(-1, V), ids[:, 2:].reshape(-1))
+    assert got.tokens == 2 * 18 and plain.score().tokens == 2 * 19
+    for a, b in zip(got, want):
+        assert a == pytest.approx(b, rel=1e-9)
+    hq = plain.hidden["quantized"].on_device(0)
+    rel = float((hq[:, 2:] - hs[:, 2:]).double().norm() / hs[:, 2:].double().norm())
+    assert e["rel_error"] == pytest.approx(rel, rel=1e-9)
+    assert e["rel_error"] != pytest.approx(plain.layers[-1]["rel_error"], rel=1e-6)
+
+
+@pytest.mark.parametrize("prefix", [(), ("<|begin|>",)])
+def test_calibrated_conversion_is_held_out(tmp_path, prefix):
+    """evaluate reads the conversion's calibration options from the manifest (with a tokenizer
+    that puts a BOS first: calibration and eval windows begin with it, and the report says so)."""
     cfg = tiny_config("glm4_moe", num_hidden_layers=2)
     src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
-    write_tokenizer(src, cfg["vocab_size"])
+    write_tokenizer(src, cfg["vocab_size"], prefix)
     data = _random_docs(tmp_path / "words.jsonl", 40, 40, seed=1)
     convert(src, tmp_path / "out", ConvertOptions(method="gptq", calib=str(data), num_samples=2,
                                                   seq_len=64, seed=3), device="cpu")
+    calib_rep = json.loads((tmp_path / "out" / CALIB_REPORT).read_text())
+    assert calib_rep["calibration"]["prefix"] == list(prefix)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert ("each beginning with `<|begin|>` as every served request does" in card) == bool(prefix)
+    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["options"]["calib_bos"] is True
     rep = evaluate(src, tmp_path / "out", EvalOptions(data=str(data), num_samples=2, seq_len=32),
                    device="cpu", write=False)
     d = rep["data"]
+    assert d["prefix_tokens"] == len(prefix) and rep["options"]["bos"] is True
     assert d["disjoint"] and d["held_out_documents"] < d["documents"] and "held out" in d["calibration"]
     assert "disjoint from the calibration" in rep["summary"]["data"]
     other = evaluate(src, tmp_path / "out", EvalOptions(num_samples=1, seq_len=32), device="cpu",

@@ -19,7 +19,11 @@ Accepted `--calib` sources (the default is the shipped `calib_data/large.jsonl.x
 
 Sampling is deterministic for a given `seed`: the documents are shuffled with
 `torch.Generator().manual_seed(seed)`, tokenized, joined with the EOS token into one
-stream, and cut into consecutive windows of `seq_len` tokens. Only as much of the shuffled
+stream, and cut into consecutive windows. Each window begins with the tokens every request the
+served model sees begins with (`tokenizer_prefix`: those the tokenizer itself puts before a
+text, Gemma's and Llama's BOS; else the special tokens the chat template writes before any
+message, GLM's `[gMASK]<sop>`; none when neither exists), followed by `seq_len` minus that many
+tokens of the stream (`--no-calib-bos`: the stream alone, as before 2026-12-05). Only as much of the shuffled
 stream is tokenized as the windows read (the same windows as tokenizing it all). When the stream holds fewer
 than `num_samples * seq_len` tokens, the windows start at seeded random offsets instead and
 overlap (recorded in `CalibrationSet.overlapping`); a stream shorter than one window is an error.
@@ -47,7 +51,7 @@ from quantize.write.shards import sha256_file
 __all__ = ["DEFAULT_CALIB", "EVAL_EVERY", "HELDOUT_ENGLISH", "SHIPPED_SETS", "CalibrationSet",
            "calib_path", "checkpoint_calibration", "data_sha256", "eval_reserved", "is_shipped", "join_documents",
            "load_calibration", "read_documents", "resolve_calib", "shipped_set", "stream_order",
-           "tokenize_documents", "window_starts"]
+           "text_prefix", "tokenize_documents", "tokenizer_prefix", "window_starts"]
 
 def _shipped(name: str) -> Path:
     """A shipped data file: inside the package in an installed wheel (quantize/_shipped/NAME,
@@ -120,12 +124,14 @@ class CalibrationSet:
     chat_template: str  # "checkpoint" | "plain (the tokenizer has none)" | "unused"
     sha256: str | None = None  # of the data's bytes (`data_sha256`); None: tokens given directly
     eval_reserve: int = 0  # documents of the shipped set kept for eval, not read (EVAL_EVERY)
+    prefix: tuple[str, ...] = ()  # the tokens each window begins with (text_prefix), as text
 
     def summary(self) -> dict:
         return {"source": self.source, "sha256": self.sha256, "documents": self.documents,
                 "stream_tokens": self.stream_tokens, "num_samples": self.tokens.shape[0],
                 "seq_len": self.tokens.shape[1], "overlapping": self.overlapping,
-                "chat_template": self.chat_template, "eval_reserve": self.eval_reserve}
+                "chat_template": self.chat_template, "eval_reserve": self.eval_reserve,
+                "prefix": list(self.prefix)}
 
 
 def data_sha256(path: Path) -> str:
@@ -321,6 +327,59 @@ def join_documents(doc_ids: list[list[int]], seed: int, eos: int | None) -> tupl
     return torch.tensor(stream, dtype=torch.int64), tuple(spans)
 
 
+_PROBE = "Calibration text."
+
+
+def text_prefix(encode) -> list[int]:
+    """The ids a tokenizer puts before a text by itself: `encode(text, special)` -> ids, with and
+    without its special tokens; what the first has before the second's ids (Gemma's and Llama's
+    BOS; [] for a tokenizer that adds nothing before, or only after, a text)."""
+    plain, full = list(encode(_PROBE, False)), list(encode(_PROBE, True))
+    for k in range(len(full) - len(plain) + 1):
+        if full[k: k + len(plain)] == plain:
+            return full[:k]
+    return []
+
+
+def tokenizer_prefix(tokenizer) -> list[int]:
+    """The ids every request to the served model begins with: `text_prefix` of a transformers
+    tokenizer (Gemma's and Llama's BOS); for one that adds none, the special tokens its chat
+    template renders before any message, when it renders only such tokens (GLM's
+    `[gMASK]<sop>`, which its chat template writes and its tokenizer does not add); else []."""
+    ids = text_prefix(lambda t, sp: tokenizer(t, add_special_tokens=sp)["input_ids"])
+    start = None if ids else _template_start(tokenizer)
+    if not start:
+        return ids
+    ids = list(tokenizer(start, add_special_tokens=False)["input_ids"])
+    special = getattr(tokenizer, "added_tokens_decoder", {})
+    return ids if all(getattr(special.get(i), "special", False) for i in ids) else []
+
+
+def _template_start(tokenizer) -> str | None:
+    """What the tokenizer's chat template renders for no messages (transformers refuses an
+    empty conversation, so jinja2 renders it as transformers sets it up: trimmed blocks, loop
+    controls, the special tokens by name); None without a template or when it needs a message."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):  # (none, or a dict of named templates)
+        return None
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(
+            messages=[], add_generation_prompt=False, tools=None,
+            **{k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)})
+    except Exception:  # noqa: BLE001 - a template that needs a message (Gemma's): no constant start
+        return None
+
+
 def window_starts(stream_tokens: int, num_samples: int, seq_len: int, seed: int) -> tuple[list[int], bool]:
     """Where the calibration windows start in a stream of `stream_tokens` ids, and whether they
     overlap: consecutive windows from 0 when the stream holds them all, else seeded random
@@ -369,24 +428,34 @@ def _stream_prefix(docs: list, tokenizer, seed: int, need: int) -> tuple[torch.T
 
 
 def load_calibration(path: str | Path | None, tokenizer, num_samples: int, seq_len: int,
-                     seed: int = 0) -> CalibrationSet:
+                     seed: int = 0, bos: bool = True) -> CalibrationSet:
     """`num_samples` windows of `seq_len` token ids from `path` (default set when None; a Hub
-    dataset ORG/NAME[@REV][:SPLIT] too, see `resolve_calib`)."""
+    dataset ORG/NAME[@REV][:SPLIT] too, see `resolve_calib`); with `bos`, each the tokenizer's
+    `tokenizer_prefix` and then seq_len minus its length ids of the stream."""
     name, files, sha = resolve_calib(path)
     docs = [d for f in files for d in read_documents(f)]
     reserve = 0
     if len(files) == 1 and is_shipped(files[0]):  # its eval documents are not read
         kept = [d for i, d in enumerate(docs) if not eval_reserved(i)]
         reserve, docs = len(docs) - len(kept), kept
-    ids, chats, templated = _stream_prefix(docs, tokenizer, seed, num_samples * seq_len)
-    if len(ids) < seq_len:
+    prefix = tokenizer_prefix(tokenizer) if bos else []
+    body = seq_len - len(prefix)  # stream tokens per window
+    if body < 1:
+        raise _error("--seq-len", str(seq_len), f"more than the {len(prefix)} tokens each window "
+                     "begins with (the tokenizer's BOS)", "raise --seq-len, or pass --no-calib-bos")
+    ids, chats, templated = _stream_prefix(docs, tokenizer, seed, num_samples * body)
+    if len(ids) < body:
+        after = f" after the {len(prefix)} BOS token(s) each window begins with" if prefix else ""
         raise _error(str(path if path is not None else DEFAULT_CALIB), f"{len(ids)} tokens in all",
-                     f"at least --seq-len {seq_len} tokens", "add text, or lower --seq-len")
-    starts, overlapping = window_starts(len(ids), num_samples, seq_len, seed)
-    tokens = torch.stack([ids[s: s + seq_len] for s in starts])  # (num_samples, seq_len)
+                     f"at least {body} tokens (one window of --seq-len {seq_len}{after})",
+                     "add text, or lower --seq-len")
+    starts, overlapping = window_starts(len(ids), num_samples, body, seed)
+    head = torch.tensor(prefix, dtype=torch.int64)
+    tokens = torch.stack([torch.cat([head, ids[s: s + body]]) for s in starts])  # (num_samples, seq_len)
     template = "unused" if not chats else (
         "checkpoint" if templated == chats else "plain role: content (the tokenizer has none)")
-    return CalibrationSet(tokens, name, len(docs), len(ids), overlapping, template, sha, reserve)
+    return CalibrationSet(tokens, name, len(docs), len(ids), overlapping, template, sha, reserve,
+                          tuple(tokenizer.convert_ids_to_tokens(prefix)))
 
 
 def checkpoint_calibration(root: Path, opts) -> CalibrationSet:
@@ -404,4 +473,4 @@ def checkpoint_calibration(root: Path, opts) -> CalibrationSet:
             "tokenizer.json / tokenizer_config.json next to config.json, with a tokenizer "
             "class of transformers (a tokenizer's own code is never run)",
             "copy the tokenizer files from the model release, or use --method rtn")]) from None
-    return load_calibration(opts.calib, tok, opts.num_samples, opts.seq_len, opts.seed)
+    return load_calibration(opts.calib, tok, opts.num_samples, opts.seq_len, opts.seed, opts.calib_bos)

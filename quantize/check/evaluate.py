@@ -21,7 +21,11 @@ Held-out windows (`select_windows`): the text is read with calib_data's loader a
 documents. When DST was calibrated on the same file (manifest options `calib`, `num_samples`,
 `seq_len`, `seed`), the calibration's own stream is rebuilt and every document a calibration
 window touched is dropped; eval shuffles the rest (--seed) and cuts consecutive, non-overlapping
-windows. If nothing of a full window is left (e.g. the shipped 900 kB set under the default
+windows, each beginning with the tokens every served request begins with
+(`calib.data.tokenizer_prefix`: the BOS of Gemma or Llama, GLM's `[gMASK]<sop>`; `--no-bos`:
+the text alone), whose targets
+are not scored (a BOS is never a target; the first text token, predicted from it, is). If
+nothing of a full window is left (e.g. the shipped 900 kB set under the default
 128 x 2048 calibration, which covers nearly all of it), eval uses the whole file and eval.json
 says `"disjoint": false, "overlap_avoidable": false`: pass --data with other text.
 
@@ -54,6 +58,7 @@ from quantize.calib.data import (
     join_documents,
     read_documents,
     tokenize_documents,
+    tokenizer_prefix,
     window_starts,
 )
 from quantize.calib.decoder import (
@@ -101,6 +106,9 @@ class EvalOptions:
     # domain, GPTQ +7 %); a wrong AWQ fold gave a ratio of ~10,000.
     max_ppl_ratio: float = 2.0
     max_kl: float = 1.0
+    # Windows begin with the tokens every served request begins with (its BOS, data.tokenizer_prefix):
+    # Gemma-3-270M scored without its BOS has 2.5-3x its own perplexity (BENCHMARKS.md).
+    bos: bool = True
 
     def __post_init__(self) -> None:
         if not (self.max_ppl_ratio > 0 and math.isfinite(self.max_ppl_ratio)):
@@ -133,6 +141,7 @@ class EvalSet:
     calibration: str  # how the calibration data relates to these windows (one sentence)
     disjoint: bool  # no document under a calibration window is in an eval window
     overlap_avoidable: bool | None  # None when disjoint
+    prefix: int = 0  # tokens each window begins with (the tokenizer's BOS), not scored as targets
 
     def summary(self) -> dict:
         p = Path(self.source)  # its name and hash, not this machine's path (the card quotes it)
@@ -140,7 +149,8 @@ class EvalSet:
                 "documents": self.documents, "held_out_documents": self.held_out,
                 "stream_tokens": self.stream_tokens, "num_samples": self.tokens.shape[0],
                 "seq_len": self.tokens.shape[1], "calibration": self.calibration,
-                "disjoint": self.disjoint, "overlap_avoidable": self.overlap_avoidable}
+                "disjoint": self.disjoint, "overlap_avoidable": self.overlap_avoidable,
+                "prefix_tokens": self.prefix}
 
 
 class CalibWindows(NamedTuple):
@@ -149,29 +159,33 @@ class CalibWindows(NamedTuple):
     num_samples: int
     seq_len: int
     seed: int
+    prefix: int = 0  # tokens each window began with (calib_bos), not from the stream
 
 
 def calibration_documents(doc_ids: list[list[int]], eos: int | None, calib: CalibWindows) -> set[int]:
     """The documents (indices into doc_ids) a calibration window touched: the calibration's own
     stream rebuilt (calib_data.join_documents / window_starts with its seed)."""
     ids, spans = join_documents(doc_ids, calib.seed, eos)
-    if len(ids) < calib.seq_len:
+    body = calib.seq_len - calib.prefix  # stream tokens per window
+    if len(ids) < body or body < 1:
         return set(range(len(doc_ids)))  # calibration refuses this; count everything as seen
-    starts, _ = window_starts(len(ids), calib.num_samples, calib.seq_len, calib.seed)
+    starts, _ = window_starts(len(ids), calib.num_samples, body, calib.seed)
     cover = torch.zeros(len(ids) + 1, dtype=torch.int64)  # +1 at each start, -1 at each end
     for s in starts:
         cover[s] += 1
-        cover[s + calib.seq_len] -= 1
+        cover[s + body] -= 1
     seen = torch.cat([torch.zeros(1, dtype=torch.int64), (cover.cumsum(0)[:-1] > 0).long().cumsum(0)])
     return {i for i, (a, b) in enumerate(spans) if seen[b] - seen[a] > 0}  # covered tokens in [a, b)
 
 
 def select_windows(doc_ids: list[list[int]], eos: int | None, num_samples: int, seq_len: int,
                    seed: int, calib: CalibWindows | None, source: str = "",
-                   relation: str = "", allowed: set[int] | None = None) -> EvalSet:
-    """Up to `num_samples` consecutive windows of `seq_len` ids from the documents no calibration
-    window touched (all documents when `calib` is None), shuffled by `seed`. `allowed`: only
-    these documents (the shipped set's eval reserve)."""
+                   relation: str = "", allowed: set[int] | None = None,
+                   prefix: list[int] | None = None) -> EvalSet:
+    """Up to `num_samples` windows of `seq_len` ids from the documents no calibration window
+    touched (all documents when `calib` is None), shuffled by `seed`: each `prefix` (the
+    tokenizer's BOS) and then the next seq_len minus its length ids of their stream.
+    `allowed`: only these documents (the shipped set's eval reserve)."""
     seen = calibration_documents(doc_ids, eos, calib) if calib is not None else set()
     pool = sorted(allowed) if allowed is not None else range(len(doc_ids))
     held = [i for i in pool if i not in seen]
@@ -188,27 +202,35 @@ def select_windows(doc_ids: list[list[int]], eos: int | None, num_samples: int, 
                 f"{len(seen)} of {len(doc_ids)} documents, leaving fewer than --seq-len {seq_len} "
                 "tokens: the windows overlap the calibration text (pass --data with other text)")
     ids, _ = join_documents([doc_ids[i] for i in held], seed, eos)
-    n = min(num_samples, len(ids) // seq_len)
+    head = torch.tensor(prefix or [], dtype=torch.int64)
+    body = seq_len - len(head)
+    n = min(num_samples, len(ids) // body) if body > 0 else 0
     if n == 0:
         raise QuantizeError("too little eval text", [Problem(
-            source, None, f"{len(ids)} tokens", f"at least --seq-len {seq_len}",
-            "pass --data with more text, or lower --seq-len")])
-    tokens = ids[: n * seq_len].view(n, seq_len).clone()  # (n, S) consecutive, non-overlapping
-    return EvalSet(tokens, source, len(doc_ids), len(held), len(ids), note, disjoint, avoidable)
+            source, None, f"{len(ids)} tokens", f"at least --seq-len {seq_len}"
+            + (f" less the {len(head)} BOS token(s) each window begins with" if len(head) else ""),
+            "pass --data with more text, or raise --seq-len (or lower it)")])
+    body_ids = ids[: n * body].view(n, body)  # consecutive, non-overlapping
+    tokens = torch.cat([head.expand(n, -1), body_ids], 1).contiguous()  # (n, S)
+    return EvalSet(tokens, source, len(doc_ids), len(held), len(ids), note, disjoint, avoidable,
+                   len(head))
 
 
-def ood_windows(path: Path, tok, num_samples: int, seq_len: int) -> torch.Tensor:
-    """Up to `num_samples` consecutive windows of the out-of-domain text (any format --data
-    reads; its documents in file order); when it holds fewer than seq_len tokens, one window of
-    all of them."""
+def ood_windows(path: Path, tok, num_samples: int, seq_len: int,
+                prefix: list[int] | None = None) -> torch.Tensor:
+    """Up to `num_samples` windows of the out-of-domain text (any format --data reads; its
+    documents in file order), each `prefix` and then the next seq_len minus its length ids;
+    when it holds fewer, one window of all of them after the prefix."""
     doc_ids, _, _ = tokenize_documents(read_documents(path), tok)
     ids = [i for d in doc_ids for i in d]
     if len(ids) < 2:
         raise QuantizeError("too little out-of-domain text", [Problem(
             str(path), None, f"{len(ids)} tokens", "at least 2", "pass --ood with more text, or --ood none")])
-    length = min(seq_len, len(ids))
+    head = list(prefix or [])
+    length = min(max(seq_len - len(head), 1), len(ids))  # text tokens per window
     n = min(num_samples, len(ids) // length)
-    return torch.tensor(ids[: n * length], dtype=torch.int64).view(n, length)  # (n, length)
+    return torch.tensor([head + ids[i * length: (i + 1) * length] for i in range(n)],
+                        dtype=torch.int64)  # (n, len(head) + length)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,8 +308,12 @@ class Evaluator:
     def __init__(self, src: Checkpoint, units: dict[str, Unit], dst: Int4View, tokens: torch.Tensor,
                  device: torch.device, dtype: torch.dtype,
                  log: Callable[[str], None] | None = None,
-                 extra: dict[str, torch.Tensor] | None = None) -> None:
+                 extra: dict[str, torch.Tensor] | None = None, prefix: int = 0) -> None:
         self.src, self.units, self.dst = src, units, dst
+        # every window's first `prefix` tokens are the tokenizer's BOS: no target among them is
+        # scored, and the per-layer error leaves their hidden states out (a BOS's are the same in
+        # every window, and a sink's can be orders of magnitude larger than the text's)
+        self.prefix = prefix
         self.device, self.dtype = device, dtype
         self.log = log or (lambda msg: None)
         self.skeleton = build_skeleton(src.config)  # DST has the same config (checked by evaluate)
@@ -337,8 +363,10 @@ class Evaluator:
                     hs.put(i, h)
             free_layer(layer)
         err = ref = 0.0
+        p = self.prefix if self.prefix < self.streams[""].tokens.shape[1] else 0
         for i in range(len(self.hidden["source"])):
-            hs, hq = self.hidden["source"].on_device(i).double(), self.hidden["quantized"].on_device(i).double()
+            hs = self.hidden["source"].on_device(i)[:, p:].double()
+            hq = self.hidden["quantized"].on_device(i)[:, p:].double()
             err += float((hq - hs).pow(2).sum())
             ref += float(hs.pow(2).sum())
         prefix = f"model.layers.{L}."
@@ -371,12 +399,13 @@ class Evaluator:
         heads = heads or {side: self.head(side) for side in SIDES}
         st = self.streams[name]
         total = TokenScores(0, 0.0, 0.0, 0.0, 0)
+        first = max(self.prefix, 1)  # the first target scored: the first token after the prefix
         for i in range(len(st.hidden["source"])):
-            targets = st.tokens[i * st.b: (i + 1) * st.b, 1:].reshape(-1)  # (b * (S-1),)
+            targets = st.tokens[i * st.b: (i + 1) * st.b, first:].reshape(-1)  # (b * (S-first),)
             x = {}
             for side in SIDES:
                 norm, _ = heads[side]
-                h = norm(st.hidden[side].on_device(i))[:, :-1]  # (b, S-1, H): the last has no target
+                h = norm(st.hidden[side].on_device(i))[:, first - 1:-1]  # (b, S-first, H): the last has no target
                 x[side] = h.reshape(-1, h.shape[-1])
             for a in range(0, targets.numel(), LOGIT_TOKENS):
                 piece = slice(a, a + LOGIT_TOKENS)
@@ -430,8 +459,8 @@ def _tokenizer(src: Checkpoint, dst: Path):
         "copy the tokenizer files from the model release into SRC")])
 
 
-def _calib_windows(manifest_opts: ConvertOptions, data: Path, calib_sha256: str | None = None
-                   ) -> tuple[CalibWindows | None, str]:
+def _calib_windows(manifest_opts: ConvertOptions, data: Path, calib_sha256: str | None = None,
+                   prefix: int = 0) -> tuple[CalibWindows | None, str]:
     """The conversion's calibration windows when they were cut from `data`, and a sentence.
     The same file: the same sha256 as the calibration report records (`calib_sha256`), else
     (reports without one) the same path or name."""
@@ -445,7 +474,7 @@ def _calib_windows(manifest_opts: ConvertOptions, data: Path, calib_sha256: str 
     if not same:
         return None, f"another file ({calib.name}): disjoint by file"
     o = manifest_opts
-    return CalibWindows(o.num_samples, o.seq_len, o.seed), ""
+    return CalibWindows(o.num_samples, o.seq_len, o.seed, prefix), ""
 
 
 def _windows(src_ckpt, dst: Path, opts: EvalOptions, conv: ConvertOptions, calib_rep: dict | None,
@@ -459,10 +488,13 @@ def _windows(src_ckpt, dst: Path, opts: EvalOptions, conv: ConvertOptions, calib
             f"using {limit}")
         seq_len = int(limit)
     tok = _tokenizer(src_ckpt, dst)
+    head = tokenizer_prefix(tok)
+    prefix = head if opts.bos else []
     data = calib_path(opts.data or None)
     docs = read_documents(data)
     calib_summary = (calib_rep or {}).get("calibration") or {}
-    calib, relation = _calib_windows(conv, data, calib_summary.get("sha256"))
+    calib, relation = _calib_windows(conv, data, calib_summary.get("sha256"),
+                                     len(head) if conv.calib_bos else 0)
     allowed = None
     if is_shipped(data):  # the shipped set: its documents kept for eval (data.EVAL_EVERY)
         allowed = {i for i in range(len(docs)) if eval_reserved(i)}
@@ -475,7 +507,7 @@ def _windows(src_ckpt, dst: Path, opts: EvalOptions, conv: ConvertOptions, calib
     else:
         doc_ids = tokenize_documents(docs, tok)[0]
     es = select_windows(doc_ids, tok.eos_token_id, opts.num_samples, seq_len, opts.seed, calib,
-                        str(data), relation, allowed)
+                        str(data), relation, allowed, prefix)
     log(f"eval data: {es.tokens.shape[0]} x {es.tokens.shape[1]} tokens from {data}; calibration: "
         f"{es.calibration}")
     if not es.disjoint:
@@ -488,7 +520,7 @@ def _windows(src_ckpt, dst: Path, opts: EvalOptions, conv: ConvertOptions, calib
         if not ood_path.is_file():
             raise QuantizeError("out-of-domain text not found", [Problem(
                 str(ood_path), None, "no such file", "a text file", "pass --ood FILE, or --ood none")])
-        extra["ood"] = ood_windows(ood_path, tok, opts.ood_samples, seq_len)
+        extra["ood"] = ood_windows(ood_path, tok, opts.ood_samples, seq_len, prefix)
         log(f"out-of-domain data: {extra['ood'].shape[0]} x {extra['ood'].shape[1]} tokens from "
             f"{ood_path.name} (scored in the same pass)")
     return seq_len, data, es, extra, ood_path
@@ -515,7 +547,7 @@ def evaluate(src: str | Path, dst: str | Path, opts: EvalOptions = EvalOptions()
     calib_rep = json.loads((dst / CALIB_REPORT).read_text()) if (dst / CALIB_REPORT).is_file() else None
     seq_len, data, es, extra, ood_path = _windows(src_ckpt, dst, opts, conv, calib_rep, log)
     t0 = time.perf_counter()
-    ev = Evaluator(src_ckpt, units, view, es.tokens, dev, dtype, log, extra=extra)
+    ev = Evaluator(src_ckpt, units, view, es.tokens, dev, dtype, log, extra=extra, prefix=es.prefix)
     scores = ev.run()
     summary = summarize(scores[""])
     relation = ("no calibration (rtn)" if conv.method == "rtn" else
@@ -536,6 +568,7 @@ def evaluate(src: str | Path, dst: str | Path, opts: EvalOptions = EvalOptions()
         "data": es.summary(),
         "out_of_domain": ood,
         "options": {"num_samples": opts.num_samples, "seq_len": seq_len, "seed": opts.seed,
+                    "bos": opts.bos,
                     "data": Path(data).name, "ood": ood_path and ood_path.name},  # names, not paths: the card quotes this report
         "method": conv.method,
         "source": source_identity(src)["name"] if Path(src).exists() else str(src),

@@ -84,6 +84,13 @@ def convert(
         help="Tokens per calibration sequence.", rich_help_panel=CALIB)] = 2048,
     seed: Annotated[int, typer.Option(
         help="Seed for sampling the calibration windows.", rich_help_panel=CALIB)] = 0,
+    calib_bos: Annotated[bool, typer.Option(
+        "--calib-bos/--no-calib-bos",
+        help="Begin each calibration window with the tokens every served request begins with: "
+             "the tokenizer's BOS (Gemma, Llama), else the special tokens the chat template "
+             "writes first (GLM's [gMASK]<sop>). Off: windows cut from the text alone, as "
+             "before 2026-12-05.",
+        rich_help_panel=CALIB)] = True,
     expert_calibration: Annotated[ExpertCalibration, typer.Option(
         help="routed: each expert's statistics from its routed tokens; routed-weighted: those "
              "tokens weighted by their squared routing weight (as the layer output weighs the "
@@ -270,7 +277,7 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
 
     opts = convert_options(a["method"], a["group_size"], a["targets"], a["asymmetric"],
                            a["max_shard_size"], calib=a["calib"], num_samples=a["num_samples"],
-                           seq_len=a["seq_len"], seed=a["seed"],
+                           seq_len=a["seq_len"], seed=a["seed"], calib_bos=a["calib_bos"],
                            expert_calibration=a["expert_calibration"],
                            min_expert_tokens=a["min_expert_tokens"],
                            expert_coverage=a["expert_coverage"], percdamp=a["percdamp"],

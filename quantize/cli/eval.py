@@ -29,6 +29,12 @@ def eval_(
              "calib_data/heldout_english.md, in no calibration set.")] = None,
     ood_samples: Annotated[int, typer.Option(help="Out-of-domain windows, at most.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed for shuffling the held-out documents.")] = 0,
+    bos: Annotated[bool, typer.Option(
+        "--bos/--no-bos",
+        help="Begin each window with the tokens every served request begins with (the "
+             "tokenizer's BOS: Gemma, Llama; else the chat template's first special tokens: "
+             "GLM's [gMASK]<sop>); they are not scored. Off: windows of the text alone "
+             "(eval.json before 2026-12-05).")] = True,
     device: Device = "auto",
     dtype: Annotated[EvalDtype, typer.Option(
         help="auto: bfloat16 on a GPU, float32 on the CPU.")] = EvalDtype.auto,
@@ -63,7 +69,7 @@ def eval_(
 
     opts = EvalOptions(data=data, num_samples=num_samples, seq_len=seq_len, seed=seed,
                        dtype=value(dtype), ood=ood, ood_samples=ood_samples,
-                       max_ppl_ratio=max_ppl_ratio, max_kl=max_kl)
+                       max_ppl_ratio=max_ppl_ratio, max_kl=max_kl, bos=bos)
     local = resolve_source(src, revision, headers_only=False)
     rep = evaluate(local, dst, opts, device=device,
                    log=lambda text: err.print(text, highlight=False, markup=False))

@@ -18,6 +18,7 @@ RUN_TYPES: dict[str, tuple[type, ...]] = {
     "src": (str,), "method": (str,), "group_size": (int,), "scheme": (str,), "mtp": (str,),
     "keep_fp8": (bool,), "targets": (str, list), "asymmetric": (bool,), "max_shard_size": (str, int),
     "calib": (str,), "num_samples": (int,), "seq_len": (int,), "seed": (int,),
+    "calib_bos": (bool,),
     "expert_calibration": (str,), "min_expert_tokens": (int,), "expert_coverage": (int,),
     "percdamp": (float, int),
     "mse_clip": (bool,), "mse_norm": (int,), "mse_weight_power": (float, int),
@@ -121,7 +122,10 @@ def from_callback(ctx: typer.Context, value: Path | None) -> Path | None:
         if not rec.is_file():
             raise typer.BadParameter(f"{rec} does not exist: not a folder `quantize convert` "
                                      "wrote (or one from before run records)", param_hint="--from")
-        ctx.default_map = {**read_run_file(rec, "--from"), **(ctx.default_map or {})}
+        got = read_run_file(rec, "--from")
+        if got.get("method", "rtn") != "rtn":  # a record from before --calib-bos: its windows
+            got.setdefault("calib_bos", False)  # had no BOS; the replay is the same run
+        ctx.default_map = {**got, **(ctx.default_map or {})}
     return value
 
 

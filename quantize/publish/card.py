@@ -60,6 +60,7 @@ class CalibrationFacts:
     coverage: int = 0  # --expert-coverage (0: off, or a report from before it)
     topped_up: tuple[tuple[int, int, int, int], ...] = ()  # (layer, expert, routed, added)
     gptq: str = ""  # GPTQ's settings in words (calibration-report.json), "" for awq / old reports
+    prefix: tuple[str, ...] = ()  # the tokens each window begins with (the tokenizer's BOS)
 
     @property
     def tokens(self) -> int:
@@ -198,7 +199,9 @@ def _calibration(f: CardFacts) -> list[str]:
     lines = [
         f"| calibration data | {data}; {c.documents:,} document{'' if c.documents == 1 else 's'} |",
         (f"| calibration tokens | {c.num_samples:,} samples x {c.seq_len:,} tokens = {c.tokens:,} tokens"
-         f"{' (overlapping windows: the text holds fewer)' if c.overlapping else ''} |"),
+         + (f", each beginning with {''.join(f'`{t}`' for t in c.prefix)} as every served "
+            "request does" if c.prefix else "")
+         + f"{' (overlapping windows: the text holds fewer)' if c.overlapping else ''} |"),
     ]
     if c.moe_layers:
         how = {"routed": "routed: each expert's statistics from the tokens the router sends it",

@@ -77,6 +77,7 @@ def _calibration(report: dict | None, opts: ConvertOptions) -> CalibrationFacts 
         num_samples=c["num_samples"],
         seq_len=c["seq_len"],
         overlapping=c["overlapping"],
+        prefix=tuple(c.get("prefix") or ()),
         expert_calibration=report["expert_calibration"],
         min_expert_tokens=report["min_expert_tokens"],
         moe_layers=len(moe),

@@ -315,13 +315,27 @@ def _train_tokenizer(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def write_tokenizer(out: str | Path, vocab_size: int) -> Path:
+def write_tokenizer(out: str | Path, vocab_size: int, prefix: tuple[str, ...] = (),
+                    suffix: tuple[str, ...] = (), chat_start: str = "") -> Path:
     """Write tokenizer.json + tokenizer_config.json (with a chat template) of at most
-    `vocab_size` tokens into `out`, so tiny checkpoints calibrate offline."""
+    `vocab_size` tokens into `out`, so tiny checkpoints calibrate offline. `prefix` / `suffix`:
+    special tokens (of _SPECIALS) the tokenizer puts before / after every text, as Gemma's and
+    Llama's tokenizer.json put their BOS (a TemplateProcessing post-processor); none by default.
+    `chat_start`: text the chat template writes before the messages (GLM's writes
+    `[gMASK]<sop>`, which its tokenizer does not add)."""
+    from tokenizers import Tokenizer, processors
+
     out = Path(out)
-    (out / "tokenizer.json").write_text(_train_tokenizer(vocab_size), encoding="utf-8")
+    text = _train_tokenizer(vocab_size)
+    if prefix or suffix:
+        tok = Tokenizer.from_str(text)
+        tok.post_processor = processors.TemplateProcessing(
+            single=" ".join([*prefix, "$A", *suffix]),
+            special_tokens=[(t, _SPECIALS.index(t)) for t in dict.fromkeys([*prefix, *suffix])])
+        text = tok.to_str()
+    (out / "tokenizer.json").write_text(text, encoding="utf-8")
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": _SPECIALS[0],
         "eos_token": _SPECIALS[1], "pad_token": _SPECIALS[1], "model_max_length": 1 << 20,
-        "chat_template": _CHAT_TEMPLATE}, indent=2))
+        "chat_template": chat_start + _CHAT_TEMPLATE}, indent=2))
     return out
