@@ -493,8 +493,9 @@ def _windows(src_ckpt, dst: Path, opts: EvalOptions, conv: ConvertOptions, calib
     data = calib_path(opts.data or None)
     docs = read_documents(data)
     calib_summary = (calib_rep or {}).get("calibration") or {}
-    calib, relation = _calib_windows(conv, data, calib_summary.get("sha256"),
-                                     len(head) if conv.calib_bos else 0)
+    calib_prefix = calib_summary.get("prefix")  # as the calibration recorded it, else rebuilt
+    calib, relation = _calib_windows(conv, data, calib_summary.get("sha256"), len(calib_prefix)
+                                     if calib_prefix is not None else len(head) if conv.calib_bos else 0)
     allowed = None
     if is_shipped(data):  # the shipped set: its documents kept for eval (data.EVAL_EVERY)
         allowed = {i for i in range(len(docs)) if eval_reserved(i)}
