@@ -290,8 +290,11 @@ def test_calibrated_conversion_is_held_out(tmp_path, prefix):
     src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
     write_tokenizer(src, cfg["vocab_size"], prefix)
     data = _random_docs(tmp_path / "words.jsonl", 40, 40, seed=1)
+    lines: list[str] = []
     convert(src, tmp_path / "out", ConvertOptions(method="gptq", calib=str(data), num_samples=2,
-                                                  seq_len=64, seed=3), device="cpu")
+                                                  seq_len=64, seed=3), device="cpu", log=lines.append)
+    said = [x for x in lines if x.startswith("calibration windows")]
+    assert len(said) == 1 and (("begin with <|begin|>" in said[0]) if prefix else ("text alone" in said[0]))
     calib_rep = json.loads((tmp_path / "out" / CALIB_REPORT).read_text())
     assert calib_rep["calibration"]["prefix"] == list(prefix)
     card = (tmp_path / "out" / "README.md").read_text()

@@ -136,6 +136,11 @@ class Calibrator:
         c = self.calib
         # this rank's samples (all of them in one process)
         self.tokens = c.tokens if dist is None else c.tokens[dist.samples(c.tokens.shape[0])]
+        if calib is None and opts.calib_bos:  # what each window begins with, as requests do
+            self.log(f"calibration windows begin with {''.join(c.prefix)} (the tokenizer's start "
+                     "tokens), then the text" if c.prefix else "calibration windows: the tokenizer "
+                     "puts nothing before a text and the chat template writes no special tokens "
+                     "before the messages, so the windows are text alone")
         if c.overlapping:
             n, L = c.tokens.shape
             self.log(f"warning: {Path(c.source).name} holds {c.stream_tokens:,} tokens, fewer than "
