@@ -170,6 +170,7 @@ def convert(
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --rtn-fallback
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --expert-calibration routed-weighted
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --no-calib-bos   # windows of text alone
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 32 --expert-coverage 256
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --targets routed,shared,dense
       quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --targets routed,shared --gptaq 0 --scale-refit 0

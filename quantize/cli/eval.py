@@ -62,6 +62,7 @@ def eval_(
       quantize eval ./GLM-4.6-FP8 ./GLM-4.6-INT4 --max-ppl-ratio 1.05 --json
       quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4 --max-kl 0.5
       quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4 --ood my-other-domain.txt   # or --ood none
+      quantize eval ./GLM-5.2-FP8 ./GLM-5.2-INT4 --no-bos   # windows of text alone, as before 2026-12-05
     """
     from quantize.check.evaluate import EvalOptions, evaluate
     from quantize.cli.report import eval_tables
