@@ -70,11 +70,11 @@ def tok(tmp_path_factory):
     return AutoTokenizer.from_pretrained(str(d))
 
 
-def _streams(src_dir, dst_dir, tokens: torch.Tensor) -> Evaluator:
+def _streams(src_dir, dst_dir, tokens: torch.Tensor, prefix: int = 0) -> Evaluator:
     """Both streams run through every layer, float32 on the CPU."""
     src = open_checkpoint(src_dir)
     units = {u.source: u for u in make_plan(src, ConvertOptions()).units}
-    ev = Evaluator(src, units, open_output(dst_dir), tokens, CPU, torch.float32)
+    ev = Evaluator(src, units, open_output(dst_dir), tokens, CPU, torch.float32, prefix=prefix)
     ev.embed()
     for L in range(ev.num_layers):
         ev.run_layer(L)
@@ -264,11 +264,8 @@ def test_prefix_targets_and_hidden_states_are_not_scored(converted):
     ids = torch.randint(4, V, (2, 20), generator=torch.Generator().manual_seed(3))
     ids[:, :2] = torch.tensor([0, 2])  # the same two tokens before every window
     plain = _streams(src, dst, ids)
-    ev = Evaluator(open_checkpoint(src), {u.source: u for u in make_plan(open_checkpoint(src),
-                   ConvertOptions()).units}, open_output(dst), ids, CPU, torch.float32, prefix=2)
-    ev.embed()
-    for L in range(ev.num_layers):
-        e = ev.run_layer(L)
+    ev = _streams(src, dst, ids, prefix=2)
+    e = ev.layers[-1]
     hs = plain.hidden["source"].on_device(0)  # (both ran every layer: the last layer's states)
     got = ev.score()
     ls, lq = plain.logits("source", 0), plain.logits("quantized", 0)  # (2, 20, V)
