@@ -43,6 +43,7 @@ from bench_quality import (
     eval_texts,
     fingerprint,
     model_input,
+    scoring_bos,
     split_text,
 )
 
@@ -127,17 +128,16 @@ def main() -> None:
     ap.add_argument("--eval-len", type=int, default=512)
     ap.add_argument("--ood-len", type=int, default=512)
     ap.add_argument("--bos", action="store_true",
-                    help="begin every window with the tokenizer's BOS token (the same tokens are "
-                         "scored: the BOS position's prediction is dropped); the source's logits "
-                         "are not cached then")
+                    help="begin every window with the tokenizer's BOS token (bench_quality's "
+                         "`scoring_bos`; the same tokens are scored: the BOS position's prediction "
+                         "is dropped)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
     dev = torch.device(args.device)
     tok = AutoTokenizer.from_pretrained(args.source, trust_remote_code=False)
-    if args.bos and tok.bos_token_id is None:
-        raise SystemExit(f"--bos: the tokenizer of {args.source} has no BOS token")
+    bos = scoring_bos(tok, args.source, args.bos)
     oods = [ROOT / "calib_data" / n for n in OOD_TEXTS]
     texts = eval_texts(tok, split_text(args.workdir), oods, args.eval_windows, args.eval_len, args.ood_len,
                        reported_only=True)
@@ -154,8 +154,8 @@ def main() -> None:
         res["weights"][name] = gains(src_model, load_decompressed(d))
     for text, windows in texts.items():
         for w in windows:
-            x, cut = model_input(w, dev, tok.bos_token_id if args.bos else None)
-            ls = _source_logits(src_model, x, None if args.bos else args.cache_source, tag)
+            x, cut = model_input(w, dev, bos)
+            ls = _source_logits(src_model, x, args.cache_source, tag)  # (keyed by x: BOS or not)
             ls = torch.log_softmax(ls.double()[0, cut], -1)
             y = w[1:].to(dev)
             per["source"].setdefault(text, []).append(window_sums(ls, None, y, TEMPERATURES))

@@ -235,6 +235,21 @@ def score(src_model, q_model, windows: torch.Tensor, dev: torch.device, cache: P
     return dict(_totals(per), windows=per)
 
 
+def scoring_bos(tok, where: Path, wanted: bool) -> int | None:
+    """The token `--bos` puts before every scored window: the start every served request has,
+    as the tool itself cuts calibration and eval windows (`tokenizer_prefix`), when that is one
+    token; None without --bos. A tokenizer that puts no single token first is refused by name."""
+    if not wanted:
+        return None
+    from quantize.calib.data import tokenizer_prefix
+
+    prefix = tokenizer_prefix(tok)
+    if len(prefix) != 1:
+        raise SystemExit(f"--bos: the tokenizer of {where} puts {tok.convert_ids_to_tokens(prefix)} "
+                         "before a text, not one BOS token")
+    return prefix[0]
+
+
 def model_input(w: torch.Tensor, dev: torch.device, bos: int | None) -> tuple[torch.Tensor, slice]:
     """A window `w` (T,) as the models' input (1, T) or (1, T + 1) with `bos` first, and the
     slice of their logits that predicts w's tokens 1.. (the prediction of w0 from the BOS
@@ -462,8 +477,9 @@ def main() -> None:
                     help="score the reported texts only, not the validation halves (a run whose "
                          "configurations were chosen before: half the scoring time)")
     ap.add_argument("--bos", action="store_true",
-                    help="score every window with the tokenizer's BOS token before it (the same "
-                         "tokens scored); the JSONs before 2026-12-05 scored windows without it")
+                    help="score every window with the tokenizer's BOS token before it (the start "
+                         "the tool's own windows get, `scoring_bos`; the same tokens scored); the "
+                         "JSONs before 2026-12-05 scored windows without it")
     ap.add_argument("--calib-bos", action=argparse.BooleanOptionalAction, default=True,
                     help="calibration windows begin with the tokenizer's BOS, for both tools "
                          "(load_calibration's bos; ours through ConvertOptions.calib_bos unless a "
@@ -488,9 +504,7 @@ def main() -> None:
     split = split_text(work)
     oods = args.ood or [ROOT / "calib_data" / n for n in OOD_TEXTS]
     texts = eval_texts(tok, split, oods, args.eval_windows, args.eval_len, args.ood_len, args.reported_only)
-    bos = tok.bos_token_id if args.bos else None
-    if args.bos and bos is None:
-        raise SystemExit(f"--bos: the tokenizer of {src} has no BOS token")
+    bos = scoring_bos(tok, src, args.bos)
     src_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
                                                      trust_remote_code=False).to(dev).eval()
     res = {"model": args.label, "source_fingerprint": fingerprint(src), "commit": commit(),

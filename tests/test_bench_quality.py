@@ -275,3 +275,23 @@ def test_scores_with_a_bos_token_score_the_same_tokens_after_it():
     assert got["ppl_source"] == pytest.approx(math.exp(nll_src / 22), rel=1e-9)
     assert got["kl"] == pytest.approx(kl / 22, rel=1e-9)
     assert bq.score(src, q, w, dev)["ppl_source"] != pytest.approx(got["ppl_source"], rel=1e-6)
+
+
+@pytest.mark.parametrize("prefix,ok", [(("<|begin|>",), True), ((), False),
+                                       (("<|begin|>", "<|system|>"), False)])
+def test_scoring_bos_is_the_start_the_tools_windows_get(tmp_path, prefix, ok):
+    """`--bos` scores with the one token the tool's own calibration and eval windows begin with
+    (quantize.calib.data.tokenizer_prefix); a tokenizer that puts nothing, or more than one
+    token, before a text is refused by name; without --bos, None."""
+    from transformers import AutoTokenizer
+
+    from quantize.source.synth import write_tokenizer
+
+    write_tokenizer(tmp_path, 512, prefix)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert bq.scoring_bos(tok, tmp_path, False) is None
+    if ok:
+        assert bq.scoring_bos(tok, tmp_path, True) == tok.convert_tokens_to_ids(prefix[0]) == 0
+    else:
+        with pytest.raises(SystemExit, match="not one BOS token"):
+            bq.scoring_bos(tok, tmp_path, True)
