@@ -66,7 +66,7 @@ MAX_EXPERT_COVERAGE = 1024
 # Options the manifest leaves out at these values (to_json), as versions before them wrote it;
 # Manifest.resume reads a missing one as this value.
 OMITTED_AT = {"rtn_fallback": False, "mse_weight_power": 1.0, "expert_coverage": 0,
-              "calib_bos": False}
+              "calib_bos": False, "stats_prefix": True}
 
 
 def recorded_option(options: dict, key: str):
@@ -105,6 +105,12 @@ class ConvertOptions:
     # then seq_len minus that many tokens of the text. False:
     # windows cut from the text alone (before 2026-12-05; a manifest without the key); rtn: False.
     calib_bos: bool = True
+    # The prefix positions (calib_bos) in the MLP statistics (Hessians, GPTAQ's cross terms,
+    # AWQ's samples). Every window's prefix is the same tokens, so its hidden states are one
+    # vector repeated, which in a few channels dwarfs the text's (Gemma-3's down_proj: 58-86 %
+    # of the diagonal). False: the statistics from the text positions alone (the layer
+    # outputs still carry the prefix). An option for the benchmark's rows, not a CLI flag.
+    stats_prefix: bool = True
     # routed: each expert's statistics from the tokens routed to it (the true distribution);
     # routed-weighted: the same tokens, each weighted by its squared routing weight (the
     # expert's output is scaled by that weight, so its rounding error reaches the layer output
@@ -285,6 +291,10 @@ class ConvertOptions:
         for k in ("mse_weight_power", "mse_weight_power_routed"):
             if not 0 <= getattr(self, k) <= 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be in [0, 1], got {getattr(self, k)}")
+        if not self.stats_prefix and not self.calib_bos:
+            raise ValueError("stats_prefix off leaves the calibration windows' prefix out of the "
+                             "statistics: it needs calibrated windows that begin with one "
+                             "(a method other than rtn, calib_bos on)")
         if self.mse_clip and "gptq" not in self.method:
             raise ValueError("--mse-clip chooses GPTQ's group scales: use it with --method gptq "
                              "or awq+gptq")

@@ -1241,6 +1241,66 @@ def test_descend_lowers_layer_zeros_calibration_error_and_verifies(tmp_path):
         assert err[2] < err[0], (n, err)
 
 
+def test_stats_prefix_off_fits_the_text_positions(tmp_path):
+    """stats_prefix off (ConvertOptions; a benchmark's row, not a CLI flag): the MLP statistics
+    leave out each window's prefix (the tokenizer's BOS here). The report counts the text
+    positions only. Layer 0's gate/up see the same inputs in both runs; against the Hessians of
+    transformers' own forward of the source (float64, damped as GPTQ's), the run without the
+    prefix has the lower error on the text positions and the default run the lower error on
+    the prefix position. The manifest records the option and the output verifies."""
+    from transformers import AutoModelForCausalLM
+
+    from quantize.calib.data import checkpoint_calibration
+    from quantize.rounding.int4 import Int4Weight, dequantize, unpack_int4
+    from quantize.write.manifest import MANIFEST
+
+    src = _tiny_llama(tmp_path / "src")
+    write_tokenizer(src, 512, prefix=("<|begin|>",))
+    dense = {"targets": frozenset({"dense"}), "sequential_mlp": False, "gptaq": 0.0,
+             "scale_refit": 0, **CALIB}
+    outs = {k: tmp_path / f"out-{k}" for k in (True, False)}
+    for k, out in outs.items():
+        convert(src, out, ConvertOptions(method="gptq", stats_prefix=k, **dense), device="cpu")
+    rep = {k: json.loads((o / CALIB_REPORT).read_text()) for k, o in outs.items()}
+    n, S = CALIB["num_samples"], CALIB["seq_len"]
+    assert [lay["tokens"] for lay in rep[True]["layers"]] == [n * S] * 2
+    assert [lay["tokens"] for lay in rep[False]["layers"]] == [n * (S - 1)] * 2
+    manifest = json.loads((outs[False] / MANIFEST).read_text())
+    assert manifest["options"]["stats_prefix"] is False
+    assert "stats_prefix" not in json.loads((outs[True] / MANIFEST).read_text())["options"]
+    assert ConvertOptions.from_json(manifest["options"]).stats_prefix is False
+    assert verify(src, outs[False]).ok
+    with pytest.raises(ValueError, match="stats_prefix"):
+        ConvertOptions(method="rtn", stats_prefix=False)
+    with pytest.raises(ValueError, match="stats_prefix"):
+        ConvertOptions(method="gptq", calib_bos=False, stats_prefix=False)
+
+    calib = checkpoint_calibration(src, ConvertOptions(method="gptq", **dense))
+    assert len(calib.prefix) == 1 and bool((calib.tokens[:, 0] == calib.tokens[0, 0]).all())
+    fp = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    X = _mlp_inputs(fp, calib.tokens, 0).reshape(n, S, -1)
+
+    def hessian(x):
+        x = x.reshape(-1, x.shape[-1])
+        H = 2 * x.T @ x / len(x)
+        return H + 0.1 * H.diagonal().mean() * torch.eye(len(H), dtype=H.dtype)  # percdamp 0.1
+
+    H = {"text": hessian(X[:, 1:]), "prefix": hessian(X[:, :1])}
+    w = {k: load_file(o / "model-00001-of-00001.safetensors") for k, o in outs.items()}
+    for name in ("gate_proj", "up_proj"):
+        p = f"model.layers.0.mlp.{name}."
+        W = fp.get_parameter(p + "weight").detach().double()
+        err = {}
+        for k in outs:
+            K = int(w[k][p + "weight_shape"][1])
+            r = Int4Weight(unpack_int4(w[k][p + "weight_packed"], K).to(torch.int8),
+                           w[k][p + "weight_scale"], None)
+            E = W - dequantize(r, torch.float32).double()
+            err[k] = {h: float(((E @ M) * E).sum()) for h, M in H.items()}
+        assert err[False]["text"] < err[True]["text"], (name, err)
+        assert err[True]["prefix"] < err[False]["prefix"], (name, err)
+
+
 def test_gptaq_statistics_are_running_means_over_the_batches():
     """MLPStats.asym with mlp_input / down_input on the same batches: D = 2 (Xf - X)ᵀ X / n
     (kept as C - H) over batches of different sizes equals the float64 one-shot sum over all

@@ -233,6 +233,7 @@ class LayerRunner:
         self.num_layers, self.log = num_layers, log
         self.check_stop, self.before_overwrite, self.warm = check_stop, before_overwrite, warm
         self.report_rows = 0  # several ranks: this rank's chunk-0 rows the errors are taken over
+        self.skip = 0  # positions at each window's start left out of the MLP statistics
         # the rounded weights: into the layer for pass 2, to the host for the writer
         self.outputs = LayerOutputs(device, dist)
         # the next decoder layer's weights, loaded during this layer's pass 2 (`load_ahead`)
@@ -443,6 +444,13 @@ class LayerRunner:
         return find_norm_fold(layer, lambda: run_layer(self.skeleton, layer, self.inputs, h, topk),
                               L, self.ckpt.model_type)
 
+    def _stat_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP inputs (windows, positions, features) the statistics take: without the first
+        `skip` positions of each window (ConvertOptions.stats_prefix off), as rows."""
+        if self.skip:
+            x = x[:, self.skip:]
+        return x.reshape(-1, x.shape[-1])
+
     def _pass1(self, L: int, layer, kind: str, stats: MLPStats
                ) -> tuple[torch.Tensor, torch.Tensor, SplitLayer | None,
                           tuple[torch.Tensor, torch.Tensor] | None]:
@@ -476,7 +484,7 @@ class LayerRunner:
         if stats.routed_hessians and kind == "moe":
             stats.store_tokens = True
             if not self._keep_mlp_inputs(mlp.experts):
-                stats.x_of = lambda c: torch.cat([halves.mlp_input(self.carry.hidden.on_device(i)).flatten(0, -2)
+                stats.x_of = lambda c: torch.cat([self._stat_rows(halves.mlp_input(self.carry.hidden.on_device(i)))
                                                   for i in calls[c]])
 
         def flush(upto: int) -> None:
@@ -491,10 +499,10 @@ class LayerRunner:
                 fwd(mlp, x, stats, outputs=False, x_fp=x_fp)
 
         def take(x: torch.Tensor) -> None:
-            pending.append(x.reshape(-1, x.shape[-1]))
+            pending.append(self._stat_rows(x))
 
         def take_fp(x: torch.Tensor) -> None:
-            pending_fp.append(x.reshape(-1, x.shape[-1]))
+            pending_fp.append(self._stat_rows(x))
 
         self.before_overwrite()
         for i in range(len(self.carry.hidden)):
@@ -548,10 +556,11 @@ class LayerRunner:
         x_fp: list[torch.Tensor] = []
 
         def pre(m, args):
+            x = self._stat_rows(args[0])
             if x_fp and x_fp[-1] is None:  # the unrounded stream's forward
-                x_fp[-1] = args[0]
+                x_fp[-1] = x
             else:
-                fwd(m, args[0], stats, outputs=False, x_fp=x_fp.pop() if x_fp else None)
+                fwd(m, x, stats, outputs=False, x_fp=x_fp.pop() if x_fp else None)
 
         hook = layer.mlp.register_forward_pre_hook(pre)
         if fp is not None:
@@ -579,10 +588,11 @@ class LayerRunner:
         if halves is None:
             for i in range(len(hs)):
                 self.check_stop()
-                sink(mlp_input_whole(self.skeleton, layer, self.inputs, hs.on_device(i), self.carry.topk[i]))
+                sink(self._stat_rows(mlp_input_whole(self.skeleton, layer, self.inputs,
+                                                     hs.on_device(i), self.carry.topk[i])))
             return
         for _, part in self._chunk_groups(mlp_group_tokens(self.device)):
-            sink(halves.mlp_input(part[0] if len(part) == 1 else torch.cat(part)))
+            sink(self._stat_rows(halves.mlp_input(part[0] if len(part) == 1 else torch.cat(part))))
 
     def _chunk_groups(self, group: int):
         """The carried chunks on the device in runs of consecutive chunks of about `group`

@@ -174,6 +174,8 @@ class Calibrator:
         self.runner = LayerRunner(ckpt, self.units, opts, device, self.dtype, dist, self.skeleton,
                                   self.inputs, self.carry, self.num_layers, self.log,
                                   self._check_stop, self._before_overwrite, self._warm)
+        if not opts.stats_prefix:  # the statistics from the text positions alone
+            self.runner.skip = len(c.prefix)
         if dist is not None:  # the report's per-layer errors over the samples a one-process
             # run's first chunk holds (0 .. min(chunk, n) - 1): this rank's rows of them
             n = c.tokens.shape[0]
