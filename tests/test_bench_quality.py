@@ -64,6 +64,24 @@ def test_summary_counts_a_repeated_seed_once(tmp_path, capsys):
     assert "| 32 | broad | gptq | 3 |" in capsys.readouterr().out
 
 
+def test_summary_of_a_grid_seed_and_reported_only_seeds(tmp_path, capsys):
+    """A grid's seed 0 scores the validation halves too, the chosen run's later seeds only the
+    reported ones (--reported-only): the summary averages every seed over the texts all of them
+    scored, and the validation score over the seeds that have one."""
+    head = {"command": "x", "device": "cpu", "torch": "t", "calibration": {}, "eval": {}}
+    later = _row("gptq", 32, 1, 0.0, 0.5)
+    later["scores"] = {k: v for k, v in later["scores"].items() if not k.startswith("val:")}
+    f = tmp_path / "a.json"
+    f.write_text(json.dumps(dict(head, runs=[_row("gptq", 32, 0, 0.2, 0.3), later])))
+    out = tmp_path / "s.json"
+    bq.summarize([f], out)
+    (row,) = json.loads(out.read_text())["summary"]
+    assert row["n"] == 2 and "val:in_domain" not in row
+    assert row["in_domain"]["ppl_added_pct_mean"] == pytest.approx(40.0)  # (30 + 50) / 2
+    assert row["validation_score"] == pytest.approx(0.2) and row["validation_seeds"] == 1
+    assert "| 32 | broad | gptq | 2 | 0.2000 |" in capsys.readouterr().out
+
+
 def _tiny_lm(seed: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
