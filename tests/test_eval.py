@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 
 import pytest
@@ -31,6 +32,7 @@ from quantize.check.evaluate import (
     select_windows,
     summarize,
 )
+from quantize.check.verify import verify
 from quantize.errors import QuantizeError
 from quantize.names import CALIB_REPORT
 from quantize.options import ConvertOptions
@@ -279,23 +281,35 @@ def test_prefix_targets_and_hidden_states_are_not_scored(converted):
     assert e["rel_error"] != pytest.approx(plain.layers[-1]["rel_error"], rel=1e-6)
 
 
-@pytest.mark.parametrize("prefix", [(), ("<|begin|>",)])
-def test_calibrated_conversion_is_held_out(tmp_path, prefix):
+@pytest.mark.parametrize("model_type, tok, prefix", [
+    ("glm4_moe", {}, ()),
+    ("glm4_moe", {"prefix": ("<|begin|>",)}, ("<|begin|>",)),  # the tokenizer's BOS (Gemma, Llama)
+    # GLM-5: the chat template's two special tokens before any message ([gMASK]<sop>), which
+    # the tokenizer does not add; the MTP layer and the DSA indexer run on those windows
+    ("glm_moe_dsa", {"chat_start": "<|begin|><|system|>"}, ("<|begin|>", "<|system|>")),
+])
+def test_calibrated_conversion_is_held_out(tmp_path, model_type, tok, prefix):
     """evaluate reads the conversion's calibration options from the manifest (with a tokenizer
-    that puts a BOS first: calibration and eval windows begin with it, and the report says so)."""
-    cfg = tiny_config("glm4_moe", num_hidden_layers=2)
-    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
-    write_tokenizer(src, cfg["vocab_size"], prefix)
+    that puts a BOS first, or a chat template that begins every request with special tokens:
+    calibration and eval windows begin with them, and the report says so)."""
+    cfg = tiny_config(model_type, num_hidden_layers=2)
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel" if model_type == "glm4_moe" else "fp8-block")
+    write_tokenizer(src, cfg["vocab_size"], **tok)
     data = _random_docs(tmp_path / "words.jsonl", 40, 40, seed=1)
     lines: list[str] = []
     convert(src, tmp_path / "out", ConvertOptions(method="gptq", calib=str(data), num_samples=2,
                                                   seq_len=64, seed=3), device="cpu", log=lines.append)
     said = [x for x in lines if x.startswith("calibration windows")]
-    assert len(said) == 1 and (("begin with <|begin|>" in said[0]) if prefix else ("text alone" in said[0]))
+    start = "".join(prefix)
+    assert len(said) == 1 and ((f"begin with {start} (" in said[0]) if prefix else ("text alone" in said[0]))
     calib_rep = json.loads((tmp_path / "out" / CALIB_REPORT).read_text())
     assert calib_rep["calibration"]["prefix"] == list(prefix)
     card = (tmp_path / "out" / "README.md").read_text()
-    assert ("each beginning with `<|begin|>` as every served request does" in card) == bool(prefix)
+    cell = start.replace("|", "\\|")  # (a pipe in a table's cell is escaped)
+    assert (f"each beginning with `{cell}` as every served request does" in card) == bool(prefix)
+    (row,) = [x for x in card.splitlines() if x.startswith("| calibration tokens |")]
+    assert len(re.split(r"(?<!\\)\|", row)) == 4  # two cells: the pipes inside are escaped
+    assert verify(src, tmp_path / "out").ok
     assert json.loads((tmp_path / "out" / MANIFEST).read_text())["options"]["calib_bos"] is True
     rep = evaluate(src, tmp_path / "out", EvalOptions(data=str(data), num_samples=2, seq_len=32),
                    device="cpu", write=False)

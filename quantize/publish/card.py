@@ -196,10 +196,13 @@ def _calibration(f: CardFacts) -> list[str]:
     data = f"`{c.data}`" + (f" (shipped with the tool as calib_data/{c.data})" if c.shipped else "")
     if c.sha256:
         data += f", sha256 `{c.sha256}`"
+    # the prefix as one code span (`[gMASK]``<sop>` would be read as one span holding the
+    # backticks), a pipe escaped (Llama 3's `<|begin_of_text|>` would end the table's cell)
+    start = "".join(c.prefix).replace("|", "\\|")
     lines = [
         f"| calibration data | {data}; {c.documents:,} document{'' if c.documents == 1 else 's'} |",
         (f"| calibration tokens | {c.num_samples:,} samples x {c.seq_len:,} tokens = {c.tokens:,} tokens"
-         + (f", each beginning with {''.join(f'`{t}`' for t in c.prefix)} as every served "
+         + (f", each beginning with `{start}` as every served "
             "request does" if c.prefix else "")
          + f"{' (overlapping windows: the text holds fewer)' if c.overlapping else ''} |"),
     ]
