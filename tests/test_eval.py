@@ -292,6 +292,11 @@ def test_calibrated_conversion_is_held_out(tmp_path, model_type, tok, prefix):
     """evaluate reads the conversion's calibration options from the manifest (with a tokenizer
     that puts a BOS first, or a chat template that begins every request with special tokens:
     calibration and eval windows begin with them, and the report says so)."""
+    from transformers import AutoTokenizer
+
+    from quantize.calib.data import HELDOUT_ENGLISH, tokenizer_prefix
+    from quantize.check.layercheck import _text_tokens
+
     cfg = tiny_config(model_type, num_hidden_layers=2)
     src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel" if model_type == "glm4_moe" else "fp8-block")
     write_tokenizer(src, cfg["vocab_size"], **tok)
@@ -309,7 +314,17 @@ def test_calibrated_conversion_is_held_out(tmp_path, model_type, tok, prefix):
     assert (f"each beginning with `{cell}` as every served request does" in card) == bool(prefix)
     (row,) = [x for x in card.splitlines() if x.startswith("| calibration tokens |")]
     assert len(re.split(r"(?<!\\)\|", row)) == 4  # two cells: the pipes inside are escaped
-    assert verify(src, tmp_path / "out").ok
+    v = verify(src, tmp_path / "out")
+    assert v.ok and v.layer_check["prefix"] == list(prefix)
+    # verify's layer check reads the tokenizer with the `tokenizers` library (not transformers):
+    # the same prefix as the calibration's, before every window, then the text without it
+    tokens, text, got = _text_tokens(open_checkpoint(src), 2, 32)
+    ids = AutoTokenizer.from_pretrained(str(src))
+    head = tokenizer_prefix(ids)
+    assert got == prefix and len(head) == len(prefix) and text == "heldout_english.md"
+    assert tokens[:, : len(head)].tolist() == [head] * 2
+    body = ids(HELDOUT_ENGLISH.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    assert tokens[:, len(head):].flatten().tolist() == body[: 2 * (32 - len(head))]
     assert json.loads((tmp_path / "out" / MANIFEST).read_text())["options"]["calib_bos"] is True
     rep = evaluate(src, tmp_path / "out", EvalOptions(data=str(data), num_samples=2, seq_len=32),
                    device="cpu", write=False)

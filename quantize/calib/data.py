@@ -50,8 +50,8 @@ from quantize.write.shards import sha256_file
 
 __all__ = ["DEFAULT_CALIB", "EVAL_EVERY", "HELDOUT_ENGLISH", "SHIPPED_SETS", "CalibrationSet",
            "calib_path", "checkpoint_calibration", "data_sha256", "eval_reserved", "is_shipped", "join_documents",
-           "load_calibration", "read_documents", "resolve_calib", "shipped_set", "stream_order",
-           "text_prefix", "tokenize_documents", "tokenizer_prefix", "window_starts"]
+           "load_calibration", "read_documents", "resolve_calib", "served_prefix", "shipped_set",
+           "stream_order", "text_prefix", "tokenize_documents", "tokenizer_prefix", "window_starts"]
 
 def _shipped(name: str) -> Path:
     """A shipped data file: inside the package in an installed wheel (quantize/_shipped/NAME,
@@ -342,27 +342,36 @@ def text_prefix(encode) -> list[int]:
 
 
 def tokenizer_prefix(tokenizer) -> list[int]:
-    """The ids every request to the served model begins with: `text_prefix` of a transformers
-    tokenizer (Gemma's and Llama's BOS); for one that adds none, the special tokens its chat
-    template renders before any message, when it renders only such tokens (GLM's
-    `[gMASK]<sop>`, which its chat template writes and its tokenizer does not add); else []."""
-    ids = text_prefix(lambda t, sp: tokenizer(t, add_special_tokens=sp)["input_ids"])
-    start = None if ids else _template_start(tokenizer)
+    """The ids every request to the served model begins with, for a transformers tokenizer
+    (`served_prefix`)."""
+    special = getattr(tokenizer, "added_tokens_decoder", {})
+    return served_prefix(lambda t, sp: tokenizer(t, add_special_tokens=sp)["input_ids"],
+                         getattr(tokenizer, "chat_template", None),
+                         {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)},
+                         lambda i: getattr(special.get(i), "special", False))
+
+
+def served_prefix(encode, chat_template, special_tokens: dict[str, str], is_special) -> list[int]:
+    """The ids every request to the served model begins with: `text_prefix` (`encode(text,
+    special)` -> ids; Gemma's and Llama's BOS); for a tokenizer that adds none, the special
+    tokens the chat template renders before any message, when it renders only such tokens
+    (`is_special(id)`; GLM's `[gMASK]<sop>`, which its chat template writes and its tokenizer
+    does not add); else []. `special_tokens`: the template's names for them (bos_token, ...)."""
+    ids = text_prefix(encode)
+    start = None if ids else _template_start(chat_template, special_tokens)
     if not start:
         return ids
-    ids = list(tokenizer(start, add_special_tokens=False)["input_ids"])
-    special = getattr(tokenizer, "added_tokens_decoder", {})
-    return ids if all(getattr(special.get(i), "special", False) for i in ids) else []
+    ids = list(encode(start, False))
+    return ids if all(is_special(i) for i in ids) else []
 
 
-def _template_start(tokenizer) -> str | None:
-    """What the tokenizer's chat template renders for no messages (transformers refuses an
-    empty conversation, so jinja2 renders it as transformers sets it up: trimmed blocks, loop
+def _template_start(template, special_tokens: dict[str, str]) -> str | None:
+    """What a chat template renders for no messages (transformers refuses an empty
+    conversation, so jinja2 renders it as transformers sets it up: trimmed blocks, loop
     controls, the special tokens by name); None without a template or when it needs a message."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):  # (none, or a dict of named templates)
         return None
 
@@ -373,9 +382,8 @@ def _template_start(tokenizer) -> str | None:
                                         extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
     try:
-        return env.from_string(template).render(
-            messages=[], add_generation_prompt=False, tools=None,
-            **{k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)})
+        return env.from_string(template).render(messages=[], add_generation_prompt=False,
+                                                tools=None, **special_tokens)
     except Exception:  # noqa: BLE001 - a template that needs a message (Gemma's): no constant start
         return None
 

@@ -6,8 +6,9 @@ layers, on the same hidden states, three ways:
 
     h                      LAYER_CHECK_SAMPLES x up to LAYER_CHECK_SEQ tokens of the shipped
                            out-of-domain text (calib_data/heldout_english.md, the source's own
-                           tokenizer; seeded random ids when it has none) through the source's
-                           embedding, then through the source's layers
+                           tokenizer; seeded random ids when it has none), each window beginning
+                           with what every served request begins with (Gemma's BOS, GLM's
+                           [gMASK]<sop>), through the source's embedding, then the source's layers
     y_s = source layer L (h)        transformers' decoder layer filled from SRC (FP8 dequantized)
     y_r = the same layer with its INT4 targets rounded to nearest (RTN, the group size and
           symmetry of the conversion) and its FP8 tensors widened to BF16 as convert writes
@@ -34,6 +35,7 @@ the same layer (`Checkpoint.memo`), so the data are read once.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -71,27 +73,58 @@ def _rel(a: torch.Tensor, ref: torch.Tensor, h: torch.Tensor) -> float:
     return float((a.double() - ref.double()).norm()) / max(den, 1e-30)
 
 
-def _text_tokens(src: Checkpoint, n: int, S: int) -> tuple[torch.Tensor | None, str | None]:
+def _text_tokens(src: Checkpoint, n: int, S: int
+                 ) -> tuple[torch.Tensor | None, str | None, tuple[str, ...]]:
     """(n, S) token ids of the shipped out-of-domain text (calib_data/heldout_english.md, in no
     calibration set) by the source's own tokenizer.json (the `tokenizers` library: its Rust
-    parser loads Gemma's 262k-entry vocabulary in a third of transformers' time; special
-    tokens as the tokenizer adds them), and the text's name; (None, None) when the source has
-    no tokenizer.json or the text is too short for it."""
+    parser loads Gemma's 262k-entry vocabulary in a third of transformers' time), each window
+    beginning with the tokens every served request begins with (`served_prefix`, as the
+    calibration's and eval's windows: Gemma's BOS, GLM's chat-template `[gMASK]<sop>`), then
+    the text; the text's name and the prefix's tokens. (None, None, ()) when the source has no
+    tokenizer.json or the text is too short for it."""
     from tokenizers import Tokenizer
 
-    from quantize.calib.data import HELDOUT_ENGLISH
+    from quantize.calib.data import HELDOUT_ENGLISH, served_prefix
 
     path = src.root / "tokenizer.json" if src.root is not None else None
     if path is None or not path.is_file():
-        return None, None
+        return None, None, ()
     try:
-        ids = Tokenizer.from_file(str(path)).encode(HELDOUT_ENGLISH.read_text(encoding="utf-8")).ids
+        tok = Tokenizer.from_file(str(path))
+        template, names = _chat_template(src.root)
+        added = tok.get_added_tokens_decoder()
+        prefix = served_prefix(lambda t, sp: tok.encode(t, add_special_tokens=sp).ids, template,
+                               names, lambda i: i in added and added[i].special)
+        ids = tok.encode(HELDOUT_ENGLISH.read_text(encoding="utf-8"), add_special_tokens=False).ids
     except Exception:  # noqa: BLE001 - any tokenizer the library refuses: random ids instead
-        return None, None
+        return None, None, ()
     V = int(src.tensors["model.embed_tokens.weight"].shape[0])
-    if len(ids) < n * S or max(ids[: n * S]) >= V:
-        return None, None
-    return torch.tensor(ids[: n * S]).reshape(n, S), HELDOUT_ENGLISH.name
+    body = S - len(prefix)
+    if body < 1 or len(ids) < n * body or max(ids[: n * body] + prefix) >= V:
+        return None, None, ()
+    text = torch.tensor(ids[: n * body]).reshape(n, body)
+    head = torch.tensor(prefix, dtype=text.dtype).expand(n, len(prefix))
+    return (torch.cat([head, text], dim=1), HELDOUT_ENGLISH.name,
+            tuple(tok.id_to_token(i) for i in prefix))
+
+
+def _chat_template(root) -> tuple[str | None, dict[str, str]]:
+    """The source's chat template (tokenizer_config.json's `chat_template`, or the
+    chat_template.jinja transformers writes beside it) and its special tokens by name."""
+    cfg: dict = {}
+    f = root / "tokenizer_config.json"
+    if f.is_file():
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    template = cfg.get("chat_template")
+    if not isinstance(template, str) and (root / "chat_template.jinja").is_file():
+        template = (root / "chat_template.jinja").read_text(encoding="utf-8")
+    names = {}
+    for k, v in cfg.items():
+        if k.endswith("_token") and isinstance(v, dict):  # (an AddedToken written out)
+            v = v.get("content")
+        if k.endswith("_token") and isinstance(v, str):
+            names[k] = v
+    return template, names
 
 
 @dataclass
@@ -101,6 +134,7 @@ class Prepared:
     skeleton: object
     tokens: torch.Tensor  # int64 (LAYER_CHECK_SAMPLES, S)
     text: str | None  # the text's name; None: seeded random ids
+    prefix: tuple[str, ...] = ()  # the tokens each window begins with
 
 
 def prepare(src: Checkpoint, seed: int = 0) -> Prepared:
@@ -109,12 +143,12 @@ def prepare(src: Checkpoint, seed: int = 0) -> Prepared:
     (`prepare_in_background`) while it hashes the files and checks the first tensors."""
     skeleton = build_skeleton(src.config)
     S = min(LAYER_CHECK_SEQ, int(src.config.get("max_position_embeddings") or LAYER_CHECK_SEQ))
-    tokens, text = _text_tokens(src, LAYER_CHECK_SAMPLES, S)
+    tokens, text, prefix = _text_tokens(src, LAYER_CHECK_SAMPLES, S)
     if tokens is None:  # no tokenizer: seeded random ids
         V = int(src.tensors["model.embed_tokens.weight"].shape[0])
         gen = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, V, (LAYER_CHECK_SAMPLES, S), generator=gen)
-    return Prepared(skeleton, tokens, text)
+    return Prepared(skeleton, tokens, text, prefix)
 
 
 def prepare_in_background(src: Checkpoint | None, log: Callable[[str], None] | None = None) -> Future:
@@ -152,6 +186,7 @@ class LayerCheck:
         self._prepared = prepared if prepared is not None else prepare(src)
         self.num_layers = src.num_hidden_layers
         self.skeleton = self.tokens = self.text = self.inputs = None
+        self.prefix: tuple[str, ...] = ()
         self.h: torch.Tensor | None = None
         self.topk: torch.Tensor | None = None
         self.next = 0
@@ -177,7 +212,7 @@ class LayerCheck:
         if self.skeleton is not None:
             return
         p = self._prepared.result() if isinstance(self._prepared, Future) else self._prepared
-        self.skeleton, self.tokens, self.text = p.skeleton, p.tokens, p.text
+        self.skeleton, self.tokens, self.text, self.prefix = p.skeleton, p.tokens, p.text, p.prefix
         self.num_layers = len(self.skeleton.model.layers)
         self.inputs = layer_inputs(self.skeleton, self.tokens.shape[1], self.device, self.dtype)
 
@@ -244,6 +279,7 @@ class LayerCheck:
         judged = [e for e in self.layers if "ratio" in e]
         return {"tokens": list(self.tokens.shape),
                 "text": self.text or "seeded random token ids (the source has no tokenizer)",
+                "prefix": list(self.prefix),
                 "compute_dtype": str(self.dtype).replace("torch.", ""),
                 "max_ratio": self.max_ratio, "ok": not self.failed(),
                 "worst_ratio": max((e["ratio"] for e in judged if e["ratio"] is not None),
