@@ -415,7 +415,7 @@ def test_a_run_record_from_before_calib_bos_replays_without_it(tmp_path):
     import click
     import typer
 
-    from quantize.cli.run_record import config_callback, from_callback
+    from quantize.cli.run_record import RESOLVED_KEYS, config_callback, from_callback
 
     cmd = typer.main.get_command(app).commands["convert"]
     for body, want in (('method = "gptq"\nseed = 2\n', False), ('method = "gptq"\ncalib_bos = true\n', True),
@@ -428,6 +428,25 @@ def test_a_run_record_from_before_calib_bos_replays_without_it(tmp_path):
     ctx = click.Context(cmd)
     config_callback(ctx, tmp_path / "c.toml")
     assert "calib_bos" not in ctx.default_map  # a --config file: today's default
+
+    # beside the run's manifest: what the record leaves out is what the manifest recorded the
+    # run resolved (a group-32 run from before the group-32 defaults: the weighted clip of
+    # power 3, GPTAQ 0.375, BOS windows), not today's group-32 defaults; what it holds stays
+    from quantize.options import ConvertOptions
+    from quantize.write.manifest import MANIFEST
+
+    ran = ConvertOptions(method="gptq", mse_norm=3, mse_weight_power=1.0, gptaq=0.375, sequential_mlp=False)
+    assert ran != ConvertOptions(method="gptq")
+    (tmp_path / MANIFEST).write_text(json.dumps({"options": ran.to_json()}))
+    (tmp_path / "quantize-run.toml").write_text('[convert]\nmethod = "gptq"\ngptaq = 0.25\n')
+    ctx = click.Context(cmd)
+    from_callback(ctx, tmp_path)
+    m = ctx.default_map
+    assert (m["mse_clip"], m["mse_norm"], m["mse_weight_power"], m["sequential_mlp"]) == (True, 3, 1.0, False)
+    assert (m["mse_norm_routed"], m["mse_weight_power_routed"], m["calib_bos"]) == (3, 1.0, True)
+    assert m["gptaq"] == 0.25  # (the record's own)
+    replay = ConvertOptions(method="gptq", gptaq=0.375, **{k: m[k] for k in RESOLVED_KEYS if k != "gptaq"})
+    assert replay == ran
 
 
 def test_options_the_method_ignores_are_refused_by_name(dsa_fp8, tmp_path):

@@ -123,10 +123,28 @@ def from_callback(ctx: typer.Context, value: Path | None) -> Path | None:
             raise typer.BadParameter(f"{rec} does not exist: not a folder `quantize convert` "
                                      "wrote (or one from before run records)", param_hint="--from")
         got = read_run_file(rec, "--from")
-        if got.get("method", "rtn") != "rtn":  # a record from before --calib-bos: its windows
-            got.setdefault("calib_bos", False)  # had no BOS; the replay is the same run
+        if got.get("method", "rtn") != "rtn":
+            got.update(_recorded_elsewhere(value, got))
         ctx.default_map = {**got, **(ctx.default_map or {})}
     return value
+
+
+def _recorded_elsewhere(dst: Path, got: dict) -> dict:
+    """The options a calibrated run's record leaves out, as the run used them: a record from
+    before an option (calib_bos) or from before records held the values ConvertOptions resolves
+    (RESOLVED_KEYS, 4d3ba3e) would otherwise replay under today's defaults. The folder's
+    manifest recorded every option the run resolved (`recorded_option`: a key it lacks too is
+    the value runs before it used); without a manifest, the windows had no BOS."""
+    from quantize.names import MANIFEST
+    from quantize.options import recorded_option
+
+    keys = [k for k in (*RESOLVED_KEYS, "calib_bos") if k not in got]
+    try:
+        options = json.loads((dst / MANIFEST).read_text(encoding="utf-8"))["options"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {"calib_bos": False} if "calib_bos" in keys else {}
+    found = {k: recorded_option(options, k) for k in keys}
+    return {k: v for k, v in found.items() if v is not None}
 
 
 def _toml_value(v) -> str:
