@@ -163,16 +163,22 @@ def validation_score(row: dict) -> float:
     return sum(v) / len(v) if v else math.nan  # (nan: a run scored with --reported-only)
 
 
-def resolve_best(spec: str, rows: list[dict], g: int, cset: str) -> str | None:
-    """`llmc-best` / `ours-best`: the run spec among this group's and calibration set's seed-0
-    runs of that tool with the lowest validation score (None when there is none yet)."""
+def resolve_best(spec: str, rows: list[dict], g: int, cset: str,
+                 choose: frozenset[int] = frozenset({0})) -> str | None:
+    """`llmc-best` / `ours-best`: the run spec among this group's and calibration set's runs of
+    that tool at the `choose` seeds (`--choose-seeds`; seed 0 by default) with the lowest
+    validation score, its mean over those seeds; a spec that has not run at every one of them
+    is not a candidate (None when there is none yet)."""
     tool = spec.split("-best")[0]
     mine = [r for r in rows if r.get("scores") and r["group_size"] == g and r["calib"] == cset
-            and r["seed"] == 0 and r["method"] != "rtn" and not r["run"].endswith("-best")
-            and (r["method"] == "llmc-gptq") == (tool == "llmc")]
-    if not mine:
-        return None
-    return min(mine, key=validation_score)["run"]
+            and r["seed"] in choose and r["method"] != "rtn" and not r["run"].endswith("-best")
+            and (r["method"] == "llmc-gptq") == (tool == "llmc")
+            and not math.isnan(validation_score(r))]
+    scores: dict[str, dict[int, float]] = {}
+    for r in mine:  # (a seed run again: the later row)
+        scores.setdefault(r["run"], {})[r["seed"]] = validation_score(r)
+    full = {run: statistics.fmean(by.values()) for run, by in scores.items() if set(by) == set(choose)}
+    return min(full, key=full.get) if full else None
 
 
 def eval_texts(tok, split: dict, oods: list[Path], n: int, eval_len: int, ood_len: int,
@@ -470,6 +476,9 @@ def main() -> None:
     ap.add_argument("--groups", default="32,64")
     ap.add_argument("--calib", default="narrow,broad")
     ap.add_argument("--seeds", default="0")
+    ap.add_argument("--choose-seeds", default="0",
+                    help="the seeds whose validation scores (their mean) choose the `-best` runs; "
+                         "a `-best` run at one of them is the chosen run's row already")
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--eval-windows", type=int, default=10)
@@ -524,6 +533,7 @@ def main() -> None:
         res["runs"] = json.loads(args.out.read_text())["runs"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     seen_rtn: set[int] = set()
+    choose = frozenset(int(x) for x in args.choose_seeds.split(","))
     for g in [int(x) for x in args.groups.split(",")]:
         for seed in [int(x) for x in args.seeds.split(",")]:
             for cset in args.calib.split(","):
@@ -531,13 +541,14 @@ def main() -> None:
                 ran: set[str] = set()  # a -best run that resolves to a listed one runs once
                 for spec in args.runs.split(","):
                     chosen = None
-                    if spec.endswith("-best"):  # the configuration validation chose at seed 0
-                        chosen = resolve_best(spec, res["runs"], g, cset)
+                    if spec.endswith("-best"):  # the configuration validation chose
+                        chosen = resolve_best(spec, res["runs"], g, cset, choose)
                         if chosen is None:
-                            print(f"g{g} {cset} {spec}: no seed-0 runs to choose from", flush=True)
+                            print(f"g{g} {cset} {spec}: no runs at every seed of --choose-seeds "
+                                  f"{args.choose_seeds} to choose from", flush=True)
                             continue
-                        if seed == 0:
-                            continue  # that run is the seed-0 row already
+                        if seed in choose:
+                            continue  # that run is the row of this seed already
                         spec = chosen
                     if spec in ran:
                         continue

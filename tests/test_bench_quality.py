@@ -49,6 +49,23 @@ def test_best_is_chosen_on_validation_among_its_own_seed0_runs():
     assert bq.validation_score(rows[0]) == pytest.approx(vals[0])
 
 
+def test_best_over_several_seeds_is_the_lowest_mean_validation_score():
+    """--choose-seeds 0,1: the mean validation score over both seeds chooses; a spec that ran
+    at one of them only, or whose rows there were scored --reported-only, is not a candidate."""
+    rng = random.Random()
+    a0, b0 = rng.uniform(0.10, 0.20), rng.uniform(0.20, 0.30)  # a wins seed 0 ...
+    a1, b1 = rng.uniform(0.60, 0.70), rng.uniform(0.30, 0.40)  # ... b the mean
+    reported = _row("gptq:gptaq=0.1", 32, 1, 0.0, 0.0)
+    reported["scores"] = {k: v for k, v in reported["scores"].items() if not k.startswith("val:")}
+    rows = [_row("gptq:gptaq=0.25", 32, 0, a0, 0.1), _row("gptq:gptaq=0.5", 32, 0, b0, 0.1),
+            _row("gptq:gptaq=0.25", 32, 1, a1, 0.1), _row("gptq:gptaq=0.5", 32, 1, b1, 0.1),
+            _row("gptq:percdamp=0.2", 32, 0, 0.01, 0.0),  # seed 0 only
+            _row("gptq:gptaq=0.1", 32, 0, 0.0, 0.0), reported]  # seed 1 without validation
+    assert bq.resolve_best("ours-best", rows, 32, "broad") == "gptq:gptaq=0.1"  # (seed 0 alone)
+    assert bq.resolve_best("ours-best", rows, 32, "broad", frozenset({0, 1})) == "gptq:gptaq=0.5"
+    assert bq.resolve_best("llmc-best", rows, 32, "broad", frozenset({0, 1})) is None
+
+
 def test_summary_counts_a_repeated_seed_once(tmp_path, capsys):
     head = {"command": "x", "device": "cpu", "torch": "t", "calibration": {}, "eval": {}}
     a = dict(head, runs=[_row("gptq", 32, 0, 0.2, 0.3), _row("gptq", 32, 1, 0.2, 0.5)])
