@@ -23,9 +23,12 @@ a bound relative to RTN on the same inputs, so it means the same at every width 
 Correct outputs land near or below RTN, a little above where a method fits its calibration
 text at the expense of other text: the tiny fixtures of six families stay under 1.25x;
 Gemma-3-270M at group 128 on this text: GPTQ 0.46-0.88x per layer, AWQ+GPTQ 0.57-0.94x but
-1.84x at layer 6 (its eval: perplexity +10.8 %, out of domain +11.6 %, better than GPTQ's
-+24.7 %). Broken outputs land far above: the Gemma3 fold into the wrong norm, which every
-weight check agreed with, measured 4.6-4,089x on the real model (perplexity x4,919); on the
+1.84x at layer 6 (64 x 512 calibration tokens; windows without the BOS after the first; its
+eval: perplexity +10.8 %, out of domain +11.6 %, better than GPTQ's +24.7 %); with 16 x 512
+tokens and every window beginning with the BOS, GPTQ up to 1.26x, AWQ+GPTQ up to 2.50x at layer
+6 (BENCHMARKS.md). Broken outputs land far above: the Gemma3 fold into the wrong norm, which every
+weight check agreed with, measured 4.6-4,089x on the real model (perplexity x4,919; 8.3-4,108x
+on the BOS windows); on the
 tiny models it needs loud channels to show (norm outliers x30: 3.6-6.1x; x6: 1.8-3x, which
 the bound lets through); a norm scaled by 2 lands far above. Hence 3x: between the two.
 
