@@ -20,6 +20,7 @@ from quantize.names import CALIB_REPORT
 from quantize.options import ConvertOptions
 from quantize.pipeline import convert
 from quantize.plan import make_plan
+from quantize.rounding.int4 import Int4Weight, dequantize, unpack_int4
 from quantize.source.checkpoint import open_checkpoint
 from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
 
@@ -378,7 +379,6 @@ def test_converted_checkpoint_loads_in_transformers(ckpt_dir, tmp_path, method):
         # every output tensor against the source with the folds applied: exact for BF16
         # tensors, INT4-level error for targets (what an AWQ-aware `verify` checks)
         from quantize.pipeline import source_weight
-        from quantize.rounding.int4 import Int4Weight, dequantize, unpack_int4
 
         dst = {k: v for f in set(index.values()) for k, v in load_file(out / f).items()}
         sqnr = []
@@ -387,10 +387,7 @@ def test_converted_checkpoint_loads_in_transformers(ckpt_dir, tmp_path, method):
             if u.action != "quantize":
                 assert torch.equal(dst[u.source], want.to(dst[u.source].dtype)), u.source
                 continue
-            m = u.source[: -len(".weight")]
-            K = int(dst[m + ".weight_shape"][1])
-            got = dequantize(Int4Weight(unpack_int4(dst[m + ".weight_packed"], K),
-                                        dst[m + ".weight_scale"], None), torch.float32)
+            got = dequantize(_written(dst, u.source[: -len(".weight")]), torch.float32)
             sqnr.append(float(20 * torch.log10(want.norm() / (got - want).norm())))
         assert min(sqnr) > 12, min(sqnr)  # INT4 g32 of Gaussian weights: ~18-20 dB
         # verify re-applies the shipped scales: the AWQ output passes, and a norm whose fold
@@ -1128,6 +1125,20 @@ def _mlp_inputs(model, tokens: torch.Tensor, L: int) -> torch.Tensor:
     return torch.cat(got).double()
 
 
+def _written(tensors: dict, name: str) -> Int4Weight:
+    """The INT4 Linear `name` (model.layers.0.mlp.up_proj, ...) as an output's shard holds it."""
+    K = int(tensors[name + ".weight_shape"][1])
+    return Int4Weight(unpack_int4(tensors[name + ".weight_packed"], K).to(torch.int8),
+                      tensors[name + ".weight_scale"], None)
+
+
+def _damped_hessian(X: torch.Tensor, percdamp: float = 0.1) -> torch.Tensor:
+    """2 XᵀX / n of the rows of X, damped as GPTQ damps it (percdamp times the mean diagonal)."""
+    X = X.reshape(-1, X.shape[-1])
+    H = 2 * X.T @ X / len(X)
+    return H + percdamp * H.diagonal().mean() * torch.eye(len(H), dtype=H.dtype)
+
+
 def test_gptaq_carries_the_unrounded_stream_and_verifies(tmp_path):
     """--gptaq (default 0.5 for gptq at group 32; 0.25 here, --sequential-mlp off, whose within-layer
     term would move layer 0's down_proj too): the calibration carries the unrounded model's hidden
@@ -1142,7 +1153,6 @@ def test_gptaq_carries_the_unrounded_stream_and_verifies(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from quantize.calib.data import checkpoint_calibration
-    from quantize.rounding.int4 import Int4Weight, dequantize, unpack_int4
 
     assert ConvertOptions(method="gptq").gptaq == 0.5  # (group 32's; 0.375 at 64 and 128)
     assert ConvertOptions(method="awq+gptq", group_size=128).gptaq == 0.375
@@ -1174,12 +1184,9 @@ def test_gptaq_carries_the_unrounded_stream_and_verifies(tmp_path):
     fp = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     q = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     for n in ("gate_proj", "up_proj", "down_proj"):
-        p = f"model.layers.0.mlp.{n}."
-        K = int(w[0.25][p + "weight_shape"][1])
-        rounded = Int4Weight(unpack_int4(w[0.25][p + "weight_packed"], K).to(torch.int8),
-                             w[0.25][p + "weight_scale"], None)
+        p = f"model.layers.0.mlp.{n}"
         with torch.no_grad():
-            q.get_parameter(p + "weight").copy_(dequantize(rounded, torch.float32))
+            q.get_parameter(p + ".weight").copy_(dequantize(_written(w[0.25], p), torch.float32))
     Xf, X = _mlp_inputs(fp, tokens, 1), _mlp_inputs(q, tokens, 1)
     D, H = 2 * (Xf - X).T @ X / len(X), 2 * X.T @ X / len(X)
     assert abs(float(D.norm() / H.norm()) - g[1]["D_in_rel"]) <= 1e-3 * g[1]["D_in_rel"]
@@ -1207,7 +1214,6 @@ def test_descend_lowers_layer_zeros_calibration_error_and_verifies(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from quantize.calib.data import checkpoint_calibration
-    from quantize.rounding.int4 import Int4Weight, dequantize, unpack_int4
 
     with pytest.raises(ValueError, match="descend"):
         ConvertOptions(method="rtn", descend=1)
@@ -1224,20 +1230,15 @@ def test_descend_lowers_layer_zeros_calibration_error_and_verifies(tmp_path):
     w = {d: load_file(o / "model-00001-of-00001.safetensors") for d, o in outs.items()}
     tokens = checkpoint_calibration(src, ConvertOptions(method="gptq", **dense)).tokens
     fp = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    X = _mlp_inputs(fp, tokens, 0)
-    H = 2 * X.T @ X / len(X)
-    H += 0.1 * H.diagonal().mean() * torch.eye(len(H), dtype=H.dtype)  # percdamp 0.1
+    H = _damped_hessian(_mlp_inputs(fp, tokens, 0))
     for n in ("gate_proj", "up_proj"):
-        p = f"model.layers.0.mlp.{n}."
-        W = fp.get_parameter(p + "weight").detach().double()
+        p = f"model.layers.0.mlp.{n}"
+        W = fp.get_parameter(p + ".weight").detach().double()
         err = {}
         for d in outs:
-            K = int(w[d][p + "weight_shape"][1])
-            r = Int4Weight(unpack_int4(w[d][p + "weight_packed"], K).to(torch.int8),
-                           w[d][p + "weight_scale"], None)
-            E = W - dequantize(r, torch.float32).double()
+            E = W - dequantize(_written(w[d], p), torch.float32).double()
             err[d] = float(((E @ H) * E).sum())
-        assert torch.equal(w[0][p + "weight_scale"], w[2][p + "weight_scale"])
+        assert torch.equal(w[0][p + ".weight_scale"], w[2][p + ".weight_scale"])
         assert err[2] < err[0], (n, err)
 
 
@@ -1251,7 +1252,6 @@ def test_stats_prefix_off_fits_the_text_positions(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from quantize.calib.data import checkpoint_calibration
-    from quantize.rounding.int4 import Int4Weight, dequantize, unpack_int4
     from quantize.write.manifest import MANIFEST
 
     src = _tiny_llama(tmp_path / "src")
@@ -1279,23 +1279,14 @@ def test_stats_prefix_off_fits_the_text_positions(tmp_path):
     assert len(calib.prefix) == 1 and bool((calib.tokens[:, 0] == calib.tokens[0, 0]).all())
     fp = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     X = _mlp_inputs(fp, calib.tokens, 0).reshape(n, S, -1)
-
-    def hessian(x):
-        x = x.reshape(-1, x.shape[-1])
-        H = 2 * x.T @ x / len(x)
-        return H + 0.1 * H.diagonal().mean() * torch.eye(len(H), dtype=H.dtype)  # percdamp 0.1
-
-    H = {"text": hessian(X[:, 1:]), "prefix": hessian(X[:, :1])}
+    H = {"text": _damped_hessian(X[:, 1:]), "prefix": _damped_hessian(X[:, :1])}
     w = {k: load_file(o / "model-00001-of-00001.safetensors") for k, o in outs.items()}
     for name in ("gate_proj", "up_proj"):
-        p = f"model.layers.0.mlp.{name}."
-        W = fp.get_parameter(p + "weight").detach().double()
+        p = f"model.layers.0.mlp.{name}"
+        W = fp.get_parameter(p + ".weight").detach().double()
         err = {}
         for k in outs:
-            K = int(w[k][p + "weight_shape"][1])
-            r = Int4Weight(unpack_int4(w[k][p + "weight_packed"], K).to(torch.int8),
-                           w[k][p + "weight_scale"], None)
-            E = W - dequantize(r, torch.float32).double()
+            E = W - dequantize(_written(w[k], p), torch.float32).double()
             err[k] = {h: float(((E @ M) * E).sum()) for h, M in H.items()}
         assert err[False]["text"] < err[True]["text"], (name, err)
         assert err[True]["prefix"] < err[False]["prefix"], (name, err)
@@ -1349,7 +1340,6 @@ def test_sequential_mlp_fits_down_proj_to_the_rounded_gate_and_up(tmp_path):
 
     from quantize.calib.data import checkpoint_calibration
     from quantize.rounding.gptq import GPTQConfig, gptq_quantize
-    from quantize.rounding.int4 import Int4Weight, dequantize, unpack_int4
 
     with pytest.raises(ValueError, match="--sequential-mlp"):
         ConvertOptions(method="rtn", sequential_mlp=True)
@@ -1369,10 +1359,7 @@ def test_sequential_mlp_fits_down_proj_to_the_rounded_gate_and_up(tmp_path):
         rep[k] = {e["layer"]: e for e in json.loads((tmp_path / k / CALIB_REPORT).read_text())["layers"]}
 
     def weight(k: str, n: str) -> Int4Weight:
-        p = f"model.layers.0.mlp.{n}."
-        K = int(w[k][p + "weight_shape"][1])
-        return Int4Weight(unpack_int4(w[k][p + "weight_packed"], K).to(torch.int8),
-                          w[k][p + "weight_scale"], None)
+        return _written(w[k], f"model.layers.0.mlp.{n}")
 
     tokens = checkpoint_calibration(src, ConvertOptions(method="gptq", **base)).tokens
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
