@@ -170,13 +170,13 @@ def resolve_best(spec: str, rows: list[dict], g: int, cset: str,
     validation score, its mean over those seeds; a spec that has not run at every one of them
     is not a candidate (None when there is none yet)."""
     tool = spec.split("-best")[0]
-    mine = [r for r in rows if r.get("scores") and r["group_size"] == g and r["calib"] == cset
-            and r["seed"] in choose and r["method"] != "rtn" and not r["run"].endswith("-best")
-            and (r["method"] == "llmc-gptq") == (tool == "llmc")
-            and not math.isnan(validation_score(r))]
-    scores: dict[str, dict[int, float]] = {}
-    for r in mine:  # (a seed run again: the later row)
-        scores.setdefault(r["run"], {})[r["seed"]] = validation_score(r)
+    scores: dict[str, dict[int, float]] = {}  # per run spec, per seed (a seed run again: the later row)
+    for r in rows:
+        if (r.get("scores") and r["group_size"] == g and r["calib"] == cset and r["seed"] in choose
+                and r["method"] != "rtn" and not r["run"].endswith("-best")
+                and (r["method"] == "llmc-gptq") == (tool == "llmc")
+                and not math.isnan(v := validation_score(r))):
+            scores.setdefault(r["run"], {})[r["seed"]] = v
     full = {run: statistics.fmean(by.values()) for run, by in scores.items() if set(by) == set(choose)}
     return min(full, key=full.get) if full else None
 

@@ -17,15 +17,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 bq = pytest.importorskip("bench_quality")
 
 
-def _row(run: str, g: int, seed: int | None, val: float, rep: float, calib: str | None = "broad") -> dict:
+def _row(run: str, g: int, seed: int | None, val: float | None, rep: float,
+         calib: str | None = "broad") -> dict:
+    """A result row; `val` None: scored --reported-only (no validation halves)."""
     method = run.split(":")[0]
     score = {"ppl": 1.0, "ppl_source": 1.0, "tokens": 10}
+    scores = {"in_domain": dict(score, kl=rep, ppl_added=rep), "ood:x.md": dict(score, kl=rep, ppl_added=rep)}
+    if val is not None:
+        scores = {"val:in_domain": dict(score, kl=val, ppl_added=val),
+                  "val:ood:x.md": dict(score, kl=val, ppl_added=val), **scores}
     return {"run": run, "method": method, "options": {}, "group_size": g, "calib": calib,
-            "seed": seed, "chosen_on_validation": False,
-            "scores": {"val:in_domain": dict(score, kl=val, ppl_added=val),
-                       "val:ood:x.md": dict(score, kl=val, ppl_added=val),
-                       "in_domain": dict(score, kl=rep, ppl_added=rep),
-                       "ood:x.md": dict(score, kl=rep, ppl_added=rep)}}
+            "seed": seed, "chosen_on_validation": False, "scores": scores}
 
 
 def test_best_is_chosen_on_validation_among_its_own_seed0_runs():
@@ -55,8 +57,7 @@ def test_best_over_several_seeds_is_the_lowest_mean_validation_score():
     rng = random.Random()
     a0, b0 = rng.uniform(0.10, 0.20), rng.uniform(0.20, 0.30)  # a wins seed 0 ...
     a1, b1 = rng.uniform(0.60, 0.70), rng.uniform(0.30, 0.40)  # ... b the mean
-    reported = _row("gptq:gptaq=0.1", 32, 1, 0.0, 0.0)
-    reported["scores"] = {k: v for k, v in reported["scores"].items() if not k.startswith("val:")}
+    reported = _row("gptq:gptaq=0.1", 32, 1, None, 0.0)
     rows = [_row("gptq:gptaq=0.25", 32, 0, a0, 0.1), _row("gptq:gptaq=0.5", 32, 0, b0, 0.1),
             _row("gptq:gptaq=0.25", 32, 1, a1, 0.1), _row("gptq:gptaq=0.5", 32, 1, b1, 0.1),
             _row("gptq:percdamp=0.2", 32, 0, 0.01, 0.0),  # seed 0 only
@@ -86,8 +87,7 @@ def test_summary_of_a_grid_seed_and_reported_only_seeds(tmp_path, capsys):
     reported ones (--reported-only): the summary averages every seed over the texts all of them
     scored, and the validation score over the seeds that have one."""
     head = {"command": "x", "device": "cpu", "torch": "t", "calibration": {}, "eval": {}}
-    later = _row("gptq", 32, 1, 0.0, 0.5)
-    later["scores"] = {k: v for k, v in later["scores"].items() if not k.startswith("val:")}
+    later = _row("gptq", 32, 1, None, 0.5)
     f = tmp_path / "a.json"
     f.write_text(json.dumps(dict(head, runs=[_row("gptq", 32, 0, 0.2, 0.3), later])))
     out = tmp_path / "s.json"
