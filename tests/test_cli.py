@@ -437,7 +437,7 @@ def test_a_run_record_from_before_calib_bos_replays_without_it(tmp_path):
 
     ran = ConvertOptions(method="gptq", mse_norm=3, mse_weight_power=1.0, gptaq=0.375, sequential_mlp=False)
     assert ran != ConvertOptions(method="gptq")
-    (tmp_path / MANIFEST).write_text(json.dumps({"options": ran.to_json()}))
+    (tmp_path / MANIFEST).write_text(json.dumps({"status": "complete", "files": {}, "options": ran.to_json()}))
     (tmp_path / "quantize-run.toml").write_text('[convert]\nmethod = "gptq"\ngptaq = 0.25\n')
     ctx = click.Context(cmd)
     from_callback(ctx, tmp_path)

@@ -135,15 +135,18 @@ def _recorded_elsewhere(dst: Path, got: dict) -> dict:
     (RESOLVED_KEYS, 4d3ba3e) would otherwise replay under today's defaults. The folder's
     manifest recorded every option the run resolved (`recorded_option`: a key it lacks too is
     the value runs before it used); without a manifest, the windows had no BOS."""
-    from quantize.names import MANIFEST
+    from quantize.errors import QuantizeError
     from quantize.options import recorded_option
+    from quantize.write.manifest import read_manifest
 
     keys = [k for k in (*RESOLVED_KEYS, "calib_bos") if k not in got]
     try:
-        options = json.loads((dst / MANIFEST).read_text(encoding="utf-8"))["options"]
-    except (OSError, ValueError, KeyError, TypeError):
+        manifest = read_manifest(dst)
+    except QuantizeError:  # (unreadable: as without one)
+        manifest = None
+    if manifest is None:
         return {"calib_bos": False} if "calib_bos" in keys else {}
-    found = {k: recorded_option(options, k) for k in keys}
+    found = {k: recorded_option(manifest["options"], k) for k in keys}
     return {k: v for k, v in found.items() if v is not None}
 
 
