@@ -142,16 +142,21 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", default=None, help="comma list of variant names (default: all)")
+    ap.add_argument("--only", default=None,
+                    help="';'-separated variant names (they hold commas; default: all of them)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    only = [n.strip() for n in args.only.split(";")] if args.only else None
+    unknown = sorted(set(only or ()) - set(variants(args.group_size)))
+    if unknown:
+        ap.error(f"--only: no variant {unknown}; the variants: {list(variants(args.group_size))}")
     args.workdir.mkdir(parents=True, exist_ok=True)
     stats = capture(args.source, args.workdir, args.num_samples, args.seq_len, args.seed)
     res = {"source": str(args.source), "commit": commit(), "command": " ".join(sys.argv),
            "group_size": args.group_size, "calibration": {"num_samples": args.num_samples,
                                                           "seq_len": args.seq_len, "seed": args.seed},
            "tokens": stats["tokens"], "error": "tr(E H E^T) / tr(W H W^T), mean over the 54 MLP Linears",
-           "variants": score(stats, args.group_size, args.only.split(",") if args.only else None)}
+           "variants": score(stats, args.group_size, only)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
 
