@@ -102,8 +102,17 @@ def capture(src: Path, work: Path, num_samples: int, seq_len: int, seed: int) ->
     return {"H": H, "W": W, "tokens": {"cal": list(cal.shape), **{k: list(v.shape) for k, v in texts.items()}}}
 
 
+def _key(lin: str) -> tuple[str, str]:
+    """A Linear's layer and the input its H is of (gate_proj and up_proj share theirs)."""
+    i, kind = lin.split(".")
+    return i, "down" if kind == "down" else "gate"
+
+
 def score(stats: dict, g: int, only: list[str] | None) -> dict:
     H, W = stats["H"], stats["W"]
+    # tr(W H Wᵀ) per Linear and set: the same for every variant, computed once
+    base = {(lin, s): torch.einsum("nk,kl,nl->", w.double(), H[f"{s}|{i}.{key}"].double(), w.double())
+            for lin, w in W.items() for i, key in [_key(lin)] for s in SETS}
     out = {}
     for name, kw in variants(g).items():
         if only and name not in only:
@@ -114,17 +123,12 @@ def score(stats: dict, g: int, only: list[str] | None) -> dict:
         t0 = time.perf_counter()
         per: dict[str, dict[str, float]] = {}
         for lin, w in W.items():
-            i, kind = lin.split(".")
-            key = "down" if kind == "down" else "gate"
+            i, key = _key(lin)
             Hc = H[f"cal|{i}.{key}"]
             r = gptq_quantize(w, torch.eye(Hc.shape[0]) if identity else Hc, cfg)
             E = (w - dequantize(r.weight, torch.float32)).double()
-            Wd = w.double()
-            per[lin] = {}
-            for s in SETS:
-                Hs = H[f"{s}|{i}.{key}"].double()
-                per[lin][s] = (torch.einsum("nk,kl,nl->", E, Hs, E)
-                               / torch.einsum("nk,kl,nl->", Wd, Hs, Wd)).item()
+            per[lin] = {s: (torch.einsum("nk,kl,nl->", E, H[f"{s}|{i}.{key}"].double(), E)
+                            / base[lin, s]).item() for s in SETS}
         kinds = {k: {s: sum(per[lin][s] for lin in per if lin.endswith(k)) / (len(per) // 3)
                      for s in SETS} for k in ("gate", "up", "down")}
         mean = {s: sum(p[s] for p in per.values()) / len(per) for s in SETS}
