@@ -323,3 +323,40 @@ def test_realized_scale_keeps_the_fold_exact_in_bf16():
     pow2 = torch.exp2(torch.randint(-3, 4, (64,), generator=gen).float())
     glm = NormFold("post_attention_layernorm", "x*w")
     assert torch.equal(glm.realized(w, pow2, torch.bfloat16), pow2)
+
+
+def _glm5_as_transformers_writes_it(path, index_topk: int):
+    """A tiny FP8 GLM-5 (glm_moe_dsa) whose config.json is the one transformers saves (every
+    per-layer list: layer_types, mlp_layer_types, indexer_types), with `index_topk` set."""
+    from transformers import AutoConfig
+
+    cfg = tiny_config("glm_moe_dsa")
+    src = write_checkpoint(path, cfg, "fp8-block")
+    write_tokenizer(src, cfg["vocab_size"])
+    on_disk = json.loads((src / "config.json").read_text())
+    on_disk["index_topk"] = index_topk
+    written = AutoConfig.for_model("glm_moe_dsa", **{k: v for k, v in on_disk.items()
+                                                      if k not in ("model_type", "quantization_config")})
+    saved = {**written.to_dict(), "quantization_config": on_disk["quantization_config"]}
+    assert saved["index_topk"] == index_topk and "indexer_types" in saved
+    (src / "config.json").write_text(json.dumps(saved, indent=2))
+    return src
+
+
+@pytest.mark.parametrize("method,seq_len", [("awq", 16), ("awq+gptq", 16), ("awq+gptq", 12)])
+def test_glm5_awq_where_the_dsa_top_k_holds_every_key(tmp_path, method, seq_len):
+    """GLM-5.2 serves with index_topk 2048 and calibrates on 2,048-token windows: its indexer's
+    top-k holds every key and each layer's first forward runs both ways (computed and skipped,
+    decoder.run_layer's proof). The AWQ fold probe must see the MLP's norm run once: AWQ at the
+    window = top-k (16) and below it (12) converts every layer, folds into
+    post_attention_layernorm, and the output passes verify."""
+    src = _glm5_as_transformers_writes_it(tmp_path / "src", index_topk=16)
+    out = tmp_path / "out"
+    res = convert(src, out, ConvertOptions(method=method, num_samples=8, seq_len=seq_len),
+                  device="cpu")
+    layers = res.calibration["layers"]
+    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    assert {lay["layer"] for lay in layers} == set(range(n + 1))  # every layer, the MTP one too
+    folds = [lay["awq"]["norm_fold"] for lay in layers if "norm_fold" in lay.get("awq", {})]
+    assert folds and all((f["norm"], f["formula"]) == EXPECTED["glm_moe_dsa"] for f in folds), folds
+    assert verify(src, out).ok

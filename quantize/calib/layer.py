@@ -435,13 +435,17 @@ class LayerRunner:
 
     def _norm_fold(self, L: int, layer, targets: dict[str, Target]) -> NormFold | None:
         """Where this layer's AWQ input scale goes (folds.find_norm_fold, proven on the layer
-        with one sample of chunk 0), when AWQ rounds a gate/up target; else None."""
+        with one sample of chunk 0), when AWQ rounds a gate/up target; else None. The probe is
+        one plain forward (`every_key=False`): where a DSA top-k holds every key (GLM-5.2's
+        2048 at 2,048-token windows) run_layer's first forward runs the layer twice as its
+        proof, and the probe would count the norm's two calls."""
         if not any(t.quantize and n.endswith(("gate_proj.weight", "up_proj.weight"))
                    for n, t in targets.items()):
             return None
         h = self.carry.hidden.on_device(0)[:1]
         topk = None if self.carry.topk[0] is None else self.carry.topk[0][:1]
-        return find_norm_fold(layer, lambda: run_layer(self.skeleton, layer, self.inputs, h, topk),
+        return find_norm_fold(layer, lambda: run_layer(self.skeleton, layer, self.inputs, h, topk,
+                                                       every_key=False),
                               L, self.ckpt.model_type)
 
     def _stat_rows(self, x: torch.Tensor) -> torch.Tensor:
