@@ -470,3 +470,27 @@ def test_options_the_method_ignores_are_refused_by_name(dsa_fp8, tmp_path):
                             "--mse-norm", "2", "--num-samples", "8"], env=wide)
     assert r.exit_code == 2 and "--percdamp, --mse-norm apply to GPTQ" in r.output, r.output
     assert "--num-samples" not in r.output.split("apply to")[0] and not out.exists()
+
+
+def test_replay_from_another_folder_converts_the_recorded_source(tmp_path, monkeypatch):
+    """A run record keeps a local SRC resolved: `--from` run from another working folder, where
+    the same relative name is another model, replays the recorded source (on 1d01519 it
+    converted whatever the name meant there)."""
+    import tomllib
+
+    from quantize.source.synth import tiny_config, write_checkpoint
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    write_checkpoint(one / "model", tiny_config("glm4_moe"), "fp8-channel", seed=1)
+    write_checkpoint(two / "model", tiny_config("glm4_moe"), "fp8-channel", seed=2)
+    monkeypatch.chdir(one)
+    r = runner.invoke(app, ["convert", "model", str(tmp_path / "a"), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    rec = tomllib.loads((tmp_path / "a" / "quantize-run.toml").read_text())["convert"]
+    assert rec["src"] == str((one / "model").resolve())
+    monkeypatch.chdir(two)
+    r = runner.invoke(app, ["convert", "--from", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    shards = sorted(p.name for p in (tmp_path / "a").glob("*.safetensors"))
+    assert shards and all((tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes()
+                          for n in shards)

@@ -93,3 +93,19 @@ def test_base_model_must_be_a_repo_id(tmp_path):
     assert r.returncode != 0
     assert "--base-model" in r.stderr and "ORG/NAME" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("typed", ["{d}/", "{d}//", "{p}/./GLM-INT4", "{p}//GLM-INT4/", "{p}/x/../GLM-INT4"])
+def test_recorded_command_names_a_new_dst_however_typed(tmp_path, typed):
+    """DST does not exist yet when the command is recorded; typed with a trailing `/`, `//`,
+    `/./` or `..` it is still the output folder and is recorded by its name alone (on
+    1d01519 the manifest and the pushed card held the local path)."""
+    from quantize.cli.run_record import public_command
+
+    src = write_checkpoint(tmp_path / "GLM-tiny-FP8", tiny_config("glm4_moe"), "fp8-channel")
+    dst = tmp_path / "GLM-INT4"
+    word = typed.format(d=dst, p=tmp_path)
+    for s in (str(src), f"{src}/"):
+        cmd = public_command(["convert", s, word, "--method", "rtn"], s, Path(word), None)
+        assert str(tmp_path) not in cmd, cmd
+        assert cmd == "quantize convert GLM-tiny-FP8 GLM-INT4 --method rtn", cmd

@@ -193,8 +193,10 @@ def convert(
                                  param_hint="SRC DST")
     dst = Path(dst)
     _refuse_unused_flags(ctx, value(method))
+    # SRC as a local path resolved: `--from` replays this folder's source from any working
+    # folder (the record stays local: never pushed); a Hub id as typed
     record = {k: given[k] for k in RUN_KEYS} | {
-        "src": src, "calib": None if calib is None or is_dataset_spec(calib) else str(Path(calib).resolve())}
+        "src": str(Path(src).resolve()) if Path(src).exists() else src, "calib": None if calib is None or is_dataset_spec(calib) else str(Path(calib).resolve())}
     command = public_command(sys.argv[1:], src, dst, base_model) \
         if sys.argv[0].endswith("quantize") else None
     d = init(device)  # under torchrun: this rank (rank 0 prints and writes, the others compute)

@@ -4,6 +4,7 @@ command line as the manifest and the card publish it."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -47,11 +48,14 @@ def public_command(args: list[str], src: str, dst: Path, base_model: str | None)
 
     src_name = source_identity(src, base_model)["name"] if Path(src).exists() else src
 
+    def same(a: str, b: str) -> bool:  # one path however typed (a trailing /, //, /./)
+        return bool(a) and os.path.abspath(a) == os.path.abspath(b)
+
     def shown(val: str) -> str:
-        if val == src:
+        if val == src or (Path(src).exists() and same(val, src)):
             return src_name
-        if val == str(dst) or (val and Path(val).exists() and ("/" in val or "\\" in val)):
-            return Path(val).name
+        if same(val, str(dst)) or (val and Path(val).exists() and ("/" in val or "\\" in val)):
+            return Path(os.path.abspath(val)).name
         return val
 
     words = []
