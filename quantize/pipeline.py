@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -161,6 +162,16 @@ def _write_unit(w: ShardWriter, ckpt: Checkpoint, unit: Unit, tensors: list[torc
         w.write(t)
 
 
+def _same_folder(a: Path, b: Path) -> bool:
+    """Whether two paths name one folder by device and inode (os.path.samefile): one folder
+    seen through two mounts (`/scratch` and `/home/u/scratch`, a container's bind mount) has
+    two path strings; False where either does not exist."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def _check_out_path(src: Path, out: Path, resume: bool, overwrite: bool) -> None:
     """Refuse an output folder inside (or around) the source, a file, or contradictory flags."""
     if resume and overwrite:
@@ -168,11 +179,15 @@ def _check_out_path(src: Path, out: Path, resume: bool, overwrite: bool) -> None
             str(out), None, "both flags", "at most one of them",
             "--resume keeps the finished shards, --overwrite deletes them; choose one")])
     s, o = src.resolve(), out.resolve()
-    if o == s or s in o.parents:
+    if o == s or _same_folder(o, s):
+        raise QuantizeError("the output folder is the source", [Problem(
+            str(out), None, f"the source folder {src}", "a folder outside the source checkpoint",
+            "choose an output folder next to the source, e.g. ./MODEL-INT4")])
+    if s in o.parents or any(_same_folder(p, s) for p in o.parents):
         raise QuantizeError("the output folder is inside the source", [Problem(
             str(out), None, f"inside {src}", "a folder outside the source checkpoint",
             "choose an output folder next to the source, e.g. ./MODEL-INT4")])
-    if o in s.parents:
+    if o in s.parents or any(_same_folder(o, p) for p in s.parents):
         raise QuantizeError("the output folder contains the source", [Problem(
             str(out), None, f"a parent of {src}", "a separate folder",
             "choose an empty output folder next to the source")])
@@ -204,7 +219,8 @@ def _prepare_out(out: Path, overwrite: bool, partials: set[str]) -> tuple[dict |
     other `*.partial` entry is the user's and counts as content like any other file.
     """
     previous = None if overwrite else read_manifest(out)
-    mine = [p for p in out.iterdir() if p.name in partials and p.is_file() and not p.is_symlink()]
+    # (a link at one of those names is removed, never followed: the write makes its file fresh)
+    mine = [p for p in out.iterdir() if p.name in partials and (p.is_symlink() or p.is_file())]
     trash = out / TRASH
     left = trash.is_dir() and not trash.is_symlink()  # (a killed run's: ours)
     other = [p for p in out.iterdir() if p not in mine and not (left and p == trash)]

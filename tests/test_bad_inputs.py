@@ -1163,3 +1163,72 @@ def test_a_failure_after_the_manifest_completes_claims_no_earlier_conversion(dsa
     assert r.exit_code == 2 and "still holds the earlier, complete conversion" in r.output, r.output
     r = convert(dsa_fp8, out, "--overwrite")  # nothing of before is kept
     assert r.exit_code == 2 and "this run's complete conversion" in r.output, r.output
+
+
+def test_source_files_named_like_our_outputs_are_not_copied(tmp_path):
+    """A source folder holding files named as our tools' outputs (verify.json, eval.json,
+    quantize-run.toml, the pictures, a file `calibration` where a calibrated run puts its
+    folder): none is copied, the calibrated conversion finishes, verifies, and push accepts
+    the folder (on 1d01519: a KeyError traceback, an output failing its own verify, a folder
+    push never accepted, a calibrated run failing after every shard)."""
+    from quantize.check.verify import verify
+    from quantize.pipeline import convert
+    from quantize.publish.push import prepare_push
+
+    cfg = tiny_config("glm4_moe")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    foreign = {"verify.json": '{"summary": {}}', "eval.json": '{"summary": {"verdict": "pass"}}',
+               "quantize-run.toml": 'src = "elsewhere"\n', "verify-sqnr.png": "not a picture",
+               "eval-layers.png": "not a picture", "calibration": "a file, not our folder"}
+    for name, text in foreign.items():
+        (src / name).write_text(text)
+    out = tmp_path / "out"
+    convert(src, out, ConvertOptions(method="gptq", num_samples=4, seq_len=32), device="cpu")
+    for name, text in foreign.items():
+        assert not (out / name).is_file() or (out / name).read_text() != text, name
+    assert (out / "calibration").is_dir() and (out / "tokenizer.json").is_file()
+    assert verify(src, out).ok
+    names = {f.name for f in prepare_push(out, "me/x").files}
+    assert "verify.json" in names and "calibration-report.json" in names
+
+
+HANG = ("{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+def test_a_chat_template_that_never_finishes_is_refused_not_waited_for(tmp_path, monkeypatch):
+    """tokenizer_config.json's chat template is code from the checkpoint: nested loops that
+    would run for hours stop at the bound (shortened here to 1 s) with a message naming the
+    file, in a GPTQ convert (before any output), verify's layer check and chat-record
+    rendering (on 1d01519 each hung)."""
+    import time
+
+    from quantize.calib import data
+    from quantize.check.verify import verify
+    from quantize.pipeline import convert
+
+    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 1.0)
+    cfg = tiny_config("glm4_moe")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    tc = json.loads((src / "tokenizer_config.json").read_text())
+    tc["chat_template"] = HANG
+    (src / "tokenizer_config.json").write_text(json.dumps(tc))
+    out = tmp_path / "out"
+    convert(src, out, ConvertOptions(), device="cpu")  # rtn: renders no template
+    for run in (lambda: convert(src, tmp_path / "gptq", ConvertOptions(method="gptq", num_samples=4,
+                                                                       seq_len=32), device="cpu"),
+                lambda: verify(src, out)):
+        t0 = time.monotonic()
+        with pytest.raises(QuantizeError, match="chat template does not finish") as e:
+            run()
+        assert time.monotonic() - t0 < 60 and "tokenizer_config.json" in str(e.value)
+    assert not (tmp_path / "gptq").exists()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src)
+    t0 = time.monotonic()
+    with pytest.raises(QuantizeError, match="chat template does not finish"):
+        data.tokenize_documents([[{"role": "user", "content": "hi"}]], tok)
+    assert time.monotonic() - t0 < 60

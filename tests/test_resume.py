@@ -9,6 +9,7 @@ folder rules (not inside the source, not a non-empty stranger's folder).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -364,7 +365,8 @@ def test_output_inside_or_equal_to_source_is_refused(dsa_fp8, tmp_path):
     before = sorted(p.name for p in src.rglob("*"))
     link = tmp_path / "alias"
     link.symlink_to(src)
-    for out, says in ((src, "is inside"), (src / "int4", "is inside"), (link / "x", "is inside"),
+    for out, says in ((src, "is the source"), (link, "is the source"), (src / "int4", "is inside"),
+                      (link / "x", "is inside"),
                       (tmp_path, "contains the source")):
         r = runner.invoke(app, cli_args(src, out))
         assert r.exit_code == 2 and f"the output folder {says}" in r.output, (out, r.output)
@@ -420,3 +422,106 @@ def test_partial_files_that_are_not_ours_are_never_deleted(dsa_fp8, tmp_path):
         assert (out / name).exists()
         if name == "thesis.partial":
             assert (out / name).read_text() == "chapter 1"
+
+
+def test_no_write_follows_a_link_planted_in_the_output(dsa_fp8, reference, tmp_path):
+    """Links planted at the names convert (on resume), verify and the card write through
+    (`NAME.partial`, verify.json, README.md.partial) point outside the folder: every write
+    makes its file fresh in the folder, and the files they point to keep their bytes (on
+    1d01519 `open(..., "wb")` followed them)."""
+    from quantize.publish.readme import write_readme
+
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    victim = sorted(out.glob("*.safetensors"))[3]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF  # the resume rewrites this shard
+    victim.write_bytes(bytes(data))
+    precious = {}
+    names = [f"{victim.name}.partial", f"{MANIFEST}.partial", "config.json.partial",
+             "model.safetensors.index.json.partial", "verify.json", "verify.json.partial",
+             "README.md.partial"]
+    for i, name in enumerate(names):
+        target = tmp_path / f"precious-{i}"
+        target.write_text(f"the user's file {i}")
+        precious[target] = target.read_bytes()
+        if (out / name).exists() or (out / name).is_symlink():
+            (out / name).unlink()
+        (out / name).symlink_to(target)
+    res = convert(dsa_fp8, out, OPTS, device="cpu", resume=True)
+    assert res.written == [victim.name]
+    assert victim.read_bytes() == (reference / victim.name).read_bytes()
+    (out / "verify.json.partial").symlink_to(tmp_path / "precious-5")  # (the resume removed it)
+    assert verify(dsa_fp8, out).ok
+    write_readme(out)
+    for target, before in precious.items():
+        assert target.read_bytes() == before, f"{target.name} was written through a link"
+    assert (out / "verify.json").is_file() and not (out / "verify.json").is_symlink()
+    assert json.loads((out / "verify.json").read_text())["summary"]["ok"] is True
+    assert not [p.name for p in out.iterdir() if p.is_symlink()]
+
+
+def _unshare_ok() -> bool:
+    """Whether this machine lets a process bind-mount in a mount namespace of its own."""
+    if shutil.which("unshare") is None:
+        return False
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "a").mkdir()
+        (Path(d) / "b").mkdir()
+        r = subprocess.run(["unshare", "--mount", "--map-root-user", "sh", "-c",
+                            f'mount --bind "{d}/a" "{d}/b"'], capture_output=True, check=False)
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_ok(), reason="this machine gives no mount namespace to bind-mount in")
+def test_output_through_a_second_mount_of_the_source_is_refused(dsa_fp8, tmp_path):
+    """One folder seen through two mounts (a bind mount, as cluster scratch and container mounts
+    are) is one folder: DST a second view of the source's parent folder is refused with
+    --overwrite (on 1d01519 it deleted the source and a file beside it), a folder inside a
+    second view of the source too. Decided by device and inode, not path strings."""
+    models = tmp_path / "models"
+    src = models / "GLM-FP8"
+    shutil.copytree(dsa_fp8, src)
+    (models / "notes.txt").write_text("a neighbour")
+    view = tmp_path / "view"
+    view.mkdir()
+    before = sorted(str(p.relative_to(models)) for p in models.rglob("*"))
+    code = ("import sys; from quantize.cli import app; sys.argv[0] = 'quantize'; app()")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "300"}
+    for bound, out, says in ((models, view, "contains the source"),
+                             (src, view / "int4", "is inside the source"),
+                             (src, view, "is the source")):
+        script = (f'mount --bind "{bound}" "{view}" && exec "{sys.executable}" -c "{code}" '
+                  f'convert "{src}" "{out}" --overwrite --device cpu --tp 1')
+        r = subprocess.run(["unshare", "--mount", "--map-root-user", "sh", "-c", script], env=env,
+                           capture_output=True, text=True, check=False, timeout=120)
+        assert r.returncode == 2 and f"the output folder {says}" in r.stderr, (bound, out, r.stderr)
+        assert sorted(str(p.relative_to(models)) for p in models.rglob("*")) == before
+
+
+def test_verify_fails_when_a_conversion_rewrites_the_folder_under_it(dsa_fp8, reference, tmp_path):
+    """`convert --overwrite` into the folder while verify runs: verify fails and writes no
+    report, so no verify.json of the old bytes names the new manifest and push refuses the
+    folder until verify runs again (on 1d01519 the report named the manifest as verify ended)."""
+    from quantize.publish.push import prepare_push
+
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    (out / "verify.json").unlink(missing_ok=True)
+    done = []
+
+    def rewrite(unit) -> None:
+        if not done:
+            done.append(convert(dsa_fp8, out, ConvertOptions(max_shard_size=200_000, group_size=32),
+                                device="cpu", overwrite=True))
+
+    with pytest.raises(QuantizeError) as e:
+        verify(dsa_fp8, out, on_unit=rewrite)
+    assert done and not (out / "verify.json").exists(), e.value
+    with pytest.raises(QuantizeError, match="verify"):
+        prepare_push(out, "me/x")
+    assert verify(dsa_fp8, out).ok  # run again: the new conversion, verified
+    m = hashlib.sha256((out / MANIFEST).read_bytes()).hexdigest()
+    assert json.loads((out / "verify.json").read_text())["manifest_sha256"] == m

@@ -40,6 +40,8 @@ import gzip
 import hashlib
 import json
 import lzma
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +50,7 @@ import torch
 from quantize.errors import Problem, QuantizeError
 from quantize.write.shards import sha256_file
 
-__all__ = ["DEFAULT_CALIB", "EVAL_EVERY", "HELDOUT_ENGLISH", "SHIPPED_SETS", "CalibrationSet",
+__all__ = ["DEFAULT_CALIB", "EVAL_EVERY", "HELDOUT_ENGLISH", "SHIPPED_SETS", "CalibrationSet", "ChatTemplateTimeout",
            "calib_path", "checkpoint_calibration", "data_sha256", "eval_reserved", "is_shipped", "join_documents",
            "load_calibration", "read_documents", "resolve_calib", "served_prefix", "shipped_set",
            "stream_order", "text_prefix", "tokenize_documents", "tokenizer_prefix", "window_starts"]
@@ -275,13 +277,60 @@ def _regular(p: Path) -> None:
                      "write the calibration text to a file and pass that")
 
 
+# A chat template is code from the checkpoint: each rendering has this long (a real one takes
+# milliseconds; nested loops in tokenizer_config.json would otherwise hang the run for good).
+TEMPLATE_SECONDS = 10.0
+
+
+class _TemplateTimeout(Exception):
+    pass
+
+
+class ChatTemplateTimeout(QuantizeError):
+    """A chat template past its bound (`bounded_template`): the run stops, whatever it was for."""
+
+
+def bounded_template(render: Callable[[], str], seconds: float | None = None) -> str:
+    """`render()` (a jinja chat template, which compiles to Python) stopped once it has run
+    `seconds` (None: TEMPLATE_SECONDS): a trace function on this thread checks the clock as the template's lines run
+    and raises QuantizeError past the bound. The thread's previous trace function (a debugger,
+    coverage) is restored afterwards."""
+    import sys
+
+    seconds = TEMPLATE_SECONDS if seconds is None else seconds
+    deadline = time.monotonic() + seconds
+    tick = [0]
+
+    def trace(frame, event, arg):
+        tick[0] += 1
+        if tick[0] % 256 == 0 and time.monotonic() > deadline:
+            raise _TemplateTimeout
+        return trace
+
+    before = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        return render()
+    except _TemplateTimeout:
+        raise ChatTemplateTimeout("the checkpoint's chat template does not finish", [Problem(
+            "tokenizer_config.json / chat_template.jinja", None,
+            f"still rendering after {seconds:g} s (a real template takes milliseconds)",
+            "a chat template that renders a conversation in bounded time",
+            "replace the template with the release's (a loop without end?), or pass plain-text "
+            "records ({\"text\": ...})")]) from None
+    finally:
+        sys.settrace(before)
+
+
 def _render(doc: str | list[dict], tokenizer) -> tuple[str, bool]:
     """(text, used the checkpoint's chat template)."""
     if isinstance(doc, str):
         return doc, False
     if getattr(tokenizer, "chat_template", None):
         try:
-            return tokenizer.apply_chat_template(doc, tokenize=False), True
+            return bounded_template(lambda: tokenizer.apply_chat_template(doc, tokenize=False)), True
+        except QuantizeError:
+            raise
         except Exception as e:  # noqa: BLE001 - the template's own error (jinja, its sandbox)
             raise QuantizeError("the checkpoint's chat template cannot render a calibration "
                                 "record", [Problem(
@@ -382,8 +431,10 @@ def _template_start(template, special_tokens: dict[str, str]) -> str | None:
                                         extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
     try:
-        return env.from_string(template).render(messages=[], add_generation_prompt=False,
-                                                tools=None, **special_tokens)
+        return bounded_template(lambda: env.from_string(template).render(
+            messages=[], add_generation_prompt=False, tools=None, **special_tokens))
+    except QuantizeError:
+        raise
     except Exception:  # noqa: BLE001 - a template that needs a message (Gemma's): no constant start
         return None
 

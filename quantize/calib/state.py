@@ -125,7 +125,9 @@ def _chunk_name(i: int) -> str:
 
 
 def _write_bytes(path: Path, data: bytes) -> dict:
-    with open(path, "wb") as f:
+    from quantize.write.shards import open_fresh
+
+    with open_fresh(path) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -57,6 +57,7 @@ from quantize.calib.decoder import (
     round_in_place,
     run_layer,
 )
+from quantize.errors import QuantizeError
 from quantize.options import ConvertOptions
 from quantize.overlap import background
 from quantize.plan import Unit
@@ -99,6 +100,8 @@ def _text_tokens(src: Checkpoint, n: int, S: int
         prefix = served_prefix(lambda t, sp: tok.encode(t, add_special_tokens=sp).ids, template,
                                names, lambda i: i in added and added[i].special)
         ids = tok.encode(HELDOUT_ENGLISH.read_text(encoding="utf-8"), add_special_tokens=False).ids
+    except QuantizeError:  # (a chat template that does not finish: said, not waited for)
+        raise
     except Exception:  # noqa: BLE001 - any tokenizer the library refuses: random ids instead
         return None, None, ()
     V = int(src.tensors["model.embed_tokens.weight"].shape[0])

@@ -41,7 +41,7 @@ import torch
 
 from quantize import SCHEMA_VERSION
 from quantize.check.integrity import Reads, changed, files_problems, options_of
-from quantize.errors import QuantizeError
+from quantize.errors import Problem, QuantizeError
 from quantize.names import (
     AWQ_SCALES,
     ROUTED_PICTURE,
@@ -270,6 +270,7 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     per-layer lines."""
     dst = Path(dst)
     manifest = finished_manifest(dst)
+    manifest_sha = _manifest_sha(dst, manifest)  # the report names this one, and only this one
     # names, not this machine's paths (verify.json is published beside the weights): SRC's repo
     # id, else the name the conversion recorded for its source, else the folder's name
     from quantize.source.hub import source_identity
@@ -287,8 +288,8 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     loading = prepare_in_background(reads.src, log) if layer_check else _done(None)
     reads.shards.yield_to(loading)
     try:
-        return _verify(_Run(report, src, dst, manifest, reads, loading, min_sqnr_db, dev, on_unit,
-                            on_start, layer_check, log, write))
+        return _verify(_Run(report, src, dst, manifest, manifest_sha, reads, loading, min_sqnr_db,
+                            dev, on_unit, on_start, layer_check, log, write))
     finally:  # never return with the preparation still building on its thread: transformers
         # sets torch's process-wide default dtype while it builds (a later build in this
         # process would take BF16 as the default to restore)
@@ -304,6 +305,7 @@ class _Run:
     src: str | Path
     dst: Path
     manifest: dict
+    manifest_sha: str  # the sha256 of the manifest's bytes as verify read them at its start
     reads: Reads
     loading: Future  # the layer check's preparation on its thread (done at once without it)
     min_sqnr_db: float
@@ -339,7 +341,7 @@ def _verify(run: _Run) -> VerifyReport:
             f"in {time.perf_counter() - reads.t0:.1f} s; {_shards(reads)} "
             f"hashed beside the tensor checks")
     if report.problems:
-        return _finish(report, dst, write)
+        return _finish(report, dst, write, run.manifest_sha)
     try:
         _check_output(run)
     except Exception as e:
@@ -352,13 +354,13 @@ def _verify(run: _Run) -> VerifyReport:
         digests |= {n: sha256_file(dst / n) for n in reads.streamed if n in named and n not in digests}
         if bad := changed(files, digests, [n for n in reads.streamed if n in digests]):
             report.problems += bad
-            return _finish(report, dst, write)
+            return _finish(report, dst, write, run.manifest_sha)
         raise
     report.problems += changed(files, reads.shard_digests(), reads.streamed)
     if log:
         log(f"{_shards(reads)} checked against the manifest's sha256 "
             f"({reads.shards.read_bytes / 1e9:.1f} GB) in {time.perf_counter() - reads.t0:.1f} s")
-    return _finish(report, dst, write)
+    return _finish(report, dst, write, run.manifest_sha)
 
 
 def _check_output(run: _Run) -> None:
@@ -543,8 +545,11 @@ def _run_layers(checker, upto: int, report: VerifyReport, opts: ConvertOptions,
 def _unbuildable(e: QuantizeError, report: VerifyReport, opts: ConvertOptions,
                  log: Callable[[str], None] | None) -> None:
     """The layers cannot be built: an RTN output's layer check is skipped (said in the report);
-    a calibrated output's cannot be (its conversion built them): the error stands."""
-    if opts.method != "rtn":
+    a calibrated output's cannot be (its conversion built them): the error stands. So does a
+    chat template that does not finish (the check's windows begin as requests do: unknowable)."""
+    from quantize.calib.data import ChatTemplateTimeout
+
+    if opts.method != "rtn" or isinstance(e, ChatTemplateTimeout):
         raise e
     report.layer_check = {"skipped": f"the layers cannot be built: {e.summary}"}
     if log:
@@ -573,17 +578,43 @@ def _layer_check(run: _Run, src: Checkpoint, plan, opts: ConvertOptions):
         return _unbuildable(e, run.report, opts, run.log)
 
 
-def _finish(report: VerifyReport, dst: Path, write: bool) -> VerifyReport:
+def _manifest_sha(dst: Path, manifest: dict) -> str:
+    """The sha256 of the manifest verify checks against: its bytes read once more and proven to
+    hold what `finished_manifest` parsed (a conversion rewriting the folder in between: refused)."""
+    import hashlib
+
+    raw = (dst / MANIFEST).read_bytes()
+    try:
+        same = json.loads(raw) == manifest
+    except ValueError:
+        same = False
+    if not same:
+        raise _changed_under_us(dst)
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _changed_under_us(dst: Path) -> QuantizeError:
+    return QuantizeError("the output changed while verify ran", [Problem(
+        str(dst / MANIFEST), None, "rewritten since verify began (a conversion ran into this folder)",
+        "the manifest verify began with, unchanged to the end",
+        "run verify again once the conversion has finished (no report was written)")])
+
+
+def _finish(report: VerifyReport, dst: Path, write: bool, manifest_sha: str) -> VerifyReport:
     if write:
         # Not through the manifest: verify.json is a report about the checkpoint, not part of it.
         # It names the manifest it checked (its sha256: every file's sha256 is in it), so `push`
-        # can tell a report of this conversion from one copied from another folder.
+        # can tell a report of this conversion from one copied from another folder. That is the
+        # manifest read at the start: one rewritten since (convert --overwrite into this folder
+        # while verify ran) fails the run, and no report of the old bytes names the new manifest.
         data = report.to_json()
-        if (dst / MANIFEST).is_file():
-            data["manifest_sha256"] = sha256_file(dst / MANIFEST)
+        now = sha256_file(dst / MANIFEST) if (dst / MANIFEST).is_file() else None
+        if now != manifest_sha:
+            raise _changed_under_us(dst)
+        data["manifest_sha256"] = manifest_sha
         from quantize.publish import plots
         from quantize.publish.readme import refresh_readme  # local: readme imports this module
-        from quantize.write.shards import json_text
+        from quantize.write.shards import json_text, write_bytes_atomic
 
         drawn = plots.sqnr_by_layer(data, dst / SQNR_PICTURE)  # (None without matplotlib)
         # the pictures push may publish beside this report, bound to it by their sha256: the
@@ -591,6 +622,6 @@ def _finish(report: VerifyReport, dst: Path, write: bool) -> VerifyReport:
         data["pictures"] = {name: sha256_file(dst / name) for name in (
             *([SQNR_PICTURE] if drawn is not None else []), ROUTED_PICTURE)
             if (dst / name).is_file() and not (dst / name).is_symlink()}
-        (dst / VERIFY_JSON).write_text(json_text(data) + "\n")
+        write_bytes_atomic(dst / VERIFY_JSON, (json_text(data) + "\n").encode())
         refresh_readme(dst)  # the card shows these results
     return report

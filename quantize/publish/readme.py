@@ -50,8 +50,20 @@ def _source_plan(manifest: dict) -> Plan | None:
         return None  # moved or changed since conversion: fall back to the output's own figures
 
 
+REPORT_MAX_BYTES = 64 << 20  # our reports are kilobytes; a link to /dev/zero is no report
+
+
 def _read_json(p: Path) -> dict | None:
-    return json.loads(p.read_text()) if p.is_file() else None
+    """A report of ours in the output folder, or None where there is none to show: absent, a
+    link (never followed), not a regular file, too large, or not a JSON object (a stale or
+    foreign file: the card leaves it out; verify / push judge the folder)."""
+    try:
+        if p.is_symlink() or not p.is_file() or p.stat().st_size > REPORT_MAX_BYTES:
+            return None
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _data_name(source: str) -> str:
@@ -222,12 +234,9 @@ def write_readme(dst: str | Path, plan: Plan | None = None, repo_id: str | None 
     """(Re)write DST/README.md; return its path."""
     p = Path(dst) / CARD
     text = card_text(dst, plan, repo_id, base_model, tp)  # (any error: nothing written yet)
-    tmp = p.with_name(p.name + ".tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(p)
-    finally:
-        tmp.unlink(missing_ok=True)  # never left behind
+    from quantize.write.shards import write_bytes_atomic
+
+    write_bytes_atomic(p, text.encode("utf-8"))  # (through a fresh .partial: no link followed)
     return p
 
 

@@ -15,7 +15,19 @@ from pathlib import Path
 import torch
 
 from quantize.errors import Problem, QuantizeError
-from quantize.names import CALIB_REPORT, CARD, INDEX_NAME, MANIFEST, PARTIAL, WEIGHT_SUFFIXES
+from quantize.names import (
+    CALIB_REPORT,
+    CALIB_STATE,
+    CARD,
+    EVAL_JSON,
+    INDEX_NAME,
+    MANIFEST,
+    PARTIAL,
+    PICTURES,
+    RUN_RECORD,
+    VERIFY_JSON,
+    WEIGHT_SUFFIXES,
+)
 from quantize.plan import Unit
 from quantize.source.checkpoint import Checkpoint, SourceFormat, link_problem
 from quantize.source.fp8 import dequant_block, dequant_channel
@@ -88,9 +100,13 @@ def _nonfinite(ckpt: Checkpoint, name: str, t: torch.Tensor) -> QuantizeError:
 
 
 # Files never copied from the source: the weights we rewrite (any format an engine or a loader
-# might pick up), our partial files, the source's card (we write our own), VCS / cache files.
+# might pick up), our partial files, the source's card (we write our own), VCS / cache files,
+# and every name our own tools write in an output folder (a report, run record or picture of
+# the source's would pass for ours, a file `calibration` would stand where our folder goes).
 SKIP_SUFFIXES = (*WEIGHT_SUFFIXES, PARTIAL)
-SKIP_NAMES = {INDEX_NAME, CARD, MANIFEST, "config.json", ".gitattributes", CALIB_REPORT}
+SKIP_NAMES = {INDEX_NAME, CARD, MANIFEST, "config.json", ".gitattributes", CALIB_REPORT,
+              VERIFY_JSON, EVAL_JSON, RUN_RECORD, *(Path(n).parts[0] for n in PICTURES),
+              Path(CALIB_STATE).parts[0]}
 
 
 def aux_files(src: Path) -> list[Path]:

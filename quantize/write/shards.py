@@ -43,8 +43,8 @@ if TYPE_CHECKING:  # (torch is imported where tensors are written: the file help
     import torch  # serve the header-only commands too)
 
 __all__ = [
-    "ShardWriter", "copy_file_atomic", "folder_lock", "fsync_dir", "sha256_file", "stall_point",
-    "write_bytes_atomic", "write_failed", "write_json_atomic",
+    "ShardWriter", "copy_file_atomic", "folder_lock", "fsync_dir", "open_fresh", "sha256_file",
+    "stall_point", "write_bytes_atomic", "write_failed", "write_json_atomic",
 ]
 
 STALL_ENV = "QUANTIZE_TEST_STALL_AT"
@@ -118,10 +118,26 @@ def _discard(tmp: Path) -> None:
         pass
 
 
+def open_fresh(path: Path):
+    """`path` opened for writing as a new file of its folder: whatever is there under that name
+    (a file, or a link to anywhere) is removed first, and the file is created exclusively
+    without following a link (O_EXCL | O_NOFOLLOW), so a write never lands outside the folder
+    through a link planted at a temporary or report name."""
+    try:
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    return os.fdopen(fd, "wb")
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """`data` to `path` through `path.partial` (created fresh: `open_fresh`), fsynced and
+    renamed over `path` (a link at `path` is replaced, not followed)."""
     tmp = path.with_name(path.name + PARTIAL)
     try:
-        with open(tmp, "wb") as f:
+        with open_fresh(tmp) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -156,8 +172,9 @@ def write_json_atomic(path: Path, obj: object) -> None:
 def copy_file_atomic(src: Path, dst: Path) -> None:
     tmp = dst.with_name(dst.name + PARTIAL)
     try:
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as f:
+        with open(src, "rb") as r, open_fresh(tmp) as f:  # (a link at tmp: removed, not followed)
+            shutil.copyfileobj(r, f, 1 << 24)
+            f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, dst)
         fsync_dir(dst.parent)
@@ -228,7 +245,7 @@ class ShardWriter:
 
     def __enter__(self) -> ShardWriter:
         try:
-            self.f = open(self.tmp, "wb")
+            self.f = open_fresh(self.tmp)
         except OSError as e:
             raise write_failed(self.path, e) from None
         try:
