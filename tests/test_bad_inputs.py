@@ -1232,3 +1232,36 @@ def test_a_chat_template_that_never_finishes_is_refused_not_waited_for(tmp_path,
     with pytest.raises(QuantizeError, match="chat template does not finish"):
         data.tokenize_documents([[{"role": "user", "content": "hi"}]], tok)
     assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("model_type,edit,field", [
+    ("glm_moe_dsa", {"rms_norm_eps": -1}, "rms_norm_eps"),
+    ("glm4_moe", {"rms_norm_eps": 0}, "rms_norm_eps"),
+    ("glm_moe_dsa", {"num_experts_per_tok": 99}, "num_experts_per_tok"),
+    ("glm4_moe", {"n_group": 3}, "n_group"),
+    ("glm4_moe", {"n_group": 2, "topk_group": 3}, "topk_group"),
+    ("glm_moe_dsa", {"rope_theta": "NaN"}, "rope_theta"),
+    ("glm4_moe", {"routed_scaling_factor": "Infinity"}, "routed_scaling_factor"),
+    ("glm4_moe", {"rope_scaling": {"factor": "-Infinity"}}, "rope_scaling.factor"),
+])
+def test_configs_that_convert_but_cannot_run_are_refused_up_front(tmp_path, model_type, edit, field):
+    """config.json values the layers cannot compute with (a negative norm epsilon, more experts
+    per token than exist, expert groups that do not divide, NaN / Infinity, which Python's json
+    reads and writes back as null) are refused by `inspect` and `convert` before any output,
+    naming the field (on 1d01519: an RTN output, then a TypeError / RuntimeError traceback in
+    verify's layer check, or a fresh output whose config said null and failed verify)."""
+    cfg = tiny_config(model_type)
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-block" if model_type == "glm_moe_dsa" else "fp8-channel")
+    text = (src / "config.json").read_text()
+    on_disk = json.loads(text)
+    on_disk.update(edit)
+    # NaN / Infinity as Python's json writes them (bare words), not as strings
+    raw = json.dumps(on_disk, indent=2)
+    for word in ("NaN", "Infinity", "-Infinity"):
+        raw = raw.replace(f'"{word}"', word)
+    (src / "config.json").write_text(raw)
+    for args in (["inspect", str(src)], ["convert", str(src), str(tmp_path / "out"), "--device", "cpu"]):
+        r = runner.invoke(app, args, env={"COLUMNS": "300"})
+        assert r.exit_code == 2, r.output
+        assert field in r.output and "config.json" in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "out").exists()

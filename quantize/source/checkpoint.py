@@ -433,8 +433,57 @@ CONFIG_INTS = {
 }
 
 
-def _validate_config(config: dict, shown: str) -> None:
+# config.json numbers the layers compute with, each a finite number in an open range (absent
+# is fine): a config that converts with RTN but cannot run a layer (rms_norm_eps -1) is refused
+# before any output, not by a traceback in verify's layer check.
+CONFIG_FLOATS = {
+    "rms_norm_eps": (0.0, 1.0), "layer_norm_eps": (0.0, 1.0), "rope_theta": (0.0, 1e12),
+    "routed_scaling_factor": (0.0, 1e6),
+}
+
+
+def _non_finite(obj: object, path: str = "") -> list[str]:
+    """The fields of a parsed JSON value holding NaN or +-Infinity (Python's json reads them;
+    JSON has no such numbers), by dotted path."""
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [path or "(the whole file)"]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in _non_finite(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(obj, list):
+        return [p for i, v in enumerate(obj) for p in _non_finite(v, f"{path}[{i}]")]
+    return []
+
+
+def _config_relations(config: dict, shown: str) -> list[Problem]:
+    """What the layer classes need of the integers together (each alone already in range)."""
+    def num(k):
+        v = config.get(k)
+        return v if type(v) is int else None
+
     problems = []
+    fix = "restore the release's config.json"
+    experts = num("n_routed_experts") or num("num_experts") or num("num_local_experts")
+    per_token = num("num_experts_per_tok")
+    if experts and per_token and per_token > experts:
+        problems.append(Problem(shown, "num_experts_per_tok", f"num_experts_per_tok = {per_token}",
+                                f"at most the {experts} experts there are", fix))
+    groups, topk_group = num("n_group"), num("topk_group")
+    if groups is not None and (groups < 1 or (experts and experts % groups)):
+        problems.append(Problem(shown, "n_group", f"n_group = {groups}",
+                                f"a positive divisor of the {experts} routed experts", fix))
+    elif groups and topk_group is not None and not 1 <= topk_group <= groups:
+        problems.append(Problem(shown, "topk_group", f"topk_group = {topk_group}",
+                                f"1..{groups} (n_group)", fix))
+    heads, kv = num("num_attention_heads"), num("num_key_value_heads")
+    if heads and kv and heads % kv:
+        problems.append(Problem(shown, "num_key_value_heads", f"num_key_value_heads = {kv}",
+                                f"a divisor of num_attention_heads {heads}", fix))
+    return problems
+
+
+def _validate_config(config: dict, shown: str) -> None:
+    problems = [Problem(shown, f, f"{f} is NaN or Infinity", "a finite number (JSON has no NaN)",
+                        "restore the release's config.json") for f in _non_finite(config)]
     for k, (lo, hi) in CONFIG_INTS.items():
         v = config.get(k)
         if v is None:
@@ -442,6 +491,15 @@ def _validate_config(config: dict, shown: str) -> None:
         if type(v) is not int or not lo <= v <= hi:
             problems.append(Problem(shown, k, f"{k} = {json.dumps(v)[:60]}",
                                     f"an integer in {lo}..{hi:,}", "restore the release's config.json"))
+    for k, (lo, hi) in CONFIG_FLOATS.items():
+        v = config.get(k)
+        if v is None:
+            continue
+        if type(v) not in (int, float) or not (math.isfinite(v) and lo < v < hi):
+            problems.append(Problem(shown, k, f"{k} = {str(v)[:60]}",
+                                    f"a number in ({lo:g}, {hi:g})", "restore the release's config.json"))
+    if not problems:
+        problems += _config_relations(config, shown)
     qc = config.get("quantization_config")
     if isinstance(qc, dict) and qc.get("quant_method") == "fp8" and "weight_block_size" in qc:
         b = qc["weight_block_size"]
