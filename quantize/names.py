@@ -35,6 +35,7 @@ __all__ = [
            "SQNR_PICTURE",
            "VERIFY_JSON",
            "WEIGHT_SUFFIXES",
+           "partial_name",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -62,4 +63,15 @@ PICTURES = {
 # weight files of any framework: an output folder holds none the manifest does not list
 # the suffix of a file being written (renamed into place when complete)
 PARTIAL = ".partial"
+NAME_MAX = 255  # bytes in one file name on Linux file systems (ext4, xfs, btrfs, NFS)
+
+
+def partial_name(name: str) -> str:
+    """The temporary name `name` is written under: NAME.partial, or, where that would pass the
+    file system's NAME_MAX (a legal 250-byte name), a fixed name from its sha256."""
+    import hashlib
+
+    if len((name + PARTIAL).encode()) <= NAME_MAX:
+        return name + PARTIAL
+    return "long-" + hashlib.sha256(name.encode()).hexdigest()[:32] + PARTIAL
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")

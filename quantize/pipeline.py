@@ -58,10 +58,10 @@ from quantize.write.deleting import TRASH, Deleting
 from quantize.write.manifest import Manifest, read_manifest
 from quantize.write.qconfig import quantization_config
 from quantize.write.shards import (
-    PARTIAL,
     ShardWriter,
     copy_file_atomic,
     folder_lock,
+    partial_name,
     sha256_file,
     stall_point,
     write_json_atomic,
@@ -203,7 +203,7 @@ def _our_partials(plan: Plan, aux: list[Path]) -> set[str]:
     names = [s.file for s in plan.shards] + [p.name for p in aux] + [
         INDEX_NAME, "config.json", MANIFEST, CARD, CALIB_REPORT, VERIFY_JSON,
         EVAL_JSON]
-    return {n + PARTIAL for n in names}
+    return {partial_name(n) for n in names}
 
 
 def _prepare_out(out: Path, overwrite: bool, partials: set[str]) -> tuple[dict | None, Deleting | None]:

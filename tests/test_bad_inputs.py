@@ -1265,3 +1265,70 @@ def test_configs_that_convert_but_cannot_run_are_refused_up_front(tmp_path, mode
         assert r.exit_code == 2, r.output
         assert field in r.output and "config.json" in r.output and "Traceback" not in r.output, r.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_legal_long_file_name_in_the_source_converts_and_resumes(tmp_path):
+    """A 250-byte non-weight file name is legal (NAME_MAX is 255 bytes) but NAME.partial is not:
+    the copy is written under a short temporary name, the conversion finishes and verifies,
+    and a re-run of the finished folder passes too (on 1d01519 it failed after every shard,
+    each re-run the same way)."""
+    from quantize.check.verify import verify
+    from quantize.pipeline import convert
+
+    src = write_checkpoint(tmp_path / "src", tiny_config("glm4_moe"), "fp8-channel")
+    long = "n" * 245 + ".json"
+    (src / long).write_text('{"note": "a long name"}')
+    out = tmp_path / "out"
+    convert(src, out, ConvertOptions(), device="cpu")
+    assert (out / long).read_bytes() == (src / long).read_bytes()
+    assert verify(src, out).ok
+    assert convert(src, out, ConvertOptions(), device="cpu").written == []
+    assert not [p for p in out.iterdir() if p.name.endswith(".partial")]
+
+
+def test_small_hostile_inputs_are_refused_in_one_line(tmp_path):
+    """--tp 0 / -8 refused by the option (on 1d01519: ZeroDivisionError, and -8 reached the
+    card); a symlink loop in the source and a config.json that is a FIFO refused with the
+    file named (a traceback; inspect / plan blocked for ever); a finished calibrated folder's
+    calibration/timings.json turned into a link to /dev/zero does not stop its re-run
+    (MemoryError)."""
+    import subprocess
+    import sys
+
+    src = write_checkpoint(tmp_path / "src", tiny_config("glm4_moe"), "fp8-channel")
+    wide = {"COLUMNS": "300"}
+    for cmd in ("convert", "plan"):
+        for tp in ("0", "-8"):
+            args = [cmd, str(src), *([str(tmp_path / "o")] if cmd == "convert" else []), "--tp", tp]
+            r = runner.invoke(app, args, env=wide)
+            assert r.exit_code == 2 and "--tp" in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "o").exists()
+
+    loop = tmp_path / "loop"
+    shutil.copytree(src, loop)
+    (loop / "a.json").symlink_to(loop / "b.json")
+    (loop / "b.json").symlink_to(loop / "a.json")
+    r = runner.invoke(app, ["convert", str(loop), str(tmp_path / "o"), "--device", "cpu"], env=wide)
+    assert r.exit_code == 2 and "a.json" in r.output and "links to files outside" in r.output, r.output
+
+    fifo = tmp_path / "fifo"
+    shutil.copytree(src, fifo)
+    (fifo / "config.json").unlink()
+    os.mkfifo(fifo / "config.json")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "COLUMNS": "300"}
+    for cmd in ("inspect", "plan"):
+        p = subprocess.run([sys.executable, "-m", "quantize", cmd, str(fifo)], env=env,
+                           capture_output=True, text=True, timeout=60, check=False)
+        assert p.returncode == 2 and "not a regular file" in p.stderr, p.stderr
+
+    cfg = tiny_config("glm4_moe")
+    calib_src = write_checkpoint(tmp_path / "csrc", cfg, "fp8-channel")
+    write_tokenizer(calib_src, cfg["vocab_size"])
+    out = tmp_path / "out"
+    args = ["convert", str(calib_src), str(out), "--method", "gptq", "--num-samples", "4",
+            "--seq-len", "32", "--device", "cpu"]
+    assert runner.invoke(app, args).exit_code == 0
+    (out / "calibration" / "timings.json").unlink()
+    (out / "calibration" / "timings.json").symlink_to("/dev/zero")
+    r = runner.invoke(app, args, env=wide)
+    assert r.exit_code == 0, r.output

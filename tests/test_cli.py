@@ -494,3 +494,25 @@ def test_replay_from_another_folder_converts_the_recorded_source(tmp_path, monke
     shards = sorted(p.name for p in (tmp_path / "a").glob("*.safetensors"))
     assert shards and all((tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes()
                           for n in shards)
+
+
+def test_user_text_prints_as_itself_never_as_markup(tmp_path):
+    """Paths and names are the user's text: a folder named with rich markup (`[/]`, `[red]`) or
+    an emoji code (`:train:`) prints literally in results, progress, messages and errors (on
+    1d01519 `[/]` crashed with a traceback, once after a complete convert, and `:train:` printed
+    as an emoji)."""
+    from quantize.source.synth import tiny_config, write_checkpoint
+
+    name = "GLM [/] [red]x[/red] :train:"
+    src = write_checkpoint(tmp_path / f"{name} FP8", tiny_config("glm4_moe"), "fp8-channel")
+    dst = tmp_path / f"{name} INT4"
+    wide = {"COLUMNS": "400"}
+    for args in (["inspect", str(src)], ["plan", str(src)],
+                 ["convert", str(src), str(dst), "--device", "cpu"], ["verify", str(src), str(dst)],
+                 ["inspect", str(dst)]):
+        r = runner.invoke(app, args, env=wide)
+        assert r.exit_code == 0, (args, r.output, r.exception)
+        assert "🚆" not in r.output
+    r = runner.invoke(app, ["convert", str(src), str(src / "inside [/]"), "--device", "cpu"], env=wide)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert f"{name} FP8/inside [/]" in r.output and "🚆" not in r.output, r.output

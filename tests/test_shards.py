@@ -8,10 +8,11 @@ import itertools
 import torch
 from safetensors import safe_open
 
+from quantize.names import PARTIAL
 from quantize.plan import OutTensor
 from quantize.source.checkpoint import st_dtype
 from quantize.write import shards
-from quantize.write.shards import PARTIAL, ShardWriter
+from quantize.write.shards import ShardWriter
 
 
 def test_streamed_shard_reads_back_exactly(tmp_path, monkeypatch):

@@ -62,8 +62,8 @@ import torch
 from safetensors.torch import load, save
 
 from quantize.disk import MAX_CHECKPOINTS, checkpoint_bytes
-from quantize.names import CALIB_STATE
-from quantize.write.shards import PARTIAL, fsync_dir, sha256_file, stall_point, write_failed
+from quantize.names import CALIB_STATE, PARTIAL
+from quantize.write.shards import fsync_dir, sha256_file, stall_point, write_failed
 
 __all__ = ["CALIB_STATE", "Checkpointer", "Saved", "StateDir", "checkpoint_bytes", "moved", "stored"]
 

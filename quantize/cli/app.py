@@ -15,11 +15,20 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
 from quantize.errors import QuantizeError
 
-out = Console()
-err = Console(stderr=True, soft_wrap=True)  # messages stay one line for logs and grep
+# Neither console reads markup or emoji codes in what it prints: paths, tensor names and
+# messages are the user's text (a folder named `[/]` or `:train:` prints as itself); our own
+# colours come as rich Text (`tag`).
+out = Console(markup=False, emoji=False)
+err = Console(stderr=True, soft_wrap=True, markup=False, emoji=False)  # one line a message
+
+
+def tag(label: str, style: str) -> Text:
+    """A coloured label (`error:`, `warning:`) to print before a message."""
+    return Text(label, style=style)
 # -q / -v (before the command): quiet drops progress bars and progress lines (results,
 # warnings and errors stay); verbose shows tracebacks, as each command's --debug does
 VERBOSITY = {"quiet": False, "verbose": False}
@@ -58,9 +67,9 @@ def _one_line_errors(command: Callable) -> Callable:
                 summary = error.summary if isinstance(error, QuantizeError) else str(error)
                 problems = [str(p) for p in getattr(error, "problems", [])]
                 print_json({"error": summary, "problems": problems, "hint": hint})
-            err.print(f"[red]error:[/] {error}", highlight=False)
+            err.print(tag("error:", "red"), f"{error}", highlight=False)
             if hint:
-                err.print(hint, highlight=False)
+                err.print(hint, highlight=False)  # (markup off: the hint as written)
             raise typer.Exit(2) from None
 
     return run

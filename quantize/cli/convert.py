@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from quantize.cli.app import Failed, app, err, out, print_json, progress, reporters
+from quantize.cli.app import Failed, app, err, out, print_json, progress, reporters, tag
 from quantize.cli.params import (
     CALIB,
     Asym,
@@ -302,7 +302,7 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
     plan = make_plan(ckpt, opts, a["tp"])
     for c in plan.checks:
         if c.level != "ok" and not quiet:
-            err.print(f"[yellow]warning:[/] {c.what}: {c.detail}", highlight=False)
+            err.print(tag("warning:", "yellow"), f"{c.what}: {c.detail}", highlight=False)
     prev = read_manifest(dst) if dst.is_dir() and not a["overwrite"] and not quiet else None
     if prev is not None:
         done = sum(s.file in prev.get("files", {}) for s in plan.shards)
@@ -336,7 +336,7 @@ def _summary(res, src: str, dst: Path, total: int, dt: float, method: str, json_
                     "method": method,
                     "calibration_layers": None if res.calibration is None
                     else len(res.calibration.get("layers", []))})
-    err.print(f"[green]done[/] in {dt:.1f} s on {res.device}: {len(res.written)} shard(s) written, "
+    err.print(tag("done", "green"), f"in {dt:.1f} s on {res.device}: {len(res.written)} shard(s) written, "
               f"{len(res.skipped)} kept from an earlier run; {fmt_bytes(res.plan.output_bytes)} "
               f"({fmt_bytes(total)} read, {total / dt / 2**20:,.0f} MiB/s)", highlight=False)
     if res.calibration is not None:  # a table: stdout, unless stdout is the JSON's
@@ -349,10 +349,12 @@ def calibration_table(rep: dict, dst: Path, console) -> None:
     from rich.table import Table
 
     c = rep["calibration"]
-    try:  # the times are beside the report, not in it
-        seconds = {lay["layer"]: lay.get("seconds", 0) for lay in json.loads(
-            (dst / CALIB_TIMINGS).read_text())["layers"]}
-    except (OSError, ValueError, KeyError, TypeError):
+    f = dst / CALIB_TIMINGS
+    try:  # the times are beside the report, not in it (a report of ours: a small regular file)
+        if f.is_symlink() or not f.is_file() or f.stat().st_size > 1 << 24:
+            raise ValueError(f"{f} is not our timings file")
+        seconds = {lay["layer"]: lay.get("seconds", 0) for lay in json.loads(f.read_text())["layers"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         seconds = {}
     t = Table(title=f"calibration: {rep['method']}, {c['num_samples']} x {c['seq_len']} tokens "
                     f"from {c['source']}, experts {rep['expert_calibration']}")
@@ -371,11 +373,11 @@ def calibration_table(rep: dict, dst: Path, console) -> None:
 
         more = (f" (the default set, {DEFAULT_CALIB.name}, holds ~1.5 M tokens to calibrate on)"
                 if c["source"] != DEFAULT_CALIB.name else "")
-        err.print(f"[yellow]note:[/] the {c['num_samples']} calibration windows overlap: "
+        err.print(tag("note:", "yellow"), f"the {c['num_samples']} calibration windows overlap: "
                   f"{c['source']} holds {c['stream_tokens']:,} tokens{more}", highlight=False)
     n_fb = sum(len(lay.get("fallback") or []) for lay in rep["layers"])
     if n_fb:
-        err.print(f"[yellow]note:[/] {n_fb} expert(s) had fewer than --min-expert-tokens "
+        err.print(tag("note:", "yellow"), f"{n_fb} expert(s) had fewer than --min-expert-tokens "
                   f"{rep['min_expert_tokens']} routed tokens and used all-token statistics; "
                   f"see {dst / CALIB_REPORT}", highlight=False)
     n_up = sum(len(lay.get("topped_up") or []) for lay in rep["layers"])

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from quantize.cli.app import app, err, out, print_json
+from quantize.cli.app import app, err, out, print_json, tag
 from quantize.cli.params import Debug, Device, EvalDtype, Json, Revision, Src, value
 
 
@@ -81,6 +81,6 @@ def eval_(
             out.print(t)
     v = rep["verdict"]
     if not v["ok"]:
-        err.print(f"[red]fail:[/] the output is broken: {'; '.join(v['failed'])} (eval.json; push "
+        err.print(tag("fail:", "red"), f"the output is broken: {'; '.join(v['failed'])} (eval.json; push "
                   "refuses it)", highlight=False)
         raise typer.Exit(1)

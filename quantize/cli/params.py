@@ -56,7 +56,8 @@ Targets = Annotated[str, typer.Option(
     "--targets", help="Comma list of Linear roles to quantize: routed, shared, dense.")]
 Asym = Annotated[bool, typer.Option(
     "--asymmetric", help="Store zero points (vLLM Marlin reads them; SGLang MoE and transformers do not).")]
-Tp = Annotated[int, typer.Option("--tp", help="Tensor-parallel size to check the layout against.")]
+Tp = Annotated[int, typer.Option("--tp", help="Tensor-parallel size to check the layout against.",
+                                  min=1, max=1024)]
 Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
 Device = Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")]

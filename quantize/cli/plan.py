@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from quantize.cli.app import app, err, out, print_json
+from quantize.cli.app import app, err, out, print_json, tag
 from quantize.cli.params import (
     Asym,
     Debug,
@@ -112,6 +112,6 @@ def plan(
                 out.print(t)
     failed = [c for c in checks if c["level"] == "fail"]
     for c in failed:
-        err.print(f"[yellow]warning:[/] {prefix}{c['what']}: {c['detail']}", highlight=False)
+        err.print(tag("warning:", "yellow"), f"{prefix}{c['what']}: {c['detail']}", highlight=False)
     if failed and strict:
         raise typer.Exit(1)

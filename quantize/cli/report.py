@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.table import Table
+from rich.text import Text
 
 from quantize.plan import Plan, clip_words, gptq_extras
 from quantize.sizes import fmt_bytes
@@ -76,7 +77,9 @@ def int4_folder(path: str | Path) -> bool:
     import json
 
     cfg = Path(path) / "config.json"
-    try:
+    try:  # a regular file only (a FIFO would block the read for ever); open_checkpoint says why
+        if not cfg.is_file() or cfg.stat().st_size > 1 << 24:
+            return False
         qc = json.loads(cfg.read_text()).get("quantization_config") or {}
     except (OSError, ValueError, AttributeError):
         return False
@@ -244,7 +247,8 @@ def plan_tables(d: dict) -> list[Table]:
     c = Table(title="serving checks")
     for col in ("", "check", "detail"):
         c.add_column(col)
-    style = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[red]FAIL[/]"}
+    style = {"ok": Text("ok", style="green"), "warn": Text("warn", style="yellow"),
+             "fail": Text("FAIL", style="red")}
     for ch in d["checks"]:
         c.add_row(style[ch["level"]], ch["what"], ch["detail"])
     return [t, r, c]
@@ -256,19 +260,20 @@ def verify_table(rep: VerifyReport) -> Table:
     if "skipped" in lc:
         layers = f"; layer check skipped ({lc['skipped']})"
     elif lc.get("worst_ratio") is not None:
-        layers = (f"; layers {'ok' if lc['ok'] else '[red]FAIL[/]'}: worst {lc['worst_ratio']:.2f}x "
+        layers = (f"; layers {'ok' if lc['ok'] else 'FAIL'}: worst {lc['worst_ratio']:.2f}x "
                   f"RTN's error (bound {lc['max_ratio']:g}x)")
     else:
         layers = ""
-    t = Table(title=f"verify: {'[green]PASS[/]' if rep.ok else '[red]FAIL[/]'}  "
-                    f"{s['quantized']} INT4 tensors, min SQNR {s['min_sqnr_db']:.2f} dB, "
-                    f"mean {s['mean_sqnr_db']:.2f} dB; exact {s['exact_ok']}/{s['exact_total']}{layers}")
+    t = Table(title=Text.assemble(
+        "verify: ", ("PASS", "green") if rep.ok else ("FAIL", "red"),
+        f"  {s['quantized']} INT4 tensors, min SQNR {s['min_sqnr_db']:.2f} dB, "
+        f"mean {s['mean_sqnr_db']:.2f} dB; exact {s['exact_ok']}/{s['exact_total']}{layers}"))
     for c in ("worst tensors", "rel err", "SQNR dB", "ok"):
         # names fold onto a second line in a narrow terminal instead of losing their end
         t.add_column(c, justify="left" if c == "worst tensors" else "right",
                      overflow="fold" if c == "worst tensors" else "ellipsis")
     for w in rep.worst(10):
-        t.add_row(w.name, f"{w.rel_err:.4f}", f"{w.sqnr_db:.2f}", "yes" if w.ok else f"[red]{w.note}[/]")
+        t.add_row(w.name, f"{w.rel_err:.4f}", f"{w.sqnr_db:.2f}", "yes" if w.ok else Text(str(w.note), style="red"))
     return t
 
 

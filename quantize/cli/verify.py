@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from quantize.cli.app import app, err, out, print_json, progress, reporters
+from quantize.cli.app import app, err, out, print_json, progress, reporters, tag
 from quantize.cli.params import Debug, Device, Dst, Json, Revision, Src
 
 
@@ -55,12 +55,12 @@ def verify(
     else:
         out.print(verify_table(rep))
     for n in rep.notes:
-        err.print(f"[yellow]note:[/] {n}", highlight=False)
+        err.print(tag("note:", "yellow"), f"{n}", highlight=False)
     for p in rep.problems:
-        err.print(f"[red]problem:[/] {p}", highlight=False)
+        err.print(tag("problem:", "red"), f"{p}", highlight=False)
     failed = [t for t in rep.tensors if not t.ok]
     for t in failed[:50]:  # one line per failed tensor, what failed and by how much
-        err.print(f"[red]fail:[/] {t.name}: {t.note or 'check failed'} (relative error "
+        err.print(tag("fail:", "red"), f"{t.name}: {t.note or 'check failed'} (relative error "
                   f"{t.rel_err:.4g}, SQNR {t.sqnr_db:.4g} dB; floor {min_sqnr:g} dB)", highlight=False)
     if len(failed) > 50:
         err.print(f"... and {len(failed) - 50} more failed tensors (verify.json)", highlight=False)

@@ -377,8 +377,16 @@ def link_roots(root: Path) -> tuple[Path, ...]:
 
 
 def escapes(root: Path, path: Path) -> Path | None:
-    """The real target of `path` when it is a link leading outside `link_roots(root)`."""
-    real = path.resolve()
+    """The real target of `path` when it is a link leading outside `link_roots(root)`; a link
+    that never ends (a loop) counts as leading outside, named by itself."""
+    try:
+        real = path.resolve()
+        if path.is_symlink():
+            os.stat(path)  # (Python 3.13's resolve() returns a loop's path without an error)
+    except FileNotFoundError:  # a dangling link: read (and refused) where it is used
+        pass
+    except (RuntimeError, OSError):  # a symlink loop: never followed
+        return path
     if any(r in real.parents for r in link_roots(root)):
         return None
     return real
@@ -886,8 +894,10 @@ def open_checkpoint(src: str | Path) -> Checkpoint:
         raise QuantizeError("the source links to files outside the model folder", links)
     config_path = root / "config.json"
     if not config_path.is_file():
+        there = config_path.exists() or config_path.is_symlink()
         raise QuantizeError("no config.json", [Problem(
-            str(config_path), None, "missing", "the model's config.json",
+            str(config_path), None, "not a regular file (a pipe, device, folder or dangling link)"
+            if there else "missing", "the model's config.json",
             "copy config.json from the model release into the folder")])
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from quantize.errors import Problem, QuantizeError
-from quantize.names import PARTIAL
+from quantize.names import partial_name
 from quantize.plan import OutTensor, shard_header
 from quantize.source.checkpoint import st_dtype
 
@@ -135,7 +135,7 @@ def open_fresh(path: Path):
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """`data` to `path` through `path.partial` (created fresh: `open_fresh`), fsynced and
     renamed over `path` (a link at `path` is replaced, not followed)."""
-    tmp = path.with_name(path.name + PARTIAL)
+    tmp = path.with_name(partial_name(path.name))
     try:
         with open_fresh(tmp) as f:
             f.write(data)
@@ -170,7 +170,7 @@ def write_json_atomic(path: Path, obj: object) -> None:
 
 
 def copy_file_atomic(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + PARTIAL)
+    tmp = dst.with_name(partial_name(dst.name))
     try:
         with open(src, "rb") as r, open_fresh(tmp) as f:  # (a link at tmp: removed, not followed)
             shutil.copyfileobj(r, f, 1 << 24)
@@ -234,7 +234,7 @@ class ShardWriter:
 
     def __init__(self, path: Path, planned: list[OutTensor]):
         self.path = path
-        self.tmp = path.with_name(path.name + PARTIAL)
+        self.tmp = path.with_name(partial_name(path.name))
         self.planned = planned
         self.next = 0
         self.hash = hashlib.sha256()
