@@ -516,3 +516,28 @@ def test_user_text_prints_as_itself_never_as_markup(tmp_path):
     r = runner.invoke(app, ["convert", str(src), str(src / "inside [/]"), "--device", "cpu"], env=wide)
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     assert f"{name} FP8/inside [/]" in r.output and "🚆" not in r.output, r.output
+
+
+def test_a_missing_dependency_is_one_line_with_the_install_command(tmp_path):
+    """Without torch (here: `import torch` made to fail as in an environment without it),
+    convert and verify say which package to install in one line, exit 2, no traceback (on
+    1d01519: ModuleNotFoundError tracebacks); --version still answers."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from quantize.source.synth import tiny_config, write_checkpoint
+
+    src = write_checkpoint(tmp_path / "src", tiny_config("glm4_moe"), "fp8-channel")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "300"}
+    code = "import sys; sys.modules['torch'] = None; from quantize.cli import main; main()"
+    for args in (["convert", str(src), str(tmp_path / "o")], ["verify", str(src), str(tmp_path / "o")]):
+        r = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
+                           text=True, check=False, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "needs torch" in r.stderr and "pip install torch" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-c", code, "--version"], env=env, capture_output=True,
+                       text=True, check=False, timeout=60)
+    assert r.returncode == 0 and "glm-int4-quantize" in r.stdout

@@ -117,6 +117,13 @@ def test_refuses_a_report_without_the_layer_check_and_a_failed_eval(converted, t
     with pytest.raises(Exception, match="eval found the output broken") as e:
         prepare_push(bad, "org/x", write_card=False)
     assert "1.2e+04" in str(e.value) and "eval.json" in str(e.value)
+    # a hand-edited eval.json without a verdict (or with one that says nothing) is no proof
+    # either (on 1d01519 push accepted it)
+    for edited in ({"summary": {"ppl_ratio": 1.0}}, {"summary": {}, "verdict": {"failed": []}},
+                   {"summary": {}, "verdict": "pass"}):
+        (bad / "eval.json").write_text(json.dumps(edited))
+        with pytest.raises(Exception, match="eval.json has no verdict"):
+            prepare_push(bad, "org/x", write_card=False)
 
 
 def test_stale_verify_is_refused(converted, tmp_path):

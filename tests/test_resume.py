@@ -525,3 +525,44 @@ def test_verify_fails_when_a_conversion_rewrites_the_folder_under_it(dsa_fp8, re
     assert verify(dsa_fp8, out).ok  # run again: the new conversion, verified
     m = hashlib.sha256((out / MANIFEST).read_bytes()).hexdigest()
     assert json.loads((out / "verify.json").read_text())["manifest_sha256"] == m
+
+
+def test_json_stdout_holds_an_object_however_the_run_ends(dsa_fp8, tmp_path):
+    """With --json, stdout is one JSON object (valid UTF-8) for a click-level error, a name with
+    bytes that are not UTF-8, and Ctrl-C mid-conversion (on 1d01519: empty, or not JSON)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "300"}
+    env.pop(STALL_ENV, None)
+
+    def obj(raw: bytes) -> dict:
+        d = json.loads(raw.decode("utf-8"))  # strict: valid UTF-8, one JSON value
+        assert d["schema_version"] == 1 and d["error"], d
+        return d
+
+    cases = [([str(dsa_fp8), str(tmp_path / "a"), "--bogus"], "No such option"),
+             ([str(dsa_fp8), str(tmp_path / "b"), "--tp", "0"], "--tp")]
+    for args, says in cases:
+        r = subprocess.run([sys.executable, "-m", "quantize", "convert", "--json", *args], env=env,
+                           capture_output=True, check=False, timeout=120)
+        assert r.returncode == 2 and says in obj(r.stdout)["error"], r.stdout
+    bad = os.fsencode(str(tmp_path)) + b"/\xffout"
+    os.makedirs(bad)
+    open(bad + b"/x", "w").close()
+    r = subprocess.run([sys.executable, "-m", "quantize", "convert", "--json", os.fsencode(str(dsa_fp8)), bad],
+                       env=env, capture_output=True, check=False, timeout=120)
+    assert r.returncode == 2 and "UTF-8" in obj(r.stdout)["error"], r.stdout
+
+    out = tmp_path / "out"
+    env[STALL_ENV] = "unit:5"
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "sys.argv[0] = 'quantize'; from quantize.cli import main; main()")
+    log, stdout = tmp_path / "err.txt", tmp_path / "out.json"
+    with open(log, "w") as e, open(stdout, "wb") as o:
+        p = subprocess.Popen([sys.executable, "-c", code, *cli_args(dsa_fp8, out), "--json"], env=env,
+                             stdout=o, stderr=e)
+    deadline = time.monotonic() + 60
+    while "QUANTIZE_TEST_STALLED" not in log.read_text():
+        assert p.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGINT)
+    assert p.wait(timeout=60) == 130
+    assert "interrupted" in obj(stdout.read_bytes())["error"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 from quantize.cli.app import app
 
@@ -25,4 +26,8 @@ __all__ = ["app", "main"]
 
 def main() -> None:  # pragma: no cover - console entry point
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    if "--json" in sys.argv[1:]:  # stdout holds a JSON object however the run ends
+        from quantize.cli.app import run_json
+
+        sys.exit(run_json(sys.argv[1:]))
     app(prog_name="quantize")

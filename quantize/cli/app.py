@@ -42,12 +42,60 @@ class Failed(Exception):
         self.error, self.hint = error, hint
 
 
+JSON_PRINTED = [False]  # whether this process has written its --json object to stdout
+
+
+def _utf8(obj: object) -> object:
+    """`obj` with every string valid UTF-8: a name's undecodable bytes (Python keeps them as
+    lone surrogates) shown as `\\xff`, so the JSON on stdout is valid UTF-8."""
+    if isinstance(obj, str):
+        return obj.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    if isinstance(obj, dict):
+        return {_utf8(k): _utf8(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_utf8(v) for v in obj]
+    return obj
+
+
 def print_json(d: dict) -> None:
     """--json output: the schema version first, strict JSON (non-finite numbers as null)."""
     from quantize import SCHEMA_VERSION
     from quantize.write.shards import json_text
 
-    out.print_json(json_text({"schema_version": SCHEMA_VERSION, **d}, indent=None))
+    out.print_json(json_text(_utf8({"schema_version": SCHEMA_VERSION, **d}), indent=None))
+    JSON_PRINTED[0] = True
+
+
+def run_json(argv: list[str]) -> int:
+    """The CLI for a command line with --json: whatever ends it, stdout holds one JSON object.
+    An error Typer / click raise before the command runs (an unknown option, a bad value) and
+    an interrupt said as {"error": ...} besides their usual message on stderr; returns the exit
+    status."""
+    try:
+        rc = app(args=argv, prog_name="quantize", standalone_mode=False)
+    except typer.TyperException as e:  # click's usage errors (the public base of them)
+        show = getattr(e, "show", None)
+        show() if show else err.print(str(e), highlight=False)
+        message = e.format_message() if hasattr(e, "format_message") else str(e)
+        print_json({"error": message, "problems": [], "hint": "see --help"})
+        return int(getattr(e, "exit_code", 2))
+    except typer.Abort:
+        err.print("aborted", highlight=False)
+        print_json({"error": "aborted", "problems": [], "hint": None})
+        return 1
+    rc = rc if isinstance(rc, int) else 0
+    if rc and not JSON_PRINTED[0]:
+        what = "interrupted" if rc == 130 else f"exit status {rc}"
+        print_json({"error": what, "problems": [], "hint": "rerun the same command (a conversion "
+                    "resumes where it stopped)" if rc == 130 else None})
+    return rc
+
+
+# import name -> what to install, for the packages a command imports when it runs (`--help`,
+# `--version`, `inspect` need none of them)
+NEEDED = {"torch": "torch", "transformers": "transformers", "safetensors": "safetensors",
+          "compressed_tensors": "compressed-tensors", "huggingface_hub": "huggingface_hub",
+          "tokenizers": "tokenizers", "jinja2": "jinja2"}
 
 
 def _one_line_errors(command: Callable) -> Callable:
@@ -70,6 +118,16 @@ def _one_line_errors(command: Callable) -> Callable:
             err.print(tag("error:", "red"), f"{error}", highlight=False)
             if hint:
                 err.print(hint, highlight=False)  # (markup off: the hint as written)
+            raise typer.Exit(2) from None
+        except ModuleNotFoundError as e:  # a dependency the command needs is not installed
+            top = (e.name or "").split(".")[0]
+            if kwargs.get("debug") or VERBOSITY["verbose"] or top not in NEEDED:
+                raise
+            what = f"this command needs {NEEDED[top]}, which is not installed"
+            fix = f"pip install {NEEDED[top]} (or: make install, which pins every version)"
+            if kwargs.get("json_"):
+                print_json({"error": what, "problems": [], "hint": fix})
+            err.print(tag("error:", "red"), f"{what}; {fix}", highlight=False)
             raise typer.Exit(2) from None
 
     return run

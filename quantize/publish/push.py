@@ -153,6 +153,11 @@ def _check_reports(dst: Path) -> None:
         except (OSError, UnicodeDecodeError, ValueError):
             ev = None  # (refused by name where push binds the reports: _bound_extras)
         v = ev.get("verdict") if isinstance(ev, dict) else None
+        if ev is not None and not (isinstance(v, dict) and isinstance(v.get("ok"), bool)):
+            raise QuantizeError("eval.json has no verdict: refusing to publish it", [Problem(
+                str(epath), None, f"verdict={str(v)[:80]}", "eval's verdict (ok, the thresholds it "
+                "used, what failed), as `quantize eval` writes it",
+                "run `quantize eval SRC DST` again (or delete eval.json)")])
         if isinstance(v, dict) and v.get("ok") is False:
             raise QuantizeError("eval found the output broken: refusing to publish it", [Problem(
                 str(epath), None, "; ".join(map(str, v.get("failed") or []))[:300],
