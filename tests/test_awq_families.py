@@ -360,3 +360,29 @@ def test_glm5_awq_where_the_dsa_top_k_holds_every_key(tmp_path, method, seq_len)
     folds = [lay["awq"]["norm_fold"] for lay in layers if "norm_fold" in lay.get("awq", {})]
     assert folds and all((f["norm"], f["formula"]) == EXPECTED["glm_moe_dsa"] for f in folds), folds
     assert verify(src, out).ok
+
+
+def test_a_family_awq_cannot_fold_into_is_refused_before_any_output(tmp_path):
+    """Cohere runs attention and MLP in parallel from one norm: AWQ's scale cannot be folded
+    into it. The refusal comes from the small-copy probe (calib/fold_probe.py) before the
+    output folder exists, naming the method that works (on 1d01519 it came after layer 0,
+    leaving an in-progress folder); GPTQ converts the same source."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantize.calib.fold_probe import prove_folds_up_front
+
+    cfg = AutoConfig.for_model("cohere", vocab_size=512, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=128, bos_token_id=0, eos_token_id=1)
+    src = tmp_path / "src"
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(src)
+    write_tokenizer(src, 512)
+    out = tmp_path / "out"
+    with pytest.raises(QuantizeError, match="AWQ cannot fold") as e:
+        convert(src, out, _opts("llama", method="awq+gptq"), device="cpu")
+    assert "parallel block" in str(e.value) and "--method gptq" in str(e.value)
+    assert not out.exists()
+    for mt in ("glm_moe_dsa", "glm4_moe"):  # the GLM families pass the probe (every kind)
+        assert prove_folds_up_front(tiny_config(mt), mt) >= 2
+    convert(src, out, _opts("llama", method="gptq"), device="cpu")
+    assert verify(src, out).ok

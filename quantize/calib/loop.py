@@ -67,6 +67,7 @@ from quantize.calib.decoder import (
     mlp_target,
 )
 from quantize.calib.distributed import Dist
+from quantize.calib.fold_probe import prove_folds_up_front
 from quantize.calib.handoff import Handoff, LayerFeed, LayerResult
 from quantize.calib.layer import Carry, LayerRunner, check_mlps
 from quantize.calib.mtp import mtp_config, mtp_inputs, mtp_runnable, rtn_entries
@@ -132,6 +133,8 @@ class Calibrator:
         self.skeleton = build_skeleton(ckpt.config)  # the config first: it names the problem
         self.num_layers = len(self.skeleton.model.layers)
         check_mlps(self.skeleton, self.units)
+        if "awq" in opts.method:  # a family AWQ cannot fold into: refused before any output
+            prove_folds_up_front(ckpt.config, ckpt.model_type)
         self.calib = calib or checkpoint_calibration(ckpt.root, opts)
         c = self.calib
         # this rank's samples (all of them in one process)
