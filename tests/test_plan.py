@@ -242,3 +242,57 @@ def test_header_bytes_is_the_length_of_the_header_written(glm52_replica):
            OutTensor("", "F8_E4M3", (1, 1, 1)), OutTensor("w" * 300, "U8", (123456789,))]
     for k in range(len(odd) + 1):
         assert header_bytes(odd[:k]) == len(shard_header(odd[:k])), odd[:k]
+
+
+def test_kv_cache_room_of_the_glm52_replica_beside_the_write_up(glm52_replica):
+    """plan's KV-cache room per GPU (quantize/kvcache.py) on the GLM-5.2 replica at TP 8 on an
+    H200: the sparse-MLA row counted from the config (kv_lora_rank 512 + rope 64; FP8: 512 e4m3
+    + 4 fp32 scales + 64 BF16; + the indexer's 128 e4m3 + an fp32 scale), SGLang's default
+    memory fraction, and the output's 52.5 GiB a GPU against the source's 88.0 GiB. The
+    write-up reports "~1.18 M tokens of KV cache" with INT4 weights: ours is within 10 % of it
+    (its engine flags and GPU memory figure are not published)."""
+    from quantize.cli.report import plan_data
+    from quantize.kvcache import gpu_bytes, kv_bytes_per_token, sglang_mem_fraction
+
+    ckpt = open_checkpoint(glm52_replica)
+    cfg = ckpt.config
+    L = cfg["num_hidden_layers"]
+    assert kv_bytes_per_token(cfg, 8, "fp8")[0] == L * (512 + 4 * 4 + 64 * 2 + 128 + 4) == 61_464
+    assert kv_bytes_per_token(cfg, 8, "bf16")[0] == L * ((512 + 64) * 2 + 132)
+    assert kv_bytes_per_token(cfg, 1, "fp8") == kv_bytes_per_token(cfg, 8, "fp8")  # MLA: whole row
+    # SGLang's rule: 512 + 1.5 x 8192 + 1024 (TP 8) + 2 x 512 + 1536 (MLA) MiB reserved
+    assert sglang_mem_fraction(143_771, 8, True) == round((143_771 - 16_384) / 143_771, 3)
+    d = plan_data(make_plan(ckpt, ConvertOptions(), tp=8), gpu_bytes("h200"), None, cfg)
+    kv = d["kv_cache"]
+    budget = kv["mem_fraction"] * 143_771 * 2**20
+    for side, w in (("source", 88.0), ("output", 52.5)):
+        assert round(kv[f"weights_{side}"] / GiB, 1) == w
+        for dt in ("bf16", "fp8"):
+            assert kv["tokens"][side][dt] == int((budget - kv[f"weights_{side}"]) // kv["per_token"][dt])
+    out_fp8 = kv["tokens"]["output"]["fp8"]
+    assert 1.18e6 * 0.9 < out_fp8 < 1.18e6 * 1.1, out_fp8
+    assert out_fp8 > 1.9 * kv["tokens"]["source"]["fp8"]  # INT4 weights: about twice the room
+    ratio = kv["per_token"]["bf16"] / kv["per_token"]["fp8"]
+    assert round(ratio, 2) == 1.63  # sparse MLA: not 2x (1.76x without the indexer)
+    assert any("mem_fraction" in a or "fraction" in a for a in kv["assumptions"])
+
+
+def test_kv_cache_room_of_a_gqa_model_splits_its_heads(tmp_path):
+    """GLM-4.x (GQA): K and V of the KV heads each rank holds, a head replicated when there are
+    fewer heads than ranks; the CLI prints the table and its assumptions."""
+    from typer.testing import CliRunner
+
+    from quantize.cli import app
+    from quantize.kvcache import kv_bytes_per_token
+
+    cfg = tiny_config("glm4_moe")  # 2 KV heads of 64, 3 layers
+    assert kv_bytes_per_token(cfg, 1, "bf16")[0] == 3 * 2 * 2 * 64 * 2
+    assert kv_bytes_per_token(cfg, 2, "bf16")[0] == 3 * 2 * 1 * 64 * 2
+    assert kv_bytes_per_token(cfg, 8, "fp8")[0] == 3 * 2 * 1 * 64 * 1  # replicated past 2 ranks
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    r = CliRunner().invoke(app, ["plan", str(src), "--tp", "2", "--gpu-memory", "80GiB",
+                                 "--mem-fraction", "0.9"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "KV cache per GPU" in r.output and "GQA per layer" in r.output and "0.900 (given)" in r.output
+    r = CliRunner().invoke(app, ["plan", str(src), "--gpu-memory", "lots"])
+    assert r.exit_code == 2 and "--gpu-memory" in r.output

@@ -58,18 +58,25 @@ def plan(
     gptaq: GptaqOpt = None,
     scale_refit: ScaleRefitOpt = None,
     sequential_mlp: SequentialOpt = None,
+    gpu_memory: Annotated[str, typer.Option(
+        help="GPU for the KV-cache room: h100, h200, b200 or its memory (141GB, 143771MiB).")] = "h200",
+    mem_fraction: Annotated[float | None, typer.Option(
+        help="The engine's share of GPU memory for weights + KV cache (SGLang's "
+             "--mem-fraction-static; default: SGLang's own rule for the GPU and TP).",
+        min=0.05, max=1.0)] = None,
     json_: Json = False,
     strict: Annotated[bool, typer.Option(help="Exit 1 when a serving check fails.")] = False,
     revision: Revision = None,
     debug: Debug = False,
 ) -> None:
-    """Predict the output size and per-GPU weight memory; check the serving kernels' rules.
+    """Predict the output size, per-GPU weight memory and KV-cache room; check the serving kernels' rules.
 
     Reads only the index and safetensors headers. The prediction is the exact byte count
     `convert` writes.
 
     Examples:
       quantize plan ./GLM-5.2-FP8 --tp 8
+      quantize plan ./GLM-5.2-FP8 --tp 8 --gpu-memory h100    # KV-cache room on 80 GB cards
       quantize plan ./GLM-4.6-FP8 --tp 8 --group-size 128     # warns: 1536/8 = 192
       quantize plan zai-org/GLM-5.2-FP8 --tp 8                # Hub: headers only
       quantize plan ./GLM-5.2-FP8 --method gptq --num-samples 512   # + checkpoint disk
@@ -84,6 +91,7 @@ def plan(
         plan_data,
         plan_tables,
     )
+    from quantize.kvcache import gpu_bytes
     from quantize.plan import make_plan
     from quantize.source.hub import resolve_source
 
@@ -103,7 +111,8 @@ def plan(
             seq_len=seq_len, scheme=scheme, mtp=mtp, keep_fp8=keep_fp8, mse_clip=mse_clip,
             mse_norm=mse_norm, mse_weight_power=mse_weight_power, mse_norm_routed=mse_norm_routed,
             mse_weight_power_routed=mse_weight_power_routed, gptaq=gptaq,
-            scale_refit=scale_refit, sequential_mlp=sequential_mlp), tp))
+            scale_refit=scale_refit, sequential_mlp=sequential_mlp), tp),
+            gpu_bytes(gpu_memory), mem_fraction, ckpt.config)
         checks, prefix = d["checks"], ""
         if json_:
             print_json(d)

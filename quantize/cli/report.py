@@ -181,9 +181,20 @@ def _bytes_table(title: str, d: dict) -> Table:
     return t
 
 
-def plan_data(plan: Plan) -> dict:
+def plan_data(plan: Plan, gpu_memory: int | None = None, mem_fraction: float | None = None,
+              config: dict | None = None) -> dict:
+    """`gpu_memory` (bytes) and the model's `config`: also the KV-cache room per GPU
+    (kvcache.kv_room) for the source's and the output's weights."""
     tp = plan.tp
+    kv = None
+    if gpu_memory is not None and config is not None:
+        from quantize.kvcache import describe, kv_room
+
+        room = kv_room(config, tp, gpu_memory, plan.source_bytes / tp, plan.output_bytes / tp,
+                       mem_fraction)
+        kv = {**room.to_json(), "assumptions": describe(room)}
     return {
+        "kv_cache": kv,
         "format_in": plan.source_format,
         "options": plan.options.to_json(),
         "source_bytes": plan.source_bytes,
@@ -244,6 +255,17 @@ def plan_tables(d: dict) -> list[Table]:
         r.add_column(c, justify="left" if c == "role" else "right")
     for role, v in sorted(d["by_role"].items(), key=lambda kv: -kv[1]["source_bytes"]):
         r.add_row(role, fmt_bytes(v["source_bytes"]), fmt_bytes(v["output_bytes"]))
+    tables = [t, r]
+    if d.get("kv_cache"):
+        kv = d["kv_cache"]
+        k = Table(title=f"KV cache per GPU after the weights (TP {kv['tp']}, tokens)")
+        for col in ("weights", "BF16 cache", "FP8 cache"):
+            k.add_column(col, justify="left" if col == "weights" else "right")
+        for side in ("source", "output"):
+            k.add_row(f"{side} ({fmt_bytes(int(kv['weights_' + side]))} a GPU)",
+                      *(f"{kv['tokens'][side][dt]:,}" for dt in ("bf16", "fp8")))
+        k.caption = "\n".join(kv["assumptions"])
+        tables.append(k)
     c = Table(title="serving checks")
     for col in ("", "check", "detail"):
         c.add_column(col)
@@ -251,7 +273,7 @@ def plan_tables(d: dict) -> list[Table]:
              "fail": Text("FAIL", style="red")}
     for ch in d["checks"]:
         c.add_row(style[ch["level"]], ch["what"], ch["detail"])
-    return [t, r, c]
+    return [*tables, c]
 
 
 def verify_table(rep: VerifyReport) -> Table:
