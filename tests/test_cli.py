@@ -25,8 +25,8 @@ def test_help_prose_wraps_at_the_terminal_width():
     from quantize.cli import COMMANDS
 
     wide = runner.invoke(app, ["convert", "--help"], env={"COLUMNS": "200"}).output
-    assert "recorded in DST/quantize-manifest.json, so an interrupted run continues" in wide
-    assert "\n   quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --resume" in wide
+    assert "each shard is written atomically and recorded in the manifest, so rerunning" in wide
+    assert "\n   quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --recipe recommended" in wide
     for cmd in COMMANDS:
         narrow = runner.invoke(app, [cmd, "--help"], env={"COLUMNS": "80"}).output
         text = "\n".join(line.rstrip() for line in narrow.split("╭")[0].splitlines())
@@ -541,3 +541,50 @@ def test_a_missing_dependency_is_one_line_with_the_install_command(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, "--version"], env=env, capture_output=True,
                        text=True, check=False, timeout=60)
     assert r.returncode == 0 and "glm-int4-quantize" in r.stdout
+
+
+def test_convert_help_fits_a_screen_and_help_all_shows_everything():
+    """`convert --help` shows the everyday options (method, group size, targets, calibration
+    data, samples, length, device, resume / overwrite, GPU memory, json, the recipe) in well
+    under 80 lines of a 100-column terminal; the research settings only with --help-all, where
+    every option is listed; a hidden option still works."""
+    import subprocess
+    import sys
+
+    env = {"COLUMNS": "100"}
+    short = runner.invoke(app, ["convert", "--help"], env=env).output
+    assert len(short.splitlines()) < 70, len(short.splitlines())
+    for opt in ("--recipe", "--method", "--group-size", "--targets", "--calib", "--num-samples",
+                "--seq-len", "--device", "--resume", "--overwrite", "--max-gpu-memory", "--json",
+                "--help-all"):
+        assert opt in short, opt
+    assert "--gptaq" not in short and "--mse-norm" not in short
+    # --help-all is decided when the options are declared (the command line at import): a process
+    r = subprocess.run([sys.executable, "-m", "quantize", "convert", "--help-all"], capture_output=True,
+                       text=True, check=False, timeout=120, env={**__import__("os").environ, **env})
+    assert r.returncode == 0
+    for opt in ("--gptaq", "--mse-norm", "--scale-refit", "--expert-coverage", "--mtp", "--scheme",
+                "--keep-fp8", "--asymmetric", "--tp", "--config", "--from", "--checkpoint-interval"):
+        assert opt in r.stdout, opt
+
+
+def test_the_recommended_recipe_is_gptq_512_by_2048_and_flags_win(tmp_path):
+    """`--recipe recommended` means --method gptq --num-samples 512 --seq-len 2048; a flag given
+    as well wins (here the method, and the sizes of a quick calibrated run)."""
+    import tomllib
+
+    from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
+
+    cfg = tiny_config("glm4_moe")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    r = runner.invoke(app, ["convert", str(src), str(tmp_path / "a"), "--recipe", "recommended",
+                            "--method", "rtn", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    rec = tomllib.loads((tmp_path / "a" / "quantize-run.toml").read_text())["convert"]
+    assert (rec["method"], rec["num_samples"], rec["seq_len"]) == ("rtn", 512, 2048)
+    r = runner.invoke(app, ["convert", str(src), str(tmp_path / "b"), "--recipe", "recommended",
+                            "--num-samples", "4", "--seq-len", "32", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    rec = tomllib.loads((tmp_path / "b" / "quantize-run.toml").read_text())["convert"]
+    assert (rec["method"], rec["num_samples"], rec["seq_len"]) == ("gptq", 4, 32)

@@ -20,6 +20,7 @@ from quantize.cli.params import (
     ExpertCalibration,
     GptaqOpt,
     GroupSize,
+    HelpAll,
     KeepFp8,
     MaxShardSize,
     Method,
@@ -30,6 +31,7 @@ from quantize.cli.params import (
     MseWeightPowerRoutedOpt,
     Mtp,
     MtpOpt,
+    Recipe,
     Revision,
     ScaleRefitOpt,
     Scheme,
@@ -38,6 +40,8 @@ from quantize.cli.params import (
     Targets,
     Tp,
     convert_options,
+    more,
+    recipe_callback,
     value,
 )
 from quantize.cli.run_record import (
@@ -62,8 +66,11 @@ def convert(
              "recorded one).", show_default=False)] = None,
     dst: Annotated[Path | None, typer.Argument(
         help="Output folder for the INT4 checkpoint.", show_default=False)] = None,
+    recipe: Annotated[Recipe | None, typer.Option(
+        "--recipe", is_eager=True, callback=recipe_callback, show_default=False,
+        help="recommended: --method gptq --num-samples 512 --seq-len 2048 (flags win).")] = None,
     method: Annotated[Method, typer.Option(
-        help="Rounding: rtn (no data), gptq, awq or awq+gptq (calibrated, layer by layer).")] = Method.rtn,
+        help="Rounding: rtn (no data, minutes), gptq (recommended), awq or awq+gptq.")] = Method.rtn,
     group_size: GroupSize = 32,
     scheme: SchemeOpt = Scheme.w4a16,
     mtp: MtpOpt = Mtp.int4,
@@ -72,42 +79,40 @@ def convert(
     asymmetric: Asym = False,
     max_shard_size: MaxShardSize = "5GB",
     calib: Annotated[str | None, typer.Option(
-        help="Calibration text: .jsonl (text or chat messages), .txt/.md, .parquet, a saved "
-             "datasets folder, or a Hub dataset ORG/NAME[@REVISION][:SPLIT] (default split: "
-             "train); also compressed (.jsonl.xz, .gz, .bz2). Default: shipped:large, 1.8 M tokens "
-             "(English and Chinese dialogue, docs, prose, code, math), enough for --num-samples 512 "
-             "--seq-len 2048 without repeating; shipped:small is the 0.27 M-token set before it.",
+        help="Calibration text: .jsonl (text or chat messages), .txt, .parquet (also .xz/.gz), "
+             "a datasets folder or a Hub dataset ORG/NAME@REV:SPLIT. Default: shipped:large, "
+             "1.8 M tokens of dialogue, docs, code and math (enough for 512 x 2048).",
         rich_help_panel=CALIB)] = None,
     num_samples: Annotated[int, typer.Option(
-        help="Calibration sequences.", rich_help_panel=CALIB)] = 128,
+        help="Calibration sequences (recommended: 512).", rich_help_panel=CALIB)] = 128,
     seq_len: Annotated[int, typer.Option(
         help="Tokens per calibration sequence.", rich_help_panel=CALIB)] = 2048,
     seed: Annotated[int, typer.Option(
-        help="Seed for sampling the calibration windows.", rich_help_panel=CALIB)] = 0,
+        help="Seed for sampling the calibration windows.", **more())] = 0,
     calib_bos: Annotated[bool, typer.Option(
         "--calib-bos/--no-calib-bos",
         help="Begin each calibration window with the tokens every served request begins with: "
              "the tokenizer's BOS (Gemma, Llama), else the special tokens the chat template "
              "writes first (GLM's [gMASK]<sop>). Off: windows cut from the text alone, as "
              "before 2026-12-05.",
-        rich_help_panel=CALIB)] = True,
+        **more())] = True,
     expert_calibration: Annotated[ExpertCalibration, typer.Option(
         help="routed: each expert's statistics from its routed tokens; routed-weighted: those "
              "tokens weighted by their squared routing weight (as the layer output weighs the "
              "expert's error; not measured on real weights: BENCHMARKS.md); all: every expert "
-             "sees every token (llm-compressor's way).", rich_help_panel=CALIB)] = ExpertCalibration.routed,
+             "sees every token (llm-compressor's way).", **more())] = ExpertCalibration.routed,
     min_expert_tokens: Annotated[int, typer.Option(
         help="Experts whose statistics cover fewer tokens use all-token statistics (reported).",
-        rich_help_panel=CALIB)] = 16,
+        **more())] = 16,
     expert_coverage: Annotated[int, typer.Option(
         min=0, max=MAX_EXPERT_COVERAGE,
         help="Top up each routed expert's statistics to this many tokens: an expert routed fewer "
              "gets the tokens its router ranks highest among the rest (reported; 0: off; "
              "held on the device in each layer's first pass: GLM-5.2 at 256, 0.8 GB).",
-        rich_help_panel=CALIB)] = 0,
+        **more())] = 0,
     percdamp: Annotated[float, typer.Option(
         help="GPTQ dampening, relative to the mean Hessian diagonal (0.01, the papers' value, "
-             "overfits narrow calibration text: BENCHMARKS.md).", rich_help_panel=CALIB)] = 0.1,
+             "overfits narrow calibration text: BENCHMARKS.md).", **more())] = 0.1,
     mse_clip: MseClipOpt = None,
     mse_norm: MseNormOpt = None,
     mse_weight_power: MseWeightPowerOpt = None,
@@ -120,67 +125,50 @@ def convert(
         help="A calibrated layer whose output error on the calibration tokens exceeds "
              "round-to-nearest's by 1.5x stops the run by default; with this flag that layer is "
              "rounded to nearest instead (the calibration report and the card list it).",
-        rich_help_panel=CALIB)] = False,
+        **more())] = False,
     checkpoint_interval: Annotated[float, typer.Option(
         help="Seconds between the calibration's resume checkpoints, at least (written in the "
              "background; a crash repeats about this much work; 0: after every layer; inf: "
-             "none, a crash restarts the calibration).", rich_help_panel=CALIB)] = 300.0,
+             "none, a crash restarts the calibration).", **more())] = 300.0,
     max_gpu_memory: Annotated[float | None, typer.Option(
-        help="GiB of GPU memory the calibration may hold (default: all of it): hidden states "
-             "move to host memory and GPTQ solves fewer experts at once to stay under it; "
-             "beyond it torch raises out-of-memory instead of exceeding it. 75 runs a GLM-5.2 "
-             "calibration as on an 80 GB GPU.", rich_help_panel=CALIB)] = None,
+        help="GiB of GPU memory the calibration may hold (default: all of it); 75 runs GLM-5.2 "
+             "as on an 80 GB GPU.", rich_help_panel=CALIB)] = None,
     device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
     resume: Annotated[bool, typer.Option(
-        help="Continue an interrupted conversion in DST (also automatic when DST has a manifest).")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Delete DST's contents and start over.")] = False,
+        "--resume", help="Continue an interrupted conversion (automatic when DST has a manifest).")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Delete DST's contents and start over.")] = False,
     tp: Tp = 8,
     revision: Revision = None,
-    base_model: Annotated[str | None, typer.Option(
+    base_model: Annotated[str | None, typer.Option(**more(),
         help="The Hub repo SRC is a copy of (ORG/NAME), for the card's base_model; default: the "
              "repo a Hub-cache source came from. Pass it for a local copy, e.g. after "
              "`hf download --local-dir`.")] = None,
     json_: Annotated[bool, typer.Option(
-        "--json", help="At the end, print a JSON summary (shards, bytes, seconds) on stdout.")] = False,
+        "--json", help="Print a JSON summary on stdout at the end.")] = False,
     config: Annotated[Path | None, typer.Option(
-        "--config", is_eager=True, callback=config_callback, exists=False,
+        "--config", is_eager=True, callback=config_callback, exists=False, **more(),
         help="A TOML file of convert options (keys as the long flags; flags given on the "
              "command line win), e.g. a run record DST/quantize-run.toml.")] = None,
     from_: Annotated[Path | None, typer.Option(
-        "--from", is_eager=True, callback=from_callback,
+        "--from", is_eager=True, callback=from_callback, **more(),
         help="Replay the run that made this output folder: its options (and SRC) from its "
              "quantize-run.toml; flags given here win.")] = None,
     debug: Debug = False,
+    help_all: HelpAll = False,
 ) -> None:
     """Convert SRC to a compressed-tensors pack-quantized INT4 checkpoint in DST.
 
-    Streams one tensor at a time: memory stays bounded by the largest tensor, not the model.
-    Each shard is written atomically and recorded in DST/quantize-manifest.json, so an
-    interrupted run continues with --resume.
+    Streams one tensor at a time; each shard is written atomically and recorded in the
+    manifest, so rerunning an interrupted command resumes it. The run's options are kept in
+    DST/quantize-run.toml.
 
     Examples:
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4
-      quantize convert ./GLM-4.6-FP8 ./GLM-4.6-INT4 --group-size 64 --targets routed,shared
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-W4AFP8 --scheme w4afp8 --group-size 128
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --resume
-      quantize convert zai-org/GLM-5.2-FP8 ./GLM-5.2-INT4     # downloads into HF_HOME first
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --base-model zai-org/GLM-5.2-FP8
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 512
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 512 --calib shipped:small
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --calib my.jsonl
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method awq+gptq --rtn-fallback
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --expert-calibration routed-weighted
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --no-calib-bos   # windows of text alone
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --num-samples 32 --expert-coverage 256
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --targets routed,shared,dense
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --targets routed,shared --gptaq 0 --scale-refit 0
-      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq --calib HuggingFaceH4/ultrachat_200k:train_sft
-      torchrun --nproc-per-node 8 -m quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --method gptq
-      quantize convert --config run.toml ./GLM-5.2-FP8 ./GLM-5.2-INT4   # options from a file
-      quantize convert --from ./GLM-5.2-INT4 ./GLM-5.2-INT4-again       # replay a recorded run
-
-    Every run writes its resolved options to DST/quantize-run.toml (a local record: not among
-    the files `push` uploads).
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --recipe recommended
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4          # RTN: no data
+      quantize convert ./GLM-5.2-FP8 ./GLM-5.2-INT4 --recipe recommended --calib my.jsonl
+      quantize convert zai-org/GLM-5.2-FP8 ./GLM-5.2-INT4    # from the Hub
+      quantize convert --help-all             # every option (docs/recipes.md)
+      torchrun --nproc-per-node 8 -m quantize convert SRC DST --recipe recommended
     """
     given = dict(locals())  # every parameter as resolved (flags, --config, --from, defaults)
     from quantize.calib.distributed import init
@@ -225,6 +213,12 @@ def convert(
 
 
 # convert's options that only GPTQ reads (with --method awq they would do nothing)
+# the options only a calibrated method reads (those typed with --method rtn are refused)
+CALIBRATED_ONLY = frozenset({
+    "calib", "num_samples", "seq_len", "seed", "calib_bos", "expert_calibration",
+    "min_expert_tokens", "expert_coverage", "percdamp", "mse_clip", "mse_norm", "mse_weight_power",
+    "mse_norm_routed", "mse_weight_power_routed", "scale_refit", "gptaq", "sequential_mlp",
+    "rtn_fallback", "checkpoint_interval", "max_gpu_memory"})
 GPTQ_ONLY = ("percdamp", "mse_clip", "mse_norm", "mse_weight_power", "mse_norm_routed",
              "mse_weight_power_routed", "scale_refit", "gptaq", "sequential_mlp", "expert_coverage")
 
@@ -238,8 +232,7 @@ def _refuse_unused_flags(ctx: typer.Context, method: str) -> None:
         return getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
 
     if method == "rtn":
-        typed = [p.opts[0] for p in ctx.command.params
-                 if getattr(p, "rich_help_panel", None) == CALIB and typed_here(p.name)]
+        typed = [p.opts[0] for p in ctx.command.params if p.name in CALIBRATED_ONLY and typed_here(p.name)]
         want = "the calibrated methods; --method rtn (the default) rounds to nearest without " \
                "calibration. Add --method gptq (or awq, awq+gptq)"
     elif method == "awq":

@@ -12,6 +12,7 @@ from quantize.cli.params import (
     Debug,
     GptaqOpt,
     GroupSize,
+    HelpAll,
     Json,
     KeepFp8,
     MaxShardSize,
@@ -68,6 +69,7 @@ def plan(
     strict: Annotated[bool, typer.Option(help="Exit 1 when a serving check fails.")] = False,
     revision: Revision = None,
     debug: Debug = False,
+    help_all: HelpAll = False,
 ) -> None:
     """Predict the output size, per-GPU weight memory and KV-cache room; check the serving kernels' rules.
 
