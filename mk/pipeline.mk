@@ -11,7 +11,7 @@
 #   $(OUT)/model.safetensors.index.json  convert; only "made" once the manifest is complete, so
 #                                        an interrupted convert is resumed by the next `make`
 #   $(OUT)/verify.json                   verify; removed when verify fails, so it runs again
-#   $(OUT)/eval.json                     eval (EVAL=1; EVAL_FLAGS e.g. --num-samples 64 --max-ppl-ratio 1.05)
+#   $(OUT)/eval.json                     eval (on by default; EVAL=0 skips it; EVAL_FLAGS e.g. --num-samples 64)
 #   $(OUT)/.pushed-ORG--NAME@REVISION    push (a stamp, outside the uploaded file list)
 #
 #   make all MODEL=zai-org/GLM-5.2-FP8 OUT=./GLM-5.2-INT4 REPO=my-org/GLM-5.2-INT4
@@ -55,7 +55,7 @@ REPO ?=
 REPO_REVISION ?= main
 PRIVATE ?=
 DRY_RUN ?=
-EVAL ?= 0
+EVAL ?= 1
 EVAL_FLAGS ?=
 
 PIPELINE_GOALS := convert verify eval push all
@@ -155,4 +155,4 @@ push: $(PUSH_DEPS)
 	$(QUANTIZE) push $(OUT) $(REPO) $(PUSH_FLAGS) --dry-run
 endif
 
-all: push ## the chain: plan -> convert -> verify -> [eval if EVAL=1] -> push
+all: push ## the chain: plan -> convert -> verify -> eval (EVAL=0 skips it) -> push

@@ -41,10 +41,14 @@ def test_make_n_all_prints_the_chain(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = [x for x in r.stdout.splitlines() if "quantize.cli" in x]
     steps = [x.split("app()'")[1].split()[0] for x in lines]
-    assert steps == ["plan", "convert", "verify", "push"]
+    assert steps == ["plan", "convert", "verify", "eval", "push"]  # eval by default: the card's figures
     assert "convert zai-org/GLM-5.2-FP8 " + str(out) in lines[1] and "--group-size 64" in lines[1]
     assert "--tp 4" in lines[0] and "--strict" in lines[0]
-    assert lines[3].endswith(f"push {out} my-org/GLM-5.2-INT4 --revision main --private")
+    assert lines[4].endswith(f"push {out} my-org/GLM-5.2-INT4 --revision main --private")
+    r = _make(_wrapper(tmp_path), "-n", "all", "MODEL=zai-org/GLM-5.2-FP8", f"OUT={out}",
+              "REPO=my-org/GLM-5.2-INT4", "EVAL=0")
+    assert [x.split("app()'")[1].split()[0] for x in r.stdout.splitlines() if "quantize.cli" in x] == \
+        ["plan", "convert", "verify", "push"]
     assert not out.exists()  # -n ran nothing
 
 
@@ -72,7 +76,7 @@ def test_make_all_runs_then_skips_finished_steps(tmp_path):
     # expert width 512: TP 2 (and the card's default, 8) satisfies the MoE kernels (plan runs
     # with --strict); the card must serve at the TP make was given
     write_checkpoint(src, tiny_config(moe_intermediate_size=512))
-    args = ("all", f"MODEL={src}", f"OUT={out}", "REPO=my-org/GLM-tiny-INT4", "TP=2", "DRY_RUN=1",
+    args = ("all", f"MODEL={src}", f"OUT={out}", "REPO=my-org/GLM-tiny-INT4", "TP=2", "DRY_RUN=1", "EVAL=0",
             "MAX_SHARD_SIZE=1MB")
     r = _make(mk, *args)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -112,7 +116,7 @@ def test_make_all_refuses_changed_convert_options(tmp_path):
     write_tokenizer(src, cfg["vocab_size"])  # gptq checks its calibration inputs before the folder
     calib = tmp_path / "calib.txt"
     calib.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    args = ("all", f"MODEL={src}", f"OUT={out}", "REPO=my-org/GLM-tiny-INT4", "TP=2", "DRY_RUN=1",
+    args = ("all", f"MODEL={src}", f"OUT={out}", "REPO=my-org/GLM-tiny-INT4", "TP=2", "DRY_RUN=1", "EVAL=0",
             "MAX_SHARD_SIZE=1MB")
     r = _make(mk, *args)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -178,7 +182,7 @@ def test_a_failing_verify_leaves_no_report_and_nothing_is_pushed(tmp_path):
     mk = _wrapper(tmp_path)
     src, out = tmp_path / "GLM-tiny-FP8", tmp_path / "GLM-tiny-INT4"
     write_checkpoint(src, tiny_config(moe_intermediate_size=512))
-    args = ("all", f"MODEL={src}", f"OUT={out}", "REPO=my-org/GLM-tiny-INT4", "TP=2", "DRY_RUN=1")
+    args = ("all", f"MODEL={src}", f"OUT={out}", "REPO=my-org/GLM-tiny-INT4", "TP=2", "DRY_RUN=1", "EVAL=0")
     r = _make(mk, *args, "MIN_SQNR=99")
     assert r.returncode != 0 and _ran(r) == ["plan", "convert", "verify"], r.stdout + r.stderr
     assert not (out / "verify.json").exists()

@@ -319,6 +319,11 @@ def test_bare_name_offline_and_a_lowered_verify_floor_are_refused(converted, tmp
     r = subprocess.run([sys.executable, "-c", CLI, "push", str(dst), "GLM-tiny-INT4", "--dry-run"],
                        env=env, cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "HF_HUB_OFFLINE" in r.stderr and "my-org/GLM-tiny-INT4" in r.stderr
+    # a full repo id under HF_HUB_OFFLINE: said as offline mode, not as a token problem
+    r = subprocess.run([sys.executable, "-c", CLI, "push", str(dst), "org/GLM-tiny-INT4"],
+                       env={**env, "COLUMNS": "300"}, cwd=ROOT, check=False, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "HF_HUB_OFFLINE is set" in r.stderr and "HF_TOKEN" not in r.stderr, r.stderr
     low = tmp_path / "low"
     low.mkdir()
     for p in dst.iterdir():

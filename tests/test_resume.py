@@ -566,3 +566,15 @@ def test_json_stdout_holds_an_object_however_the_run_ends(dsa_fp8, tmp_path):
     os.kill(p.pid, signal.SIGINT)
     assert p.wait(timeout=60) == 130
     assert "interrupted" in obj(stdout.read_bytes())["error"]
+
+
+def test_verify_against_another_source_says_so(dsa_fp8, reference, tmp_path):
+    """verify with the wrong SRC (another checkpoint) says SRC is not the converted one and how
+    to find the right one, not that the files are "not in the manifest, reconvert"."""
+    from quantize.source.synth import tiny_config, write_checkpoint
+
+    other = write_checkpoint(tmp_path / "other", tiny_config("glm4_moe"), "fp8-channel")
+    r = runner.invoke(app, ["verify", str(other), str(reference)], env={"COLUMNS": "300"})
+    assert r.exit_code == 2, r.output
+    assert "SRC is not the checkpoint this output was converted from" in r.output
+    assert "reconvert" not in r.output

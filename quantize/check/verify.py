@@ -271,6 +271,7 @@ def verify(src: str | Path, dst: str | Path, min_sqnr_db: float = DEFAULT_MIN_SQ
     dst = Path(dst)
     manifest = finished_manifest(dst)
     manifest_sha = _manifest_sha(dst, manifest)  # the report names this one, and only this one
+    _same_source(Path(src), manifest)
     # names, not this machine's paths (verify.json is published beside the weights): SRC's repo
     # id, else the name the conversion recorded for its source, else the folder's name
     from quantize.source.hub import source_identity
@@ -576,6 +577,26 @@ def _layer_check(run: _Run, src: Checkpoint, plan, opts: ConvertOptions):
                           run.dev, prep)
     except QuantizeError as e:
         return _unbuildable(e, run.report, opts, run.log)
+
+
+def _same_source(src: Path, manifest: dict) -> None:
+    """A local SRC whose index is not the one the conversion recorded is another checkpoint:
+    said as that, before any file is compared (its files would each read as missing from the
+    output, with "reconvert" as the fix)."""
+    import hashlib
+
+    from quantize.names import INDEX_NAME
+
+    recorded = (manifest.get("source") or {}).get("index_sha256")
+    index = src / INDEX_NAME
+    if not recorded or not index.is_file():
+        return
+    if hashlib.sha256(index.read_bytes()).hexdigest() != recorded:
+        raise QuantizeError("SRC is not the checkpoint this output was converted from", [Problem(
+            str(index), None, "a weight index other than the one the conversion recorded "
+            f"(source {(manifest.get('source') or {}).get('name')!r})",
+            "the source the output was converted from",
+            "pass that checkpoint as SRC (the output's quantize-manifest.json names it)")])
 
 
 def _manifest_sha(dst: Path, manifest: dict) -> str:

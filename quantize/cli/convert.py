@@ -54,7 +54,7 @@ from quantize.cli.run_record import (
     write_run_record,
 )
 from quantize.errors import Problem, QuantizeError
-from quantize.names import CALIB_REPORT, CALIB_TIMINGS, MANIFEST, RUN_RECORD
+from quantize.names import CALIB_REPORT, CALIB_TIMINGS, RUN_RECORD
 from quantize.options import MAX_EXPERT_COVERAGE
 
 
@@ -299,9 +299,14 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
     prev = read_manifest(dst) if dst.is_dir() and not a["overwrite"] and not quiet else None
     if prev is not None:
         done = sum(s.file in prev.get("files", {}) for s in plan.shards)
-        err.print(f"found {dst / MANIFEST} ({prev.get('status')}, {done} of {len(plan.shards)} "
-                  "shards recorded): resuming it; finished shards are re-hashed and kept "
-                  "(--overwrite starts over)", highlight=False)
+        if prev.get("status") == "complete":
+            err.print(f"found a finished conversion in {dst} ({done} of {len(plan.shards)} shards): "
+                      "re-hashing its files; only a changed or missing one is written again "
+                      "(--overwrite starts over)", highlight=False)
+        else:
+            err.print(f"found an interrupted conversion in {dst} ({done} of {len(plan.shards)} "
+                      "shards done): resuming it; finished shards are re-hashed and kept "
+                      "(--overwrite starts over)", highlight=False)
     total = sum(u.source_bytes for u in plan.units)
     with progress(disable=quiet) as bar:
         step, line = reporters(bar, "convert", total, quiet)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from quantize.cli.app import app, err, out, print_json
+from quantize.cli.app import app, err, out, print_json, tag
 from quantize.cli.params import Debug, Json
 
 
@@ -55,6 +55,10 @@ def push(
     repo_id = resolve_repo_id(repo_id, token)
     p = prepare_push(dst, repo_id, revision, private, skip_verify_check, base_model,
                      write_card=not dry_run)
+    if not any(f.name == "eval.json" for f in p.files):  # the card then has no accuracy figures
+        err.print(tag("warning:", "yellow"), f"{dst} has no eval.json: the card will say nothing of "
+                  "the output's accuracy; run `quantize eval SRC DST` first (perplexity and KL "
+                  "against the source)", highlight=False)
     files = {"repo_id": p.repo_id, "revision": p.revision, "private": p.private,
              "files": [{"name": f.name, "bytes": f.nbytes} for f in p.files],
              "total_bytes": p.total_bytes}

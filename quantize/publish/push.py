@@ -298,10 +298,15 @@ def upload(plan: PushPlan, token: str | None = None, commit_message: str | None 
     The only function in the package that writes to the network; tests point it at a loopback
     Hub with HF_ENDPOINT.
     """
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants
 
     from quantize.source.hub import http_errors
 
+    if getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)():
+        raise QuantizeError(f"cannot upload to {plan.repo_id}: HF_HUB_OFFLINE is set", [Problem(
+            plan.repo_id, None, "huggingface_hub in offline mode (HF_HUB_OFFLINE=1)",
+            "network access to the Hub", "unset HF_HUB_OFFLINE for the push (`--dry-run` lists "
+            "the files without the network)")])
     api = HfApi(library_name="glm-int4-quantize", library_version=__version__, token=token)
     try:
         api.create_repo(plan.repo_id, private=plan.private, exist_ok=True, repo_type="model")
