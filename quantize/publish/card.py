@@ -14,8 +14,9 @@ The card opens with the Hub's YAML front matter:
 
 then: what was quantized and how (with the calibration figures of calibration-report.json for
 a calibrated method), the size figures, the verify (and eval) results, serving
-commands for vLLM and SGLang with the tensor-parallel sizes the group size allows, and the
-exact command and tool version that produced the folder.
+commands for vLLM and SGLang with the tensor-parallel sizes the group size allows (SGLang's
+only for a layout SGLang loads: `make engine-check` runs SGLang's own loader under the flags
+the card prints), and the exact command and tool version that produced the folder.
 """
 
 from __future__ import annotations
@@ -364,6 +365,19 @@ def _flat(d: dict, prefix: str = "") -> list[tuple[str, object]]:
     return out
 
 
+def _sglang_refusals(f: CardFacts) -> list[str]:
+    """Why SGLang (0.5.23) loads this checkpoint under no flag, each with the fix
+    (quantize/lint.py's SGLang rules, on the options that produce those layouts)."""
+    why = []
+    if f.keep_fp8:
+        why.append("`--keep-fp8` writes the `mixed-precision` format and SGLang's fused-MoE "
+                   "schemes take `pack-quantized` only: convert without --keep-fp8")
+    if not f.symmetric and "routed" in f.targets:
+        why.append("the routed experts store zero points (`--asymmetric`) and SGLang's MoE "
+                   "weight loader fails on them: convert without --asymmetric")
+    return why
+
+
 def _serving(f: CardFacts) -> list[str]:
     model = f.repo_id or "PATH_OR_REPO_ID"
     tps = ", ".join(map(str, f.valid_tp)) or "none in 1..16"
@@ -375,6 +389,17 @@ def _serving(f: CardFacts) -> list[str]:
     vllm_kernels = "CUTLASS W4A8 MoE with FP8 activations, Hopper" if w4a8 else \
         "Marlin / Machete W4A16 kernels"
     sglang_kernels = "CompressedTensorsW4AFP8MoE" if w4a8 else "MoE WNA16 kernels"
+    refused = _sglang_refusals(f)
+    sglang = [f"SGLang: none; SGLang 0.5.23 does not load this checkpoint: {'; '.join(refused)}.",
+              ""] if refused else [
+        f"SGLang ({sglang_kernels}):",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {model} --tp {f.tp}"
+        + (" --disable-shared-experts-fusion" if f.sglang_no_shared_fusion else ""),
+        "```",
+        "",
+    ]
     lines = [
         "## Serving",
         "",
@@ -384,23 +409,23 @@ def _serving(f: CardFacts) -> list[str]:
         f"vllm serve {model} --tensor-parallel-size {f.tp}",
         "```",
         "",
-        f"SGLang ({sglang_kernels}):",
-        "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {model} --tp {f.tp}"
-        + (" --disable-shared-experts-fusion" if f.sglang_no_shared_fusion else ""),
-        "```",
-        "",
+        *sglang,
     ]
     if width:
         lines += [width, ""]
     lines.append("Weights need about the per-GPU figure in the size table plus KV cache and "
                  "activations; add `--enable-expert-parallel` (vLLM) / `--ep-size` (SGLang) to "
                  "shard experts instead of slicing them.")
-    if f.sglang_no_shared_fusion:
+    if f.sglang_no_shared_fusion and not refused:
         lines += ["", ("`--disable-shared-experts-fusion`: the shared experts are BF16 and the routed "
                        "ones INT4, and SGLang fuses the shared expert into the routed MoE kernel "
                        "only when both share a scheme.")]
+    if f.model_type == "glm4_moe" and "shared" in f.targets and not refused:
+        lines += ["", ("SGLang: keep its shared-experts fusion on, as the command does (its default "
+                       "on H100 / H200). SGLang 0.5.23 builds GLM-4.x's shared experts unfused "
+                       "only from BF16 weights: with `--disable-shared-experts-fusion`, or "
+                       "`--ep-size` above 1 (which turns the fusion off), it fails on these INT4 "
+                       "shared experts before loading.")]
     if w4a8:
         lines += ["", ("W4AFP8: the INT4 weights are the same as a W4A16 checkpoint's at group 128; "
                        "the config declares dynamic per-token FP8 input activations, which the "
