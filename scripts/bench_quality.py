@@ -411,10 +411,10 @@ def summarize(files: list[Path], out: Path, pairs: tuple[tuple[str, str], ...] =
         rows.append({"group_size": g, "calib": cset, "run": spec, "seeds": seeds, "n": len(rs),
                      "chosen_on_validation": any(r.get("chosen_on_validation") for r in rs),
                      "validation_score": statistics.fmean(v) if (v := [x for x in map(validation_score, rs)
-                                                                        if not math.isnan(x)]) else math.nan,
+                                                                        if not math.isnan(x)]) else None,
                      "validation_seeds": len(v), **cell})
     out.write_text(json.dumps({"sources": heads, "files": [f.name for f in files], "summary": rows,
-                               "runs": runs}, indent=1))
+                               "runs": runs}, indent=1, allow_nan=False))  # (strict JSON: no NaN)
     texts = [k for k in rows[0] if k.startswith(("in_domain", "ood:")) and all(k in r for r in rows)]
     print("| group | calibration | run | seeds | validation score | " + " | ".join(
         f"{t}: ppl added % mean (min..max) | {t}: KL" for t in texts) + " |")
@@ -423,7 +423,7 @@ def summarize(files: list[Path], out: Path, pairs: tuple[tuple[str, str], ...] =
                  f"{r[t]['kl_mean']:.4f}" for t in texts]
         name = f"**{r['run']}** (chosen)" if r["chosen_on_validation"] else r["run"]
         print(f"| {r['group_size']} | {r['calib']} | {name} | {len(r['seeds']) or '-'} | "
-              f"{r['validation_score']:.4f} | "
+              + ("-" if r["validation_score"] is None else f"{r['validation_score']:.4f}") + " | "
               + " | ".join(cells) + " |")
     compared = []
 
@@ -448,7 +448,7 @@ def summarize(files: list[Path], out: Path, pairs: tuple[tuple[str, str], ...] =
                   f"{c['kl_ratio']:.3f} ({c['kl_ratio_90'][0]:.3f}..{c['kl_ratio_90'][1]:.3f}) |")
         summary = json.loads(out.read_text())
         summary["paired"] = compared
-        out.write_text(json.dumps(summary, indent=1))
+        out.write_text(json.dumps(summary, indent=1, allow_nan=False))
 
 
 def main() -> None:
