@@ -588,3 +588,33 @@ def test_the_recommended_recipe_is_gptq_512_by_2048_and_flags_win(tmp_path):
     assert r.exit_code == 0, r.output
     rec = tomllib.loads((tmp_path / "b" / "quantize-run.toml").read_text())["convert"]
     assert (rec["method"], rec["num_samples"], rec["seq_len"]) == ("gptq", 4, 32)
+
+
+def test_a_log_file_gets_lines_not_a_bar_and_a_calibrated_eta_by_layers(tmp_path):
+    """stderr into a file (nohup, Slurm): time-stamped lines and no progress bar drawn into it;
+    an RTN run's lines say the time left from the bytes, a calibrated run's say it per layer
+    (its time goes by layers: the bytes' estimate said 2.3 -> 3.0 min left for a 0.8 min run)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from quantize.source.synth import tiny_config, write_checkpoint, write_tokenizer
+
+    cfg = tiny_config("glm4_moe")
+    src = write_checkpoint(tmp_path / "src", cfg, "fp8-channel")
+    write_tokenizer(src, cfg["vocab_size"])
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "COLUMNS": "200"}
+    logs = {}
+    for method, extra in (("rtn", []), ("gptq", ["--num-samples", "4", "--seq-len", "32"])):
+        with open(tmp_path / f"{method}.log", "w") as f:
+            r = subprocess.run([sys.executable, "-m", "quantize", "convert", str(src), str(tmp_path / method),
+                                "--method", method, "--device", "cpu", "--max-shard-size", "200KB", *extra],
+                               env=env, stdout=subprocess.DEVNULL, stderr=f, check=False, timeout=300)
+        logs[method] = (tmp_path / f"{method}.log").read_text()
+        assert r.returncode == 0, logs[method]
+        assert "━" not in logs[method] and "% converted" in logs[method]
+    assert "min left" in logs["rtn"]
+    pct = [x for x in logs["gptq"].splitlines() if "% converted" in x]
+    assert pct and not any("min left" in x for x in pct)
+    assert f"1 of {cfg['num_hidden_layers']} decoder layers, ~" in logs["gptq"]

@@ -92,6 +92,7 @@ def test_rtn_under_torchrun_is_byte_identical(src, tmp_path):
     r = torchrun(src, two)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("done in") == 1  # rank 0 reports, rank 1 stays quiet
+    assert "2 processes (torchrun)" in r.stderr  # the log says how many run
     got, want = folder_bytes(two), folder_bytes(one)
     assert sorted(got) == sorted(want)
     for name in want:

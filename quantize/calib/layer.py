@@ -285,10 +285,14 @@ class LayerRunner:
         entry["finish_s"] = round(time.perf_counter() - t_end, 3)  # the host copies' tail
         entry["seconds"] = round(time.perf_counter() - t0, 3)
         fb = entry.get("fallback") or []
+        pace = self._paces = [*getattr(self, "_paces", [])[-2:], entry["seconds"]]
+        left = max(self.num_layers - 1 - L, 0) * sorted(pace)[len(pace) // 2]  # the last 3's median
         self.log(f"layer {L}{' (MTP)' if L >= self.num_layers else ''}: "
                  f"{entry.get('quantized', 0)} Linears {self.opts.method}"
                  + (f", experts {[f['expert'] for f in fb]} below --min-expert-tokens: all-token "
-                    "statistics" if fb else "") + f", {entry['seconds']} s")
+                    "statistics" if fb else "") + f", {entry['seconds']} s"
+                 + (f"; {L + 1} of {self.num_layers} decoder layers, ~{left / 60:.1f} min left at "
+                    "this pace" if L < self.num_layers else ""))
         return entry, result
 
     def load_ahead(self, L: int) -> None:

@@ -206,15 +206,21 @@ def _root(version: Annotated[bool, typer.Option(
     VERBOSITY["quiet"], VERBOSITY["verbose"] = quiet, verbose
 
 
-def progress(disable: bool = False) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
-                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                    console=err, transient=False, disable=disable or VERBOSITY["quiet"])
+def progress(disable: bool = False, eta: bool = True) -> Progress:
+    """The bar on a terminal only (a log file gets `reporters`' time-stamped lines instead of a
+    bar drawn once at the end); `eta`: a time-left column from the bytes done (off where the
+    bytes do not track the time: a calibrated run's layers)."""
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
+               TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), *([TimeRemainingColumn()] if eta else [])]
+    return Progress(*columns, console=err, transient=False,
+                    disable=disable or VERBOSITY["quiet"] or not err.is_terminal)
 
 
-def reporters(bar: Progress, verb: str, total: int | None = None, quiet: bool = False):
+def reporters(bar: Progress, verb: str, total: int | None = None, quiet: bool = False,
+              eta: bool = True):
     """(step(unit): the bar advanced by the unit's source bytes, and every 5 % a timestamped
-    line when stderr is not a terminal (nohup, Slurm, CI logs); line(text): a timestamped line,
+    line when stderr is not a terminal (nohup, Slurm, CI logs), with the time left from the
+    bytes unless `eta` is off (a calibrated run says it per layer instead); line(text): a timestamped line,
     so the time of each step can be read off a log; step.start(total): the bytes to go, when
     known only later). `verb`: the bar's name ("N% converted: ..." in the lines)."""
     import time
@@ -246,8 +252,8 @@ def reporters(bar: Progress, verb: str, total: int | None = None, quiet: bool = 
             logged[0] = pct
             left = spent * (to_go - done) / max(done, 1)
             line(f"{pct}% {done_verb}: {fmt_bytes(done)} of {fmt_bytes(to_go)} read, "
-                 f"{done / spent / 2**20:,.0f} MiB/s, {spent / 60:.1f} min so far, "
-                 f"~{left / 60:.1f} min left")
+                 f"{done / spent / 2**20:,.0f} MiB/s, {spent / 60:.1f} min so far"
+                 + (f", ~{left / 60:.1f} min left" if eta else ""))
 
     step.start = start
     return step, line

@@ -308,13 +308,16 @@ def _run(src: str, dst: Path, a: dict, command: str | None, d, quiet: bool):
                       "shards done): resuming it; finished shards are re-hashed and kept "
                       "(--overwrite starts over)", highlight=False)
     total = sum(u.source_bytes for u in plan.units)
-    with progress(disable=quiet) as bar:
-        step, line = reporters(bar, "convert", total, quiet)
+    calibrated = opts.method != "rtn"  # its time goes by layers, not bytes: said per layer
+    with progress(disable=quiet, eta=not calibrated) as bar:
+        step, line = reporters(bar, "convert", total, quiet, eta=not calibrated)
         line(f"convert {src} -> {dst}: {fmt_bytes(total)} to read, {len(plan.shards)} shard(s) "
              f"of {fmt_bytes(plan.output_bytes)}, method {opts.method}"
              + (" (" + "; ".join([plan.clip_words(),
                                   f"dampening {opts.percdamp:g}", *plan.gptq_extras()]) + ")"
-                if "gptq" in opts.method else "") + f", device {a['device']}")
+                if "gptq" in opts.method else "") + f", device {a['device']}"
+             + (f"; {d.world} processes (torchrun): each calibrates its share, rank 0 writes"
+                if d is not None else ""))
         res = run_convert(local, dst, opts, device=a["device"], resume=a["resume"],
                           overwrite=a["overwrite"], on_unit=step, command=command, log=line,
                           tp=a["tp"], checkpoint_interval=a["checkpoint_interval"], dist=d,
