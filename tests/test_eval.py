@@ -157,6 +157,10 @@ def test_eval_report_card_and_cli(converted):
     assert f"({100 * (s['ppl_ratio'] - 1):+.2f} % perplexity)" in card
     assert f"| same top-1 next token as the source | {100 * s['top1_agreement']:.2f} % |" in card
     assert "| ppl_ratio |" not in card and "| kl_mean |" not in card
+    # the verdict and the thresholds it used (a reader can tell what "pass" meant)
+    v = rep["verdict"]
+    assert v["ok"] and "Verdict: **pass**, by its thresholds: a perplexity ratio of at most " \
+        f"{v['max_ppl_ratio']:g}" in card and f"mean KL of at most {v['max_kl']:g} nats" in card
     # out of domain, by default: the shipped general-English text, in no calibration set
     o = rep["out_of_domain"]
     assert o["data"] == "heldout_english.md, 4 x 48 tokens, in no calibration set"  # --ood-samples 4

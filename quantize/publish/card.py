@@ -99,6 +99,7 @@ class CardFacts:
     mtp: str = "int4"  # int4 | keep
     sglang_no_shared_fusion: bool = False  # routed INT4, shared BF16 (quantize/lint.py)
     keep_fp8: bool = False  # --keep-fp8: a second, FP8 group
+    eval_verdict: dict | None = None  # eval.json's verdict: ok, the thresholds it used, what failed
 
 
 def _bytes(n: int | None) -> str:
@@ -309,6 +310,17 @@ def _results(f: CardFacts) -> list[str]:
                 known.add(key)
                 lines.append(f"| {label} | {fmt(f.eval[key])} |")
         lines += [f"| {k} | {_metric(x)} |" for k, x in _flat(f.eval) if k not in known]
+        v = f.eval_verdict
+        if isinstance(v, dict) and isinstance(v.get("ok"), bool):
+            def g(x) -> str:
+                return f"{x:g}" if _finite(x) else _num(x)
+
+            rule = (f"a perplexity ratio of at most {g(v.get('max_ppl_ratio'))} and a mean KL "
+                    f"of at most {g(v.get('max_kl'))} nats per token, held-out and "
+                    "out-of-domain text (`quantize eval --max-ppl-ratio / --max-kl`)")
+            lines += ["", (f"Verdict: **pass**, by its thresholds: {rule}." if v["ok"] else
+                           f"Verdict: **fail** ({'; '.join(map(str, v.get('failed') or []))}), by "
+                           f"its thresholds: {rule}.")]
     return lines
 
 

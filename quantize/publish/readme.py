@@ -212,6 +212,7 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
         calibration=_calibration(_read_json(dst / CALIB_REPORT), opts),
         verify=_read_json(dst / VERIFY_JSON),
         eval=(eval_.get("summary", eval_) if isinstance(eval_, dict) else None),
+        eval_verdict=eval_.get("verdict") if isinstance(eval_, dict) else None,
         tool_version=manifest.get("tool_version") or __version__,
         compressed_tensors_version=qc.get("version"),
         command=manifest.get("command"),
