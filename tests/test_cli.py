@@ -174,7 +174,8 @@ def test_convert_then_verify(dsa_fp8, tmp_path):
     # a second convert into the same folder finds the manifest, says so, and keeps every shard
     # (issue 5: re-running the same command resumes); other options are refused in test_resume.py
     r = runner.invoke(app, ["convert", str(dsa_fp8), str(out), "--device", "cpu"])
-    assert r.exit_code == 0 and "resuming" in r.output and " 0 shard(s) written" in r.output
+    assert r.exit_code == 0 and "found a finished conversion" in r.output and " 0 shard(s) written" in r.output
+    assert "resuming" not in r.output  # a complete output is not "resumed"
     # the output is not a source: convert says what it is and what to run instead
     r = runner.invoke(app, ["convert", str(out), str(tmp_path / "again")])
     assert r.exit_code == 2 and "an INT4 checkpoint, not a source" in r.output
