@@ -116,9 +116,11 @@ KeepFp8 = Annotated[bool, typer.Option(
                        "float-quantized config group; vLLM reads mixed-precision, SGLang does "
                        "not) instead of widening them to BF16: GLM-5.2 404.3 GiB instead of 419.9.")]
 MtpOpt = Annotated[Mtp, typer.Option(
-    "--mtp", **more(), help="The MTP (speculative decoding) layer's Linears: int4 like the others, or keep "
-                  "them as in the source (BF16): published runs saw an INT4 MTP head collapse "
-                  "the draft acceptance rate.")]
+    "--mtp", **more(), help="The MTP (speculative decoding) layer's --targets Linears: int4 like the "
+                  "decoder layers' (the default: the write-up's layout, 419.9 GiB for GLM-5.2), "
+                  "or keep them as in the source (BF16; plan --mtp keep gives the size). Serving with MTP speculative "
+                  "decoding? Prefer keep: published runs saw an INT4 MTP head collapse the draft "
+                  "acceptance rate (not measured here: no GLM MTP weights on our machines).")]
 Src = Annotated[str, typer.Argument(
     help="Source checkpoint: a folder (config.json + safetensors) or a Hub repo id org/name.")]
 Revision = Annotated[str | None, typer.Option(
