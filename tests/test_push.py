@@ -333,3 +333,24 @@ def test_bare_name_offline_and_a_lowered_verify_floor_are_refused(converted, tmp
         prepare_push(low, "org/x", write_card=False)
     assert verify(src, low).ok  # the default floor again: publishable
     assert prepare_push(low, "org/x", write_card=False).files
+
+
+def test_push_from_a_read_only_folder_is_one_line(converted, tmp_path):
+    """A verified output on a read-only mount: push (which refreshes the card) fails in one
+    line naming the file and the fix, no OSError traceback (on 1d01519 a traceback)."""
+    import shutil
+
+    probe = subprocess.run(["unshare", "--mount", "--map-root-user", "true"], capture_output=True,
+                           check=False) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("this machine gives no mount namespace to remount read-only in")
+    _, dst = converted
+    ro = _copy(dst, tmp_path / "ro")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "300",
+           "HF_HUB_OFFLINE": "0"}
+    script = (f'mount --bind "{ro}" "{ro}" && mount -o remount,bind,ro "{ro}" && '
+              f'exec "{sys.executable}" -c "{CLI}" push "{ro}" org/x')
+    r = subprocess.run(["unshare", "--mount", "--map-root-user", "sh", "-c", script], env=env,
+                       capture_output=True, text=True, check=False, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "README.md" in r.stderr and "could not write" in r.stderr, r.stderr
