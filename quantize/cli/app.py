@@ -71,9 +71,12 @@ def run_json(argv: list[str]) -> int:
     An error Typer / click raise before the command runs (an unknown option, a bad value) and
     an interrupt said as {"error": ...} besides their usual message on stderr; returns the exit
     status."""
+    # click's usage errors' base class, however typer ships click (vendored in typer >= 0.2x as
+    # typer._click, the click package in 0.16): the one in BadParameter's ancestry
+    click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
     try:
         rc = app(args=argv, prog_name="quantize", standalone_mode=False)
-    except typer.TyperException as e:  # click's usage errors (the public base of them)
+    except click_error as e:
         show = getattr(e, "show", None)
         show() if show else err.print(str(e), highlight=False)
         message = e.format_message() if hasattr(e, "format_message") else str(e)
