@@ -22,7 +22,7 @@ GPTAQ_DEFAULT = 0.375  # ConvertOptions.gptaq for gptq and awq+gptq (with sequen
 # every group size (ROUTED_CLIP_DEFAULTS): on the tiny GLM MoE models, whose post-attention
 # norms carry outlier channels as real models' do, the unweighted clip on the routed experts
 # raised the held-out KL by 15 % in 18 of 18 runs, and changed nothing without the outliers
-# (scripts/bench_tiny_glm.py; BENCHMARKS.md, "Held-out error on the tiny synthetic GLM models").
+# (benchmarks/history/scripts/bench_tiny_glm.py; BENCHMARKS.md, "Held-out error on the tiny synthetic GLM models").
 SMALL_GROUP = 32
 SMALL_GROUP_DEFAULTS = {"mse_norm": 2, "mse_weight_power": 0.0, "gptaq": 0.5}
 ROUTED_CLIP_DEFAULTS = {"mse_norm_routed": 3, "mse_weight_power_routed": 1.0}

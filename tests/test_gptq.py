@@ -259,7 +259,7 @@ def test_blocked_inverse_cholesky_in_tf32_stays_bounded(monkeypatch):
     """The GPU factorization's matmuls run in TF32 (gptq.FACTOR_TF32): with every `_mm`
     operand rounded to TF32's 10 mantissa bits (to nearest, as cuBLAS converts) the upper
     factor stays within 1 % of float64's (relative Frobenius; the H200 measured 2-3e-3 at
-    K 6144, scripts/check_factor_gpu.py), and the Hessians are still recognised as positive
+    K 6144, benchmarks/history/scripts/check_factor_gpu.py), and the Hessians are still recognised as positive
     definite."""
     from quantize.rounding import gptq
 

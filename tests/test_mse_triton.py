@@ -5,7 +5,7 @@ division, round half to even, the bf16 roundings of `rtn_qparams` / `_dequant`) 
 group's errors in the eager loop's fixed order (`gptq._tree_sum`), launched without FMA
 contraction, so no tolerance is needed: near-tie groups (different scales whose errors differ
 in the last bits) are decided the same way. Measured: every scale and zero point equal, under
-the interpreter here and compiled on an H200 (scripts/check_mse_gpu.py, 32 GLM-5.2 experts).
+the interpreter here and compiled on an H200 (benchmarks/history/scripts/check_mse_gpu.py, 32 GLM-5.2 experts).
 
 Run by tests/triton_script.py (compiled on a GPU, with `_group_qparams`' dispatch to it, else
 under Triton's interpreter on small shapes); skipped where triton is not installed, whose

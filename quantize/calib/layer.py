@@ -3,14 +3,15 @@ layer after layer on its thread):
 
     layer   = load_layer(...)                          the source's weights, dequantized (loaded
                                                        ahead: during the previous layer's pass 2)
-    pass 1  statistics of the MLP's inputs             capture.py (Hessians, routed tokens, samples)
+    pass 1  statistics of the MLP's inputs             passes.LayerPasses, capture.py (Hessians,
+                                                       routed tokens, samples)
     round   the MLP's target Linears                   rounding.LayerRounding (AWQ / GPTQ / RTN),
                                                        published by outputs.LayerOutputs
     check   the MLP's output error against RTN's       REGRESSION_MARGIN: stop, or --rtn-fallback
     pass 2  the carried hidden states through the rounded layer (the next layer's inputs)
 
-`Carry` is what goes from one layer to the next (and into a resume checkpoint): the hidden
-states in chunks, the DSA top-k, the report's entries, the AWQ scales as applied. With
+`Carry` (passes.py) is what goes from one layer to the next (and into a resume checkpoint): the
+hidden states in chunks, the DSA top-k, the report's entries, the AWQ scales as applied. With
 `--gptaq` it also carries the unrounded model's hidden states (`fp`, and their top-k): pass 1
 runs the unrounded layer on them too (their MLP inputs paired with the rounded stream's for the
 statistics' D terms, their outputs the next layer's `fp`), and the RTN guard measures both
@@ -25,22 +26,18 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from quantize.calib.capture import MLPStats, dense_forward, moe_forward, moe_output_forward
+from quantize.calib.capture import MLPStats
 from quantize.calib.decoder import (
     MOE_CLASSES,
     HiddenStates,
-    SplitLayer,
     every_key_on,
     free_bytes,
     free_layer,
     load_layer,
-    mlp_group_tokens,
-    mlp_input_whole,
     mlp_kind,
     round_in_place,
     run_layer,
@@ -49,6 +46,7 @@ from quantize.calib.distributed import Dist
 from quantize.calib.folds import NormFold, find_norm_fold
 from quantize.calib.handoff import LayerResult
 from quantize.calib.outputs import LayerOutputs, set_weight
+from quantize.calib.passes import Carry, LayerPasses
 from quantize.calib.round_layer import (
     LayerRounding,
     LayerWeights,
@@ -99,8 +97,6 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
-
-
 def mlp_targets(units: dict[str, Unit], L: int) -> dict[str, Target]:
     """Layer L's MLP Linears, each with whether it is rounded to INT4."""
     prefix = f"model.layers.{L}.mlp."
@@ -141,24 +137,6 @@ def torch_profile(L: int, device: torch.device, profiled: set[int]):
     for key in ("cuda_time_total", "cpu_time_total") if cuda else ("cpu_time_total",):
         (Path(pdir) / f"layer{L}-{key}.txt").write_text(
             prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=70))
-
-
-@dataclass
-class Carry:
-    """What the calibration carries from layer to layer, and what a resume checkpoint holds:
-    the hidden states of the calibration tokens (chunks; None before the embedding), the DSA
-    top-k each chunk passes on, whether the hidden states live off the GPU, the report's entry
-    of every layer run, the AWQ scales as applied, and the MTP layers not calibrated (why);
-    with --gptaq the unrounded model's hidden states and top-k (`fp`, `fp_topk`)."""
-
-    hidden: HiddenStates | None = None
-    topk: list[torch.Tensor | None] = field(default_factory=list)
-    spilled: bool = False
-    layers: list[dict] = field(default_factory=list)
-    awq_scales: dict[str, torch.Tensor] = field(default_factory=dict)
-    mtp_skip: dict[int, str] = field(default_factory=dict)
-    fp: HiddenStates | None = None  # --gptaq: the unrounded model's hidden states, chunked alike
-    fp_topk: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class LayerLoader:
@@ -221,7 +199,8 @@ class LayerRunner:
     """Runs one decoder layer's calibration on the carried hidden states (`run`). `skeleton` and
     `inputs` are the model the layer comes from and its rotary / masks (the MTP layer swaps in
     its own); `check_stop` raises to leave a layer, `before_overwrite` waits for a checkpoint
-    still copying the hidden states, `warm(L)` reads layer L's bytes ahead."""
+    still copying the hidden states, `warm(L)` reads layer L's bytes ahead. The forwards over
+    the hidden states are passes.LayerPasses."""
 
     def __init__(self, ckpt: Checkpoint, units: dict[str, Unit], opts: ConvertOptions,
                  device: torch.device, dtype: torch.dtype, dist: Dist | None, skeleton, inputs,
@@ -256,21 +235,15 @@ class LayerRunner:
         targets = mlp_targets(self.units, L)
         active = any(t.quantize for t in targets.values())
         entry: dict = {"layer": L, "mlp": kind, "load_s": round(t_loaded - t0, 3)}
+        passes = LayerPasses(L, layer, self.skeleton, self.inputs, self.carry, self.device, self.skip,
+                             self.check_stop, self.before_overwrite, self.log)
         if not active:
             self.load_ahead(L + 1)  # (a forward only: little memory of its own)
-            self.before_overwrite()
-            streams = [(self.carry.hidden, self.carry.topk)]
-            if self.carry.fp is not None:
-                streams.append((self.carry.fp, self.carry.fp_topk))
-            for hs, topk in streams:
-                for i in range(len(hs)):
-                    self.check_stop()
-                    h, topk[i] = run_layer(self.skeleton, layer, self.inputs, hs.on_device(i), topk[i])
-                    hs.put(i, h)
+            passes.forward()
             entry["quantized"] = 0
         else:
             with torch_profile(L, self.device, self._profiled):
-                entry.update(self._calibrate(L, layer, kind, targets))
+                entry.update(self._calibrate(L, layer, kind, targets, passes))
         if every_key and not every_key_on():
             self.log(f"warning: layer {L}: its DSA indexer, which selects every key at this "
                      "sequence length, gave another forward when skipped (run_layer's proof); "
@@ -304,7 +277,8 @@ class LayerRunner:
         self.outputs.close()
         self.loader.close()
 
-    def _calibrate(self, L: int, layer, kind: str, targets: dict[str, Target]) -> dict:
+    def _calibrate(self, L: int, layer, kind: str, targets: dict[str, Target],
+                   passes: LayerPasses) -> dict:
         o = self.opts
         method = o.method
         mlp = layer.mlp
@@ -319,7 +293,7 @@ class LayerRunner:
                          cover=o.expert_coverage if kind == "moe" else 0,
                          store_tokens=not self.carry.spilled and not HiddenStates.should_spill(2 * kept, self.device))
         clock = _Clock(self.device)
-        ref0, h0, halves, fp0 = self._pass1(L, layer, kind, stats)
+        ref0, h0, fp0 = passes.pass1(kind, stats, self._keep_mlp_inputs)
         # the errors below: each candidate's layer output (its change to the residual stream)
         # against the unrounded layer's on the same inputs, or with --gptaq against the
         # unrounded model's (fp0: its output and input on chunk 0), the target GPTAQ fits
@@ -332,14 +306,14 @@ class LayerRunner:
         # what round-to-nearest would give on chunk 0 (the module's targets rounded in place:
         # the rounding below reads the source from the checkpoint and overwrites every one)
         round_in_place(layer, L, quant, o.group_size, o.symmetric)
-        rtn_err = self._err(self._chunk0_output(layer, halves) - h0, want)
+        rtn_err = self._err(passes.chunk0_output() - h0, want)
         clock.lap("rtn_reference")
 
         rounding = LayerRounding(L, mlp, kind, targets, stats, self.ckpt, self.units, o,
                                  self.device, self.dtype, self.dist, self.check_stop, fold,
                                  # (this module's clock, read when called: as _Clock's)
                                  Sections(self.device, lambda: time.perf_counter()),
-                                 mlp_inputs=lambda sink: self._mlp_inputs(layer, halves, sink))
+                                 mlp_inputs=passes.mlp_inputs)
         nq = 0
 
         def done(n: str, w: Int4Weight) -> None:
@@ -366,22 +340,10 @@ class LayerRunner:
         self.load_ahead(L + 1)  # past the rounding's peak: the next layer's weights meanwhile
 
         # ---- the calibrated layer against round-to-nearest, on chunk 0 (in sample)
-        err = self._err(self._chunk0_output(layer, halves) - h0, want)
+        err = self._err(passes.chunk0_output() - h0, want)
         report["check"] = {"chunk0_rel_error": err, "rtn_rel_error": rtn_err,
                            "margin": REGRESSION_MARGIN}
-        worse = err > REGRESSION_MARGIN * rtn_err + 1e-12
-        if self.dist is not None:  # every rank takes the same branch (collectives follow)
-            worse = bool(self.dist.all_reduce(torch.tensor([int(worse)])).item())
-        if worse:
-            where = f"layer {L}{' (MTP)' if L >= self.num_layers else ''}"
-            if not o.rtn_fallback:
-                raise QuantizeError(
-                    f"{where}: --method {method} made the MLP's output worse than round-to-nearest "
-                    f"(relative error {err:.4g}, RTN's {rtn_err:.4g} on the same tokens, margin "
-                    f"{REGRESSION_MARGIN}x); stopped. Fix: pass --rtn-fallback to round such layers "
-                    "to nearest (the report and the card list them), or use --method gptq / rtn")
-            self.log(f"warning: {where}: {method} error {err:.4g} > {REGRESSION_MARGIN} x RTN's "
-                     f"{rtn_err:.4g}: rounded to nearest instead (--rtn-fallback)")
+        if self._worse_than_rtn(L, err, rtn_err):
             self._fall_back_to_rtn(L, layer, quant, mods)
             mods = {}
             report["rtn_fallback"] = {"method": method, "rel_error": err, "rtn_rel_error": rtn_err}
@@ -390,14 +352,14 @@ class LayerRunner:
             self.carry.awq_scales.update(rounding.awq_scales)
 
         # ---- pass 2: the next layer's inputs through the quantized layer
-        out0 = self._pass2(layer, halves)
+        out0 = passes.pass2()
         report["output_rel_error"] = self._err(out0 - h0, want)
         D_in = stats.D_in
         if D_in is not None:  # how far the streams had drifted, relative to H
             report["gptaq"] = {"fraction": o.gptaq, "tokens": stats.n_asym,
                                "D_in_rel": float(D_in.norm() / stats.H_in.norm().clamp(min=1e-30)),
                                "D_down_rel": float(stats.D_down.norm() / stats.H_down.norm().clamp(min=1e-30))}
-        report["attention_once"] = halves is not None
+        report["attention_once"] = passes.halves is not None
         clock.lap("pass2_forward")
         report["timing_s"] = clock.laps
         if clock.peaks:
@@ -405,6 +367,26 @@ class LayerRunner:
         report["quantized"] = nq
         report["modified_bf16"] = sorted(mods)
         return report
+
+    def _worse_than_rtn(self, L: int, err: float, rtn_err: float) -> bool:
+        """Whether the calibrated layer's error exceeds REGRESSION_MARGIN times round-to-nearest's
+        (the same answer on every rank): without --rtn-fallback that stops the run, with it the
+        caller rounds the layer to nearest instead (said in the log)."""
+        o = self.opts
+        worse = err > REGRESSION_MARGIN * rtn_err + 1e-12
+        if self.dist is not None:  # every rank takes the same branch (collectives follow)
+            worse = bool(self.dist.all_reduce(torch.tensor([int(worse)])).item())
+        if worse:
+            where = f"layer {L}{' (MTP)' if L >= self.num_layers else ''}"
+            if not o.rtn_fallback:
+                raise QuantizeError(
+                    f"{where}: --method {o.method} made the MLP's output worse than round-to-nearest "
+                    f"(relative error {err:.4g}, RTN's {rtn_err:.4g} on the same tokens, margin "
+                    f"{REGRESSION_MARGIN}x); stopped. Fix: pass --rtn-fallback to round such layers "
+                    "to nearest (the report and the card list them), or use --method gptq / rtn")
+            self.log(f"warning: {where}: {o.method} error {err:.4g} > {REGRESSION_MARGIN} x RTN's "
+                     f"{rtn_err:.4g}: rounded to nearest instead (--rtn-fallback)")
+        return worse
 
     def _err(self, a: torch.Tensor, b: torch.Tensor) -> float:
         """||a - b|| / ||b|| over chunk 0 (rows: samples). Under torchrun over the samples one
@@ -430,13 +412,6 @@ class LayerRunner:
             self.outputs.results.rescaled.pop(n, None)
             set_weight(layer, L, n, W.source(n))
 
-    def _chunk0_output(self, layer, halves: SplitLayer | None) -> torch.Tensor:
-        """Chunk 0's layer output through the layer as it is now (after pass 1: chunk 0 holds
-        h1 where the layer splits, else the layer's input)."""
-        if halves is not None:
-            return halves.mlp(self.carry.hidden.on_device(0))
-        return run_layer(self.skeleton, layer, self.inputs, self.carry.hidden.on_device(0), self.carry.topk[0])[0]
-
     def _norm_fold(self, L: int, layer, targets: dict[str, Target]) -> NormFold | None:
         """Where this layer's AWQ input scale goes (folds.find_norm_fold, proven on the layer
         with one sample of chunk 0), when AWQ rounds a gate/up target; else None. The probe is
@@ -451,87 +426,6 @@ class LayerRunner:
         return find_norm_fold(layer, lambda: run_layer(self.skeleton, layer, self.inputs, h, topk,
                                                        every_key=False),
                               L, self.ckpt.model_type)
-
-    def _stat_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP inputs (windows, positions, features) the statistics take: without the first
-        `skip` positions of each window (ConvertOptions.stats_prefix off), as rows."""
-        if self.skip:
-            x = x[:, self.skip:]
-        return x.reshape(-1, x.shape[-1])
-
-    def _pass1(self, L: int, layer, kind: str, stats: MLPStats
-               ) -> tuple[torch.Tensor, torch.Tensor, SplitLayer | None,
-                          tuple[torch.Tensor, torch.Tensor] | None]:
-        """Pass 1: the layer over every chunk, the MLP's statistics on. Where the layer splits
-        into its halves (`SplitLayer.check` on chunk 0, bit for bit), the attention runs once
-        per chunk, its output h1 replaces the chunk (pass 2 starts there), and the statistics
-        forward runs on groups of chunks without computing outputs nobody reads; else whole
-        layers. --gptaq: the unrounded model's stream through the unrounded layer too, chunk by
-        chunk beside the rounded one's (its MLP inputs paired with theirs in the statistics,
-        its outputs replacing its chunks). Returns (chunk 0's output through the unrounded
-        layer, chunk 0's input, the split or None, and with --gptaq the unrounded stream's
-        chunk-0 output and input, else None)."""
-        fwd = moe_forward if kind == "moe" else dense_forward
-        mlp = layer.mlp
-        fp = self.carry.fp
-        h0 = self.carry.hidden.on_device(0)
-        fp0 = None if fp is None else (None, fp.on_device(0))
-        halves = SplitLayer(self.skeleton, layer, self.inputs)
-        ok, ref0, h1, topk1, x0 = halves.check(h0, self.carry.topk[0])
-        if not ok:
-            self.log(f"layer {L}: its forward is not attention + MLP on one residual, bit for "
-                     "bit: whole-layer forwards in both passes")
-            return ref0, h0, None, self._pass1_whole(layer, fwd, stats, fp0)
-        # several chunks per statistics call (all-expert mode: one, its (e, T, I) activations
-        # grow with T); the routed Hessians recompute a call's MLP inputs from the hidden
-        # states (h1 after this pass) instead of keeping a copy of them
-        group = 0 if stats.all_experts else mlp_group_tokens(self.device)
-        calls: list[list[int]] = []  # the chunks of each statistics call
-        pending: list[torch.Tensor] = []
-        pending_fp: list[torch.Tensor] = []  # --gptaq: the same tokens' unrounded-stream inputs
-        if stats.routed_hessians and kind == "moe":
-            stats.store_tokens = True
-            if not self._keep_mlp_inputs(mlp.experts):
-                stats.x_of = lambda c: torch.cat([self._stat_rows(halves.mlp_input(self.carry.hidden.on_device(i)))
-                                                  for i in calls[c]])
-
-        def flush(upto: int) -> None:
-            if pending:
-                x = pending[0] if len(pending) == 1 else torch.cat(pending)
-                x_fp = None if not pending_fp else \
-                    pending_fp[0] if len(pending_fp) == 1 else torch.cat(pending_fp)
-                start = calls[-1][-1] + 1 if calls else 0
-                calls.append(list(range(start, upto + 1)))
-                pending.clear()
-                pending_fp.clear()
-                fwd(mlp, x, stats, outputs=False, x_fp=x_fp)
-
-        def take(x: torch.Tensor) -> None:
-            pending.append(self._stat_rows(x))
-
-        def take_fp(x: torch.Tensor) -> None:
-            pending_fp.append(self._stat_rows(x))
-
-        self.before_overwrite()
-        for i in range(len(self.carry.hidden)):
-            self.check_stop()
-            if i == 0:
-                take(x0)
-                h1_i, topk_i = h1, topk1
-            else:
-                h1_i, topk_i = halves.attention(self.carry.hidden.on_device(i), self.carry.topk[i], take)
-            self.carry.topk[i] = topk_i  # what the layer passes on (pass 2 does not recompute it)
-            self.carry.hidden.put(i, h1_i)
-            if fp is not None:  # the unrounded stream: its whole layer now, the MLP unrounded
-                h1_f, self.carry.fp_topk[i] = halves.attention(fp.on_device(i), self.carry.fp_topk[i], take_fp)
-                out_f = halves.mlp(h1_f)
-                fp0 = (out_f, fp0[1]) if i == 0 else fp0
-                fp.put(i, out_f)
-                del h1_f, out_f
-            if sum(p.shape[0] for p in pending) >= group:
-                flush(i)
-        flush(len(self.carry.hidden) - 1)
-        return ref0, h0, halves, fp0
 
     def _keep_mlp_inputs(self, experts: torch.nn.Module) -> bool:
         """Whether the routed Hessians keep the layer's MLP inputs from pass 1 (one more copy
@@ -551,96 +445,3 @@ class LayerRunner:
         hidden states are spilled off the device (no copy of them is kept there)."""
         h = self.carry.hidden
         return 0 if self.carry.spilled else sum(h.get(i).numel() for i in range(len(h))) * self.dtype.itemsize
-
-    def _pass1_whole(self, layer, fwd, stats: MLPStats,
-                     fp0: tuple[torch.Tensor | None, torch.Tensor] | None
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Pass 1 in whole-layer forwards (a layer `SplitLayer.check` refused): the statistics
-        of the MLP's input, captured by a pre-hook as the class's own forward runs (the layer's
-        output is not kept: pass 2 computes it after rounding); --gptaq: each unrounded-stream
-        chunk first, its MLP input kept for the pair, its output replacing it. Returns `fp0`
-        with the unrounded stream's chunk-0 output filled in (None without --gptaq)."""
-        fp = self.carry.fp
-        x_fp: list[torch.Tensor] = []
-
-        def pre(m, args):
-            x = self._stat_rows(args[0])
-            if x_fp and x_fp[-1] is None:  # the unrounded stream's forward
-                x_fp[-1] = x
-            else:
-                fwd(m, x, stats, outputs=False, x_fp=x_fp.pop() if x_fp else None)
-
-        hook = layer.mlp.register_forward_pre_hook(pre)
-        if fp is not None:
-            self.before_overwrite()  # (the unrounded stream's chunks are replaced here)
-        try:
-            for i in range(len(self.carry.hidden)):
-                self.check_stop()
-                if fp is not None:
-                    x_fp.append(None)
-                    out_f, self.carry.fp_topk[i] = run_layer(
-                        self.skeleton, layer, self.inputs, fp.on_device(i), self.carry.fp_topk[i])
-                    fp0 = (out_f, fp0[1]) if i == 0 else fp0
-                    fp.put(i, out_f)
-                run_layer(self.skeleton, layer, self.inputs, self.carry.hidden.on_device(i), self.carry.topk[i])
-        finally:
-            hook.remove()
-        return fp0
-
-    def _mlp_inputs(self, layer, halves: SplitLayer | None,
-                    sink: Callable[[torch.Tensor], None]) -> None:
-        """Every chunk's MLP input in the rounded stream to `sink` (between the passes: the
-        carried chunks hold h1 where the layer splits, several chunks at once through its norm;
-        else the layer's inputs, through whole forwards whose MLP answers 0)."""
-        hs = self.carry.hidden
-        if halves is None:
-            for i in range(len(hs)):
-                self.check_stop()
-                sink(self._stat_rows(mlp_input_whole(self.skeleton, layer, self.inputs,
-                                                     hs.on_device(i), self.carry.topk[i])))
-            return
-        for _, part in self._chunk_groups(mlp_group_tokens(self.device)):
-            sink(self._stat_rows(halves.mlp_input(part[0] if len(part) == 1 else torch.cat(part))))
-
-    def _chunk_groups(self, group: int):
-        """The carried chunks on the device in runs of consecutive chunks of about `group`
-        tokens (at least one chunk each): yields (index of the run's first chunk, its chunks;
-        a consumer done with them clears that list, so that they are not held here)."""
-        hs, start = self.carry.hidden, 0
-        while start < len(hs):
-            self.check_stop()
-            part = [hs.on_device(start)]
-            while start + len(part) < len(hs) and sum(h.shape[0] * h.shape[1] for h in part) < group:
-                part.append(hs.on_device(start + len(part)))
-            n = len(part)
-            yield start, part
-            start += n
-
-    def _pass2(self, layer, halves: SplitLayer | None) -> torch.Tensor:
-        """Pass 2: every chunk through the rounded layer, replaced by the output (the next
-        layer's input); from h1 through the MLP half, several chunks at once, when split; a
-        MoE block's output by `capture.moe_output`. Returns chunk 0's output."""
-        self.before_overwrite()
-        with moe_output_forward(layer.mlp):
-            return self._pass2_chunks(layer, halves)
-
-    def _pass2_chunks(self, layer, halves: SplitLayer | None) -> torch.Tensor:
-        out0 = None
-        if halves is None:
-            for i in range(len(self.carry.hidden)):
-                self.check_stop()
-                out, self.carry.topk[i] = run_layer(self.skeleton, layer, self.inputs,
-                                              self.carry.hidden.on_device(i), self.carry.topk[i])
-                out0 = out if i == 0 else out0
-                self.carry.hidden.put(i, out)
-            return out0
-        for start, hs in self._chunk_groups(mlp_group_tokens(self.device, pass2=True)):
-            out = halves.mlp(hs[0] if len(hs) == 1 else torch.cat(hs))
-            # a chunk of its own (a checkpoint saves each chunk: never a view of the group)
-            parts = [out] if len(hs) == 1 else [o.clone() for o in out.split([h.shape[0] for h in hs])]
-            del out
-            hs.clear()  # (the group's inputs released before their chunks are replaced)
-            for j, o in enumerate(parts):
-                self.carry.hidden.put(start + j, o)
-            out0 = parts[0] if start == 0 else out0
-        return out0

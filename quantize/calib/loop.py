@@ -15,8 +15,9 @@ The modules of this folder: `decoder.py` builds and runs a decoder layer (transf
 classes) and holds the activations between layers; `capture.py` is the MLP's calibration
 forward and its statistics; `round_layer.py` rounds one layer's MLP from them (which weights,
 which Hessians, what batches), `rounding/gptq.py` / `rounding/awq.py` being the rounding as
-pure functions; `layer.py` is one layer's calibration (`LayerRunner`: load, pass 1, rounding,
-the RTN guard, pass 2) and what is carried between layers (`Carry`); `mtp.py` the MTP layer's
+pure functions; `layer.py` is one layer's calibration (`LayerRunner`: load, rounding, the RTN
+guard), `passes.py` its forwards over the carried chunks (`LayerPasses`: pass 1, pass 2) and
+what is carried between layers (`Carry`); `mtp.py` the MTP layer's
 inputs; this module is the loop (`Calibrator`: the layer thread, handing each layer's result to
 the writer: handoff.py); `report.py` writes its reports; `resume.py` / `state.py` keep the
 checkpoints for resume; `distributed.py` the ranks under torchrun.

@@ -12,7 +12,7 @@ each product rounded to float32 before it is added (no fused multiply-add), the 
 in slot order, the sum rounded to bf16 to nearest even: no float32 copy of the rows, one read
 of y. CPU runs use the torch expression (`moe_output`); tests/test_moe_triton.py runs the
 kernel under Triton's interpreter against it (equal bit for bit there), and
-`scripts/bench_moe_forward.py` compares pass 2's output with transformers' forward on the GPU.
+`benchmarks/history/scripts/bench_moe_forward.py` compares pass 2's output with transformers' forward on the GPU.
 """
 
 from __future__ import annotations

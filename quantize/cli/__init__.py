@@ -4,6 +4,7 @@
                    become a one-line message and exit 2 (every command goes through it)
     params.py      the parameters several commands share, and ConvertOptions from them
     run_record.py  convert's run record, --config / --from, the published command line
+    convert_params.py  convert's own options (their types and help)
     inspect.py plan.py convert.py verify.py eval.py push.py   the commands
 
 `main()` is the console entry point (`quantize`, `python -m quantize`).

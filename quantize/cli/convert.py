@@ -8,15 +8,38 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
 from quantize.cli.app import Failed, app, err, out, print_json, progress, reporters, tag
+from quantize.cli.convert_params import (
+    BaseModel,
+    CalibBos,
+    CalibOpt,
+    CheckpointInterval,
+    ConfigOpt,
+    ConvertDst,
+    ConvertSrc,
+    ExpertCalibrationOpt,
+    ExpertCoverage,
+    FromOpt,
+    JsonSummary,
+    MaxGpuMemory,
+    MethodOpt,
+    MinExpertTokens,
+    NumSamples,
+    Overwrite,
+    Percdamp,
+    RecipeOpt,
+    ResumeOpt,
+    RtnFallback,
+    Seed,
+    SeqLen,
+)
 from quantize.cli.params import (
-    CALIB,
     Asym,
     Debug,
+    Device,
     ExpertCalibration,
     GptaqOpt,
     GroupSize,
@@ -31,7 +54,6 @@ from quantize.cli.params import (
     MseWeightPowerRoutedOpt,
     Mtp,
     MtpOpt,
-    Recipe,
     Revision,
     ScaleRefitOpt,
     Scheme,
@@ -40,37 +62,26 @@ from quantize.cli.params import (
     Targets,
     Tp,
     convert_options,
-    more,
-    recipe_callback,
     value,
 )
 from quantize.cli.run_record import (
     RESOLVED_KEYS,
     RUN_KEYS,
-    config_callback,
-    from_callback,
     public_command,
     read_run_file,
     write_run_record,
 )
 from quantize.errors import Problem, QuantizeError
 from quantize.names import CALIB_REPORT, CALIB_TIMINGS, RUN_RECORD
-from quantize.options import MAX_EXPERT_COVERAGE
 
 
 @app.command()
 def convert(
     ctx: typer.Context,
-    src: Annotated[str | None, typer.Argument(
-        help="Source checkpoint: a folder or a Hub repo id org/name (with --from: default the "
-             "recorded one).", show_default=False)] = None,
-    dst: Annotated[Path | None, typer.Argument(
-        help="Output folder for the INT4 checkpoint.", show_default=False)] = None,
-    recipe: Annotated[Recipe | None, typer.Option(
-        "--recipe", is_eager=True, callback=recipe_callback, show_default=False,
-        help="recommended: --method gptq --num-samples 512 --seq-len 2048 (flags win).")] = None,
-    method: Annotated[Method, typer.Option(
-        help="Rounding: rtn (no data, minutes), gptq (recommended), awq or awq+gptq.")] = Method.rtn,
+    src: ConvertSrc = None,
+    dst: ConvertDst = None,
+    recipe: RecipeOpt = None,
+    method: MethodOpt = Method.rtn,
     group_size: GroupSize = 32,
     scheme: SchemeOpt = Scheme.w4a16,
     mtp: MtpOpt = Mtp.int4,
@@ -78,41 +89,15 @@ def convert(
     targets: Targets = "routed",
     asymmetric: Asym = False,
     max_shard_size: MaxShardSize = "5GB",
-    calib: Annotated[str | None, typer.Option(
-        help="Calibration text: .jsonl (text or chat messages), .txt, .parquet (also .xz/.gz), "
-             "a datasets folder or a Hub dataset ORG/NAME@REV:SPLIT. Default: shipped:large, "
-             "1.8 M tokens of dialogue, docs, code and math (enough for 512 x 2048).",
-        rich_help_panel=CALIB)] = None,
-    num_samples: Annotated[int, typer.Option(
-        help="Calibration sequences (recommended: 512).", rich_help_panel=CALIB)] = 128,
-    seq_len: Annotated[int, typer.Option(
-        help="Tokens per calibration sequence.", rich_help_panel=CALIB)] = 2048,
-    seed: Annotated[int, typer.Option(
-        help="Seed for sampling the calibration windows.", **more())] = 0,
-    calib_bos: Annotated[bool, typer.Option(
-        "--calib-bos/--no-calib-bos",
-        help="Begin each calibration window with the tokens every served request begins with: "
-             "the tokenizer's BOS (Gemma, Llama), else the special tokens the chat template "
-             "writes first (GLM's [gMASK]<sop>). Off: windows cut from the text alone, as "
-             "before 2026-12-05.",
-        **more())] = True,
-    expert_calibration: Annotated[ExpertCalibration, typer.Option(
-        help="routed: each expert's statistics from its routed tokens; routed-weighted: those "
-             "tokens weighted by their squared routing weight (as the layer output weighs the "
-             "expert's error; not measured on real weights: BENCHMARKS.md); all: every expert "
-             "sees every token (llm-compressor's way).", **more())] = ExpertCalibration.routed,
-    min_expert_tokens: Annotated[int, typer.Option(
-        help="Experts whose statistics cover fewer tokens use all-token statistics (reported).",
-        **more())] = 16,
-    expert_coverage: Annotated[int, typer.Option(
-        min=0, max=MAX_EXPERT_COVERAGE,
-        help="Top up each routed expert's statistics to this many tokens: an expert routed fewer "
-             "gets the tokens its router ranks highest among the rest (reported; 0: off; "
-             "held on the device in each layer's first pass: GLM-5.2 at 256, 0.8 GB).",
-        **more())] = 0,
-    percdamp: Annotated[float, typer.Option(
-        help="GPTQ dampening, relative to the mean Hessian diagonal (0.01, the papers' value, "
-             "overfits narrow calibration text: BENCHMARKS.md).", **more())] = 0.1,
+    calib: CalibOpt = None,
+    num_samples: NumSamples = 128,
+    seq_len: SeqLen = 2048,
+    seed: Seed = 0,
+    calib_bos: CalibBos = True,
+    expert_calibration: ExpertCalibrationOpt = ExpertCalibration.routed,
+    min_expert_tokens: MinExpertTokens = 16,
+    expert_coverage: ExpertCoverage = 0,
+    percdamp: Percdamp = 0.1,
     mse_clip: MseClipOpt = None,
     mse_norm: MseNormOpt = None,
     mse_weight_power: MseWeightPowerOpt = None,
@@ -121,38 +106,18 @@ def convert(
     scale_refit: ScaleRefitOpt = None,
     gptaq: GptaqOpt = None,
     sequential_mlp: SequentialOpt = None,
-    rtn_fallback: Annotated[bool, typer.Option(
-        help="A calibrated layer whose output error on the calibration tokens exceeds "
-             "round-to-nearest's by 1.5x stops the run by default; with this flag that layer is "
-             "rounded to nearest instead (the calibration report and the card list it).",
-        **more())] = False,
-    checkpoint_interval: Annotated[float, typer.Option(
-        help="Seconds between the calibration's resume checkpoints, at least (written in the "
-             "background; a crash repeats about this much work; 0: after every layer; inf: "
-             "none, a crash restarts the calibration).", **more())] = 300.0,
-    max_gpu_memory: Annotated[float | None, typer.Option(
-        help="GiB of GPU memory the calibration may hold (default: all of it); 75 runs GLM-5.2 "
-             "as on an 80 GB GPU.", rich_help_panel=CALIB)] = None,
-    device: Annotated[str, typer.Option(help="auto (GPU when present), cpu or cuda[:N].")] = "auto",
-    resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue an interrupted conversion (automatic when DST has a manifest).")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Delete DST's contents and start over.")] = False,
+    rtn_fallback: RtnFallback = False,
+    checkpoint_interval: CheckpointInterval = 300.0,
+    max_gpu_memory: MaxGpuMemory = None,
+    device: Device = "auto",
+    resume: ResumeOpt = False,
+    overwrite: Overwrite = False,
     tp: Tp = 8,
     revision: Revision = None,
-    base_model: Annotated[str | None, typer.Option(**more(),
-        help="The Hub repo SRC is a copy of (ORG/NAME), for the card's base_model; default: the "
-             "repo a Hub-cache source came from. Pass it for a local copy, e.g. after "
-             "`hf download --local-dir`.")] = None,
-    json_: Annotated[bool, typer.Option(
-        "--json", help="Print a JSON summary on stdout at the end.")] = False,
-    config: Annotated[Path | None, typer.Option(
-        "--config", is_eager=True, callback=config_callback, exists=False, **more(),
-        help="A TOML file of convert options (keys as the long flags; flags given on the "
-             "command line win), e.g. a run record DST/quantize-run.toml.")] = None,
-    from_: Annotated[Path | None, typer.Option(
-        "--from", is_eager=True, callback=from_callback, **more(),
-        help="Replay the run that made this output folder: its options (and SRC) from its "
-             "quantize-run.toml; flags given here win.")] = None,
+    base_model: BaseModel = None,
+    json_: JsonSummary = False,
+    config: ConfigOpt = None,
+    from_: FromOpt = None,
     debug: Debug = False,
     help_all: HelpAll = False,
 ) -> None:
@@ -172,28 +137,55 @@ def convert(
     """
     given = dict(locals())  # every parameter as resolved (flags, --config, --from, defaults)
     from quantize.calib.distributed import init
-    from quantize.source.hub import is_dataset_spec
+    from quantize.write.manifest import manifest_status
 
+    src, dst = _src_dst(src, dst, from_)
+    _refuse_unused_flags(ctx, value(method))
+    record = _run_record(given, src)
+    command = public_command(sys.argv[1:], src, dst, base_model) \
+        if sys.argv[0].endswith("quantize") else None
+    d = init(device)  # under torchrun: this rank (rank 0 prints and writes, the others compute)
+    # what DST held when this run began (--overwrite: nothing kept), for the failure's hint
+    before = None if overwrite else manifest_status(dst)
+    t0 = time.perf_counter()
+    res, total, opts = _run_or_fail(src, dst, given, command, d, before)
+    if res is None:  # a rank other than 0: its share is done, rank 0 reports
+        return
+    resolved = {k: getattr(opts, k) for k in RESOLVED_KEYS if record.get(k) is None}
+    write_run_record(dst, record | resolved)
+    _summary(res, src, dst, total, time.perf_counter() - t0, value(method), json_)
+
+
+def _src_dst(src: str | None, dst: Path | None, from_: Path | None) -> tuple[str, Path]:
+    """SRC and DST as this run takes them: `--from OLD NEW` makes NEW the DST and SRC the
+    recorded one; both required."""
     if dst is None and from_ is not None and src is not None:  # `--from OLD NEW`: NEW is DST
         dst, src = Path(src), read_run_file(from_ / RUN_RECORD, "--from").get("src")
     if src is None or dst is None:
         raise typer.BadParameter("SRC and DST are required (SRC may come from --from or --config)",
                                  param_hint="SRC DST")
-    dst = Path(dst)
-    _refuse_unused_flags(ctx, value(method))
-    # SRC as a local path resolved: `--from` replays this folder's source from any working
-    # folder (the record stays local: never pushed); a Hub id as typed
-    record = {k: given[k] for k in RUN_KEYS} | {
-        "src": str(Path(src).resolve()) if Path(src).exists() else src, "calib": None if calib is None or is_dataset_spec(calib) else str(Path(calib).resolve())}
-    command = public_command(sys.argv[1:], src, dst, base_model) \
-        if sys.argv[0].endswith("quantize") else None
-    d = init(device)  # under torchrun: this rank (rank 0 prints and writes, the others compute)
-    quiet = d is not None and not d.leader
-    from quantize.write.manifest import manifest_status, output_state
+    return src, Path(dst)
 
-    # what DST held when this run began (--overwrite: nothing kept), for the failure's hint
-    before = None if overwrite else manifest_status(dst)
-    t0 = time.perf_counter()
+
+def _run_record(given: dict, src: str) -> dict:
+    """The run record's options as given; SRC as a local path resolved (`--from` replays this
+    folder's source from any working folder; the record stays local: never pushed), a Hub id
+    as typed; --calib alike (a Hub dataset as typed)."""
+    from quantize.source.hub import is_dataset_spec
+
+    calib = given["calib"]
+    return {k: given[k] for k in RUN_KEYS} | {
+        "src": str(Path(src).resolve()) if Path(src).exists() else src,
+        "calib": None if calib is None or is_dataset_spec(calib) else str(Path(calib).resolve())}
+
+
+def _run_or_fail(src: str, dst: Path, given: dict, command: str | None, d, before):
+    """`_run`, with our errors turned into a one-line failure that says what DST holds now
+    (`before`: what it held when the run began; a rank other than 0 says which it is), an
+    interrupt into exit 130; under torchrun the process group ended after."""
+    from quantize.write.manifest import output_state
+
+    quiet = d is not None and not d.leader
     try:
         res, total, opts = _run(src, dst, given, command, d, quiet)
     except (QuantizeError, ValueError) as e:
@@ -205,11 +197,7 @@ def convert(
         import torch.distributed
 
         torch.distributed.destroy_process_group()
-    if res is None:  # a rank other than 0: its share is done, rank 0 reports
-        return
-    resolved = {k: getattr(opts, k) for k in RESOLVED_KEYS if record.get(k) is None}
-    write_run_record(dst, record | resolved)
-    _summary(res, src, dst, total, time.perf_counter() - t0, value(method), json_)
+    return res, total, opts
 
 
 # convert's options that only GPTQ reads (with --method awq they would do nothing)

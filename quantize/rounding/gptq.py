@@ -362,7 +362,7 @@ def _factor_flipped_inplace(A: torch.Tensor) -> torch.Tensor:
 # most 8 triangular systems of size >= 64 by a loop of cuBLAS calls, a larger batch by one
 # batched call: on an H200, GLM-5.2 gate/up batches (32 experts, K 6144) factor in 0.074 s
 # at 16 / 512 against 0.149 s at 8 / 256, and a steady MoE layer's solves take 2.50 + 0.77 s
-# instead of 3.39 + 1.00 (scripts/check_factor_gpu.py --layouts; benchmarks/h200_factor_layouts.json,
+# instead of 3.39 + 1.00 (benchmarks/history/scripts/check_factor_gpu.py --layouts; benchmarks/h200_factor_layouts.json,
 # h200_pipeline_3layer_layout.json). The factor's error against float64 is unchanged (1.7e-3).
 CHOL_LEAF = 512
 FACTOR_BATCH = 16
@@ -421,7 +421,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # CUDA: the factorization's matmuls (`_mm`) and the block update of the later columns
 # (`_propagate`) on TF32 tensor cores. On GLM-5.2 gate/up batches (K 6144, 32 experts, an
-# H200; scripts/check_factor_gpu.py): the factorization 0.32 -> 0.16 s, the whole solve
+# H200; benchmarks/history/scripts/check_factor_gpu.py): the factorization 0.32 -> 0.16 s, the whole solve
 # 0.59 -> 0.36 s; the factor's error against float64 1e-5 -> 2-3e-3 (relative Frobenius),
 # the output error tr(E H Eᵀ) the same to 3e-6 of itself, 0.5-4 % of the codes moved by one
 # step (ties at a rounding boundary). tests/test_gptq.py bounds the factor with TF32 emulated
@@ -714,7 +714,7 @@ def _codes_eager(Ww: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None,
 # of W); more levels are the same sums grouped differently (float rounding only). Why levels:
 # a narrow kernel wastes fewer lanes on work replicated per row (the kernel is bound by the
 # instructions it issues), and an update per block of 128 reads and writes the whole rest of
-# W (~155 GB for a GLM-5.2 gate/up batch: memory-bound); scripts/check_block_kernel_gpu.py
+# W (~155 GB for a GLM-5.2 gate/up batch: memory-bound); benchmarks/history/scripts/check_block_kernel_gpu.py
 # times the choices (benchmarks/h200_block_kernel_*.json).
 FUSED_WIDTHS = (32, 128, 512)
 

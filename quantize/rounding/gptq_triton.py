@@ -180,7 +180,7 @@ if triton is not None:
 
 
 # `_block_kernel`'s launch: rows of W per program and warps per program. On an H200
-# (scripts/check_block_kernel_gpu.py, benchmarks/h200_block_kernel_levels.json; ten launches
+# (benchmarks/history/scripts/check_block_kernel_gpu.py, benchmarks/h200_block_kernel_levels.json; ten launches
 # and level widths) 16 rows with 2 warps and a kernel 32 columns wide (gptq.FUSED_WIDTHS) were
 # the fastest for GLM-5.2's gate/up and down batches together.
 BLOCK_ROWS = 16

@@ -2,7 +2,7 @@
 driver's start-up and the first kernels, each with its wall time, the bytes it read from the
 disk, and the longest time it kept every other Python thread waiting (the GIL).
 
-    python3 scripts/bench_cuda_start.py --out benchmarks/h200_cuda_start.json
+    python3 benchmarks/history/scripts/bench_cuda_start.py --out benchmarks/h200_cuda_start.json
 
 Each measurement is one child process, run twice cold (`sync; echo 3 > drop_caches`, root)
 and twice warm. In the child: `import torch`; then a ticker thread that wakes every 2 ms and
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_pipeline import drop_caches
 

@@ -1,7 +1,7 @@
 """Two converted folders side by side: per layer, the share of identical INT4 codes and of
 identical bytes elsewhere (a multi-process run against a one-process run, scripts/bench_*).
 
-    python3 scripts/compare_int4.py OUT_A OUT_B [--out cmp.json]
+    python3 benchmarks/history/scripts/compare_int4.py OUT_A OUT_B [--out cmp.json]
 """
 
 from __future__ import annotations

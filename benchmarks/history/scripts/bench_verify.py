@@ -1,7 +1,7 @@
 """verify's cost with the layer check, on the GLM-5.2-shaped slice (one H200), whole processes.
 
     mkdir .old && git archive 59b908c quantize calib_data | tar -x -C .old      # the verify before the layer check
-    python3 scripts/bench_verify.py --out benchmarks/h200_verify_layercheck.json --old .old
+    python3 benchmarks/history/scripts/bench_verify.py --out benchmarks/h200_verify_layercheck.json --old .old
 
 Builds the slice `scripts/bench_pipeline.py` builds (glm_moe_dsa, hidden 6144, layer 0 dense,
 layer 1 MoE with 256 experts, MTP, block FP8, 21.1 GB), converts it (RTN; GPTQ and AWQ+GPTQ at
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def drop_caches() -> bool:

@@ -1,10 +1,10 @@
 """Round-to-nearest convert and verify against the disk: whole CLI processes, cold page cache,
 on the GLM-5.2-shaped slice of scripts/bench_pipeline.py (~21 GB block FP8).
 
-    PYTHONPATH=. python3 scripts/bench_io.py --out benchmarks/h200_io.json
-    PYTHONPATH=. python3 scripts/bench_io.py --out x.json --profile DIR   # also under py-spy
-    PYTHONPATH=. python3 scripts/bench_io.py --smoke --out /tmp/io.json    # tiny, CPU: checks the script
-    PYTHONPATH=. python3 scripts/bench_io.py --host --layers 8 --out x.json  # GBs, CPU: a host's disk
+    PYTHONPATH=. python3 benchmarks/history/scripts/bench_io.py --out benchmarks/h200_io.json
+    PYTHONPATH=. python3 benchmarks/history/scripts/bench_io.py --out x.json --profile DIR   # also under py-spy
+    PYTHONPATH=. python3 benchmarks/history/scripts/bench_io.py --smoke --out /tmp/io.json    # tiny, CPU: checks the script
+    PYTHONPATH=. python3 benchmarks/history/scripts/bench_io.py --host --layers 8 --out x.json  # GBs, CPU: a host's disk
     ... --cgroup /sys/fs/cgroup/qb   # the quantize runs in a memory cgroup the caller made and
                                      # limited (echo 6G > memory.max): the page cache smaller
                                      # than the output, as on the real model
@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))  # (kept in scripts/)
 from bench_pipeline import STAMP, drop_caches, prepare_slice, seconds_of_day, slice_config
 
 
@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="more convert flags")
     ap.add_argument("--profile", type=Path, default=None, help="also run each under py-spy, stacks here")
     ap.add_argument("--profile-format", default="raw", choices=["raw", "chrometrace"],
-                    help="py-spy's output format: raw (collapsed stacks, scripts/pyspy_summary.py), "
+                    help="py-spy's output format: raw (collapsed stacks, benchmarks/history/scripts/pyspy_summary.py), "
                          "chrometrace (every sample with its time: a timeline)")
     ap.add_argument("--native", action="store_true",
                     help="with --profile: py-spy's --native (C/C++ frames too: the CUDA driver, torch's ops)")

@@ -1,6 +1,6 @@
 """cProfile of the calibrated layer pipeline on one device (as run on the H200, 2026-12-01).
 
-    OUT=bench_out PYTHONPATH=. python3 scripts/profile_h200_calib.py
+    OUT=bench_out PYTHONPATH=. python3 benchmarks/history/scripts/profile_h200_calib.py
 
 Builds (once) a 2-layer GLM-5.2-shaped block-FP8 checkpoint with 64 experts in /tmp/profA,
 times the read-ahead of the MoE layer's expert weights (threads x depth), then runs the

@@ -1,7 +1,7 @@
 """What the disk under a checkpoint can do: cold read, fsynced write and mixed read + write
 rates at several queue depths (threads) and with / without the page cache (O_DIRECT).
 
-    PYTHONPATH=. python3 scripts/probe_disk.py SRC_DIR --scratch DIR --out benchmarks/x.json
+    PYTHONPATH=. python3 benchmarks/history/scripts/probe_disk.py SRC_DIR --scratch DIR --out benchmarks/x.json
 
 Reads the *.safetensors files of SRC_DIR (page cache dropped before each run; root), writes
 `--write-gb` GB into --scratch (same disk as the output of a convert) and deletes it. Figures
@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))  # (kept in scripts/)
 from bench_pipeline import drop_caches
 
 CHUNK = 16 * 2**20

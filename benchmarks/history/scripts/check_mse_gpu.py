@@ -1,7 +1,7 @@
 """GPTQ's MSE clip search on the GPU: the Triton kernel (`gptq_triton.mse_clip_qparams`) against
 the eager loop of `gptq._group_qparams`, on GLM-5.2 routed-expert batches.
 
-    PYTHONPATH=. python3 scripts/check_mse_gpu.py --out mse_gpu.json [--experts 32]
+    PYTHONPATH=. python3 benchmarks/history/scripts/check_mse_gpu.py --out mse_gpu.json [--experts 32]
 
 Shapes: 32 experts of gate_up (N 4096, K 6144) and of down (N 6144, K 2048), group 32,
 bf16-valued float32 weights (std 0.02, a few outliers), a positive Hessian diagonal spread over

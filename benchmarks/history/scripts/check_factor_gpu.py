@@ -1,8 +1,8 @@
 """GPTQ's factorization and column updates on the GPU in float32, three-pass TF32 and plain TF32:
 time per GLM-5.2 gate/up batch and error against float64.
 
-    PYTHONPATH=. python3 scripts/check_factor_gpu.py --out bench_out/factor.json   # on the H200
-    SMALL=1 PYTHONPATH=. python3 scripts/check_factor_gpu.py                        # CPU: checks the script
+    PYTHONPATH=. python3 benchmarks/history/scripts/check_factor_gpu.py --out bench_out/factor.json   # on the H200
+    SMALL=1 PYTHONPATH=. python3 benchmarks/history/scripts/check_factor_gpu.py                        # CPU: checks the script
 
 Hessians: H = 2 XᵀX / T of bf16 inputs X (T, K) with log-normal channel scales, a few outlier
 channels (x20) and correlated columns (a random mixing), damped by percdamp x mean(diag H) as

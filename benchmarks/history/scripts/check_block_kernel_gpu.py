@@ -2,16 +2,16 @@
 several layouts: the time of a whole `gptq_quantize` of a GLM-5.2 gate/up batch and of a down
 batch, and whether the codes equal the first layout's, and the output error of each (float64).
 
-    PYTHONPATH=. python3 scripts/check_block_kernel_gpu.py --layouts 16:4:128,16:4:128/512,16:4:32/128/512 \\
+    PYTHONPATH=. python3 benchmarks/history/scripts/check_block_kernel_gpu.py --layouts 16:4:128,16:4:128/512,16:4:32/128/512 \\
         --phases --out benchmarks/h200_block_kernel.json            # on the H200
-    SMALL=1 TRITON_INTERPRET=1 PYTHONPATH=. python3 scripts/check_block_kernel_gpu.py   # CPU: checks the script
+    SMALL=1 TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/history/scripts/check_block_kernel_gpu.py   # CPU: checks the script
 
 A layout is ROWS:WARPS:WIDTHS: rows of W per program (`BLOCK_ROWS`), warps per program
 (`BLOCK_WARPS`), and the widths of the column loop's levels, /-separated (`gptq.FUSED_WIDTHS`:
 the kernel's block first; 128 alone: every block's errors onto the rest of W). `--phases`
 times the MSE clip, the factorization and the column loop apart; `--profile DIR` writes a
-torch.profiler table of one batch of each shape. Hessians from scripts/synthetic_hessians.py
-(as scripts/check_factor_gpu.py uses them; GPTQ damps them by 0.1); the CLI's GPTQ settings
+torch.profiler table of one batch of each shape. Hessians from benchmarks/history/scripts/synthetic_hessians.py
+(as benchmarks/history/scripts/check_factor_gpu.py uses them; GPTQ damps them by 0.1); the CLI's GPTQ settings
 (group 32, MSE clip power 3, TF32 factorization).
 """
 from __future__ import annotations

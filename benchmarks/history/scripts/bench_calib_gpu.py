@@ -1,8 +1,8 @@
 """Calibration cost of one GLM-5.2-shaped MoE layer on one GPU: time and peak memory per layer.
 
-    OMP_NUM_THREADS=8 PYTHONPATH=. python scripts/bench_calib_gpu.py --out bench_out/calib_gpu.json
+    OMP_NUM_THREADS=8 PYTHONPATH=. python benchmarks/history/scripts/bench_calib_gpu.py --out bench_out/calib_gpu.json
     # with llm-compressor side by side (optional wheels, see --llmcompressor):
-    OMP_NUM_THREADS=8 PYTHONPATH=. python scripts/bench_calib_gpu.py --llmcompressor
+    OMP_NUM_THREADS=8 PYTHONPATH=. python benchmarks/history/scripts/bench_calib_gpu.py --llmcompressor
 
 Model: a 2-layer `glm_moe_dsa` with GLM-5.2's shapes (hidden 6144, MLA q_lora 2048 / kv_lora
 512, 64 heads, DSA indexer 32 x 128, layer 0 dense 12288, layer 1: 256 routed experts of width

@@ -1,7 +1,7 @@
 """The routed Hessians' GEMM on the GPU: `gptq.xtx` (bf16 GEMM, float32 output) against the TF32
 path it replaced and a float64 reference, on one expert's routed MLP inputs at GLM-5.2's width.
 
-    OUT=bench_out PYTHONPATH=. python3 scripts/check_xtx_gpu.py [--rows 32768] [--width 6144]
+    OUT=bench_out PYTHONPATH=. python3 benchmarks/history/scripts/check_xtx_gpu.py [--rows 32768] [--width 6144]
 
 Writes OUT/xtx_gpu.json: seconds per GEMM (CUDA-synchronized, median of 5), the largest
 difference of each path from float64 relative to max |XᵀX| and between the two paths.

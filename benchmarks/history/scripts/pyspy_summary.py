@@ -3,9 +3,9 @@
 on a Python lock or condition, and inside preadv / write; then the main thread's time by
 what it was doing (imports, of which compiling sources to bytecode; our package's frames).
 
-    python3 scripts/pyspy_summary.py prof/rtn.txt --rate 50 --header "..." > benchmarks/x.txt
-    python3 scripts/pyspy_summary.py prof/rtn.json --step 0.25   # chrometrace: a timeline
-    python3 scripts/pyspy_summary.py prof/rtn.json --window 3 7  # chrometrace: stacks in a window
+    python3 benchmarks/history/scripts/pyspy_summary.py prof/rtn.txt --rate 50 --header "..." > benchmarks/x.txt
+    python3 benchmarks/history/scripts/pyspy_summary.py prof/rtn.json --step 0.25   # chrometrace: a timeline
+    python3 benchmarks/history/scripts/pyspy_summary.py prof/rtn.json --window 3 7  # chrometrace: stacks in a window
 
 A chrometrace profile (bench_io.py --profile-format chrometrace) gives a timeline instead: per
 `--step` seconds of the run, what each named thread spent most of it in (its innermost frame

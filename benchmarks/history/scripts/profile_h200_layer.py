@@ -1,6 +1,6 @@
 """Where one GLM-5.2 MoE layer's calibration time goes, piece by piece, on one GPU.
 
-    OUT=bench_out PYTHONPATH=. python3 scripts/profile_h200_layer.py [--chunks 4] [--experts 16]
+    OUT=bench_out PYTHONPATH=. python3 benchmarks/history/scripts/profile_h200_layer.py [--chunks 4] [--experts 16]
 
 No checkpoint: layer 1 of a GLM-5.2-shaped model (scripts' usual slice: hidden 6144, 256
 experts of width 2048, MLA + DSA indexer) is built from transformers' own class with random

@@ -1,7 +1,7 @@
 """Which parts of the large calibration set help: GPTQ calibrated on shipped:large with each
 part left out in turn, against the default set, scored on every part's held-out documents.
 
-    PYTHONPATH=. python3 scripts/bench_calib_mix.py --source bench_out/gemma/gemma-3-270m \\
+    PYTHONPATH=. python3 benchmarks/history/scripts/bench_calib_mix.py --source bench_out/gemma/gemma-3-270m \\
         --out benchmarks/local_calib_mix.json --variants default,large,-dialogue,-docs,-code,-zh \\
         --seeds 0,1 --num-samples 64 --seq-len 512 --group-size 128
 
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))  # (kept in scripts/)
 from bench_quality import commit, fingerprint, make_source, run_ours, score, windows_of
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 GROUPS = {"dialogue": ("python-faq", "debian-faq-en", "debian-faq-zh"), "docs": ("python-docs",),
           "code": ("sympy-code",), "prose": ("handbook-en",), "zh": ("debian-reference-zh", "poems-zh")}
 

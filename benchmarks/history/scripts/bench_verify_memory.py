@@ -5,7 +5,7 @@ cache dropped.
     mkdir -p .dev/old && git archive e4b8a9b quantize calib_data | tar -x -C .dev/old
     mkdir /sys/fs/cgroup/memory/qb && echo 1500M > /sys/fs/cgroup/memory/qb/memory.limit_in_bytes  # cgroup v1
     #   (v2: mkdir /sys/fs/cgroup/qb && echo 1500M > /sys/fs/cgroup/qb/memory.max)
-    PYTHONPATH=. python3 scripts/bench_verify_memory.py --cgroup /sys/fs/cgroup/memory/qb \\
+    PYTHONPATH=. python3 benchmarks/history/scripts/bench_verify_memory.py --cgroup /sys/fs/cgroup/memory/qb \\
         --old .dev/old --out benchmarks/local_verify_cgroup.json
 
 Builds a block-FP8 glm_moe_dsa of ~0.8 GB (hidden 2048, 32 experts of width 768, 3 layers + MTP,
@@ -13,7 +13,7 @@ a 32k vocabulary) on the CPU, converts it with RTN (0.64 GB in 6 shards), then r
 verify --device cpu --no-layer-check` `--rounds` times per tree, with and without the cgroup
 (whose limit, made by the caller, should hold the process, ~1.1 GiB, but not its output as well).
 `--runs verify,convert` also times `quantize convert --method rtn` of the same source into a
-second folder the same way. Recorded per run (scripts/bench_io.py's `timed`): wall, peak RSS,
+second folder the same way. Recorded per run (benchmarks/history/scripts/bench_io.py's `timed`): wall, peak RSS,
 GB read from and written to the disk.
 """
 

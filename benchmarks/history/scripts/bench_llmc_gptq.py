@@ -1,6 +1,6 @@
 """Our GPTQ solve against llm-compressor's on identical (W, H), and our kernels' CPU times.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. .venv-llmc/bin/python scripts/bench_llmc_gptq.py \
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv-llmc/bin/python benchmarks/history/scripts/bench_llmc_gptq.py \
         --out benchmarks/local_llmc_gptq.json
 
 Needs llm-compressor (`make test-llmc` builds `.venv-llmc`). E=8 experts of N=256 x K=1024,
@@ -158,7 +158,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import llmcompressor
 
-    res = {"command": "python scripts/bench_llmc_gptq.py --out " + str(a.out),
+    res = {"command": "python benchmarks/history/scripts/bench_llmc_gptq.py --out " + str(a.out),
            "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                        "python": platform.python_version(),
                        "platform": platform.platform()},

@@ -4,8 +4,8 @@ random weights (hidden 6144, 256 experts of width 2048, top-8, GLM-5.2's router)
 `--tokens` tokens in groups, each variant timed (CUDA events, after a warm-up) and its output
 compared with transformers' own forward in float64 terms (max and mean relative error).
 
-    PYTHONPATH=. python3 scripts/bench_moe_forward.py --out benchmarks/h200_moe_forward.json
-    PYTHONPATH=. python3 scripts/bench_moe_forward.py --smoke     # tiny, on the CPU: checks the script
+    PYTHONPATH=. python3 benchmarks/history/scripts/bench_moe_forward.py --out benchmarks/h200_moe_forward.json
+    PYTHONPATH=. python3 benchmarks/history/scripts/bench_moe_forward.py --smoke     # tiny, on the CPU: checks the script
 
 Variants of pass 2 (`--pass2`): `hf:G` the module's forward (transformers' grouped_mm experts)
 on groups of G tokens; `ours:G` quantize.calib.capture.moe_output. Pass 1 (`--pass1`: G, ...):
@@ -105,7 +105,7 @@ def main() -> None:
     x_all = torch.randn(args.tokens, H, generator=torch.Generator(device=device).manual_seed(1),
                         device=device).to(torch.bfloat16)
     flops = 2 * args.tokens * k * 3 * H * moe.experts.intermediate_dim
-    res = {"command": "python3 scripts/bench_moe_forward.py " + " ".join(sys.argv[1:]), "tokens": args.tokens, "hidden": H, "experts": E,
+    res = {"command": "python3 benchmarks/history/scripts/bench_moe_forward.py " + " ".join(sys.argv[1:]), "tokens": args.tokens, "hidden": H, "experts": E,
         "top_k": k, "routed_gflop": round(flops / 1e9, 1), "pass2": [], "pass1": []}
     try:
         res["code"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

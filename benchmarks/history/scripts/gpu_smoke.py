@@ -1,6 +1,6 @@
 """GPU smoke of the whole CLI: the demo checkpoint converted, verified and evaluated on a GPU.
 
-    python3 scripts/gpu_smoke.py --out benchmarks/h200_gpu_smoke.json [--device cuda]
+    python3 benchmarks/history/scripts/gpu_smoke.py --out benchmarks/h200_gpu_smoke.json [--device cuda]
 
 Builds the demo's tiny GLM-5-architecture block-FP8 checkpoint (`scripts/demo.py build`: random
 weights, real tokenizer, MTP layer), then for each method runs `quantize convert` on DEVICE,
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _run(cmd: list[str], log: Path) -> dict:
@@ -93,7 +93,7 @@ def main() -> None:
     if a.device.startswith("cuda"):
         import torch
         gpu = torch.cuda.get_device_name(0)
-    out = {"command": "python3 scripts/gpu_smoke.py " + " ".join(sys.argv[1:]),
+    out = {"command": "python3 benchmarks/history/scripts/gpu_smoke.py " + " ".join(sys.argv[1:]),
            "machine": {"python": platform.python_version(), "platform": platform.platform(),
                        "gpu": gpu},
            "source": "scripts/demo.py build (random weights)", "device": a.device,

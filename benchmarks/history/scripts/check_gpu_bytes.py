@@ -1,6 +1,6 @@
 """Same bytes out on CPU and GPU: convert one checkpoint on both devices and compare every file.
 
-    python scripts/check_gpu_bytes.py --out bench_out/gpu_bytes.json
+    python benchmarks/history/scripts/check_gpu_bytes.py --out bench_out/gpu_bytes.json
 
 Needs a CUDA device. Uses a GLM-5-layout block-FP8 checkpoint with ragged dimensions, the
 MTP layer and a zero group, in group 32 symmetric and group 64 asymmetric (dense targets).

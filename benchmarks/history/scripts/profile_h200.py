@@ -1,6 +1,6 @@
 """Profile of the GPU paths on one device, as run on the H200 on 2026-12-01 (JSON and tables).
 
-    OUT=bench_out PYTHONPATH=. python3 scripts/profile_h200.py ABCD
+    OUT=bench_out PYTHONPATH=. python3 benchmarks/history/scripts/profile_h200.py ABCD
 
 Parts (letters of the first argument):
     A  read paths for 192 GLM-5.2-shaped FP8 expert tensors (2.4 GB, page cache warm):

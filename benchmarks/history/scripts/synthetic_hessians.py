@@ -1,5 +1,5 @@
-"""GPTQ Hessians of GLM-5.2-like layer inputs for the GPU checks (scripts/check_factor_gpu.py,
-scripts/check_block_kernel_gpu.py): H = 2 XᵀX / T of bf16 inputs X (T = 4K tokens per expert)
+"""GPTQ Hessians of GLM-5.2-like layer inputs for the GPU checks (benchmarks/history/scripts/check_factor_gpu.py,
+benchmarks/history/scripts/check_block_kernel_gpu.py): H = 2 XᵀX / T of bf16 inputs X (T = 4K tokens per expert)
 with log-normal channel scales, 8 outlier channels (x20) and correlated columns (a random
 mixing), + percdamp x mean(diag H) as GPTQ damps them. Drawn from torch's global generator."""
 

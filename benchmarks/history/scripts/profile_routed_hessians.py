@@ -1,7 +1,7 @@
 """Where a GLM-5.2 MoE layer's routed expert Hessians and its MLP passes spend their time,
 and how other ways of summing the same Hessians compare, on one GPU.
 
-    OUT=bench_out PYTHONPATH=. python3 scripts/profile_routed_hessians.py [--tokens 1048576]
+    OUT=bench_out PYTHONPATH=. python3 benchmarks/history/scripts/profile_routed_hessians.py [--tokens 1048576]
 
 No checkpoint: layer 1 of a GLM-5.2-shaped model (hidden 6144, 256 experts of width 2048,
 top-8, MLA + DSA) is built from transformers' own class with random weights on the GPU, its

@@ -2,8 +2,8 @@
 `convert` options against each other (e.g. `--expert-calibration routed` against
 `routed-weighted`, or one set of GPTQ defaults against another) on models with a router.
 
-    PYTHONPATH=. python3 scripts/bench_tiny_glm.py --out benchmarks/local_expert_weighting.json
-    PYTHONPATH=. python3 scripts/bench_tiny_glm.py --runs \\
+    PYTHONPATH=. python3 benchmarks/history/scripts/bench_tiny_glm.py --out benchmarks/local_expert_weighting.json
+    PYTHONPATH=. python3 benchmarks/history/scripts/bench_tiny_glm.py --runs \\
         "rtn,gptq,gptq:mse_norm=3,mse_weight_power=1,gptaq=0.375" --out bench_out/g32.json
 
 The protocol of tests/test_calibrate.py::test_gptq_and_awq_beat_rtn_on_held_out_text: tiny
@@ -23,7 +23,7 @@ and routed experts, not what it does to a real model (none with experts can be b
 k-means centroids of its inputs on the calibration half (`kmeans_routers`), so each expert is
 sent its own cluster of inputs, with uneven loads, instead of a random router's split.
 
-    PYTHONPATH=. python3 scripts/bench_tiny_glm.py --routers kmeans --num-samples 1 \
+    PYTHONPATH=. python3 benchmarks/history/scripts/bench_tiny_glm.py --routers kmeans --num-samples 1 \
         --runs "gptq;gptq:expert_coverage=32" --out bench_out/kmeans.json
 """
 
@@ -43,7 +43,7 @@ from safetensors.torch import load_file, save_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))  # (kept in scripts/)
 from bench_quality import parse_run  # METHOD[:key=value,...], values JSON
 
 from quantize.calib.data import SHIPPED_SETS
