@@ -15,9 +15,11 @@ Folders by job; the stages in the order `pipeline.convert` runs them:
     calib/       --method != rtn       data.py (calibration text -> token ids), decoder.py
                                        (transformers' layers, built, filled, run), loop.py (THE
                                        layer loop: Calibrator._run_layers), layer.py (one layer:
-                                       pass 1, rounding, RTN guard, pass 2), capture.py (statistics),
-                                       round_layer.py (AWQ / GPTQ / RTN of one MLP), folds.py (where
-                                       AWQ's scale goes), mtp.py, handoff.py (results to the writer
+                                       load, rounding, RTN guard), passes.py (its forwards: pass 1,
+                                       pass 2), capture.py (statistics), round_layer.py (GPTQ / RTN
+                                       of one MLP), round_awq.py (AWQ's search and fold), folds.py
+                                       (where AWQ's scale goes), fold_probe.py (the fold proven up
+                                       front), mtp.py, handoff.py (results to the writer
                                        as values), state.py + resume.py (checkpoints, resume),
                                        distributed.py (torchrun ranks)
     write/       the output            shards.py (streamed, atomic), manifest.py, qconfig.py

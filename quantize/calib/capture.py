@@ -132,7 +132,7 @@ class MLPStats:
         counts summed on every rank, the all-token and dense / shared Hessians summed (weighted
         by tokens) on every rank, rank 0's all-token input sample on every rank. The routed
         experts' Hessians are summed onto their owners later, one GPTQ batch at a time
-        (round_layer's `_gptq_routed_ranks`)."""
+        (round_layer's `_gptq_routed`, one batch per step)."""
         if d is None:
             return
         E = self.num_experts

@@ -8,7 +8,7 @@
 
 The layer's driver (layer.LayerRunner) owns what happens to a result (into the module for the
 second pass, to the host for the writer); this module owns which weights are read with which
-scales (`LayerWeights`), which Hessian each solve gets, and in what batches.
+scales (`round_awq.LayerWeights`), which Hessian each solve gets, and in what batches.
 
 Statistics of a starved expert: with `--expert-coverage` N, one routed fewer than N tokens has
 its Hessians topped up to N tokens by the tokens its router logit ranks highest among the rest
@@ -17,14 +17,7 @@ its Hessians topped up to N tokens by the tokens its router logit ranks highest 
 Hessian; down Hessian from a sample of all tokens run through it), and the report says which
 and why.
 
-AWQ folds (quantize/rounding/awq.py does the search): each down_proj's input scale s (I,) goes into
-the same expert's up_proj rows; the MLP input's scale s (H,) into the norm that produces it
-(quantize/calib/folds.py finds which norm and its formula on the layer itself: GLM / Llama / Qwen's
-post-attention norm, w / s; Gemma3's pre-feedforward norm, (1 + w) / s - 1), with every reader
-(all experts' and the shared gate/up, the router) multiplied by s. In a MoE
-layer that s is rounded to powers of two, so the BF16 norm and router are scaled exactly and no
-token changes experts; it is searched on the shared expert and the AWQ_SEARCH_EXPERTS busiest
-experts. The scales as applied go to `awq_scales` (`awq_expected` re-applies them).
+AWQ folds: round_awq.py (which scales go where; quantize/rounding/awq.py searches them).
 
 GPTQ runs batched over experts (quantize/rounding/gptq.py): gate and up of an expert share its Hessian,
 so one (2I, H) solve per expert, up to GPTQ_BATCH experts at once (fewer when a quarter of the
@@ -43,19 +36,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import record_function
 
 from quantize.calib.capture import EXPERT_BATCH, MLPStats, rounded_down_stats
 from quantize.calib.decoder import ReadAhead, device_free
 from quantize.calib.distributed import Dist, owned
 from quantize.calib.folds import NormFold, awq_expected
+from quantize.calib.round_awq import AWQ_SEARCH_EXPERTS, LayerWeights, search_and_fold
 from quantize.options import ConvertOptions
 from quantize.plan import Unit
-from quantize.rounding.awq import AWQConfig, awq_search, fold_into_linear_rows, scale_linear_inputs
+from quantize.rounding.awq import AWQConfig
 from quantize.rounding.gptq import GPTQConfig, accumulate_hessian, gptq_quantize
 from quantize.rounding.int4 import Int4Weight, dequantize, quantize_rtn
-from quantize.source.checkpoint import Checkpoint, torch_dtype
+from quantize.source.checkpoint import Checkpoint
 
 __all__ = ["AWQ_SEARCH_EXPERTS", "GPTQ_BATCH", "LayerRounding", "LayerWeights", "Part", "Target",
            "awq_expected", "gptq_batch", "gptq_reserve", "part_of"]
@@ -63,7 +56,6 @@ __all__ = ["AWQ_SEARCH_EXPERTS", "GPTQ_BATCH", "LayerRounding", "LayerWeights", 
 # rows each) already keep an H200 busy (measured: a batch of 32 takes 0.6 s, 19 ms/expert),
 # and a larger batch only adds memory (~0.5 GB per expert).
 GPTQ_BATCH = 32
-AWQ_SEARCH_EXPERTS = 32  # routed experts the shared gate/up input scale is searched on
 
 
 class Sections:
@@ -111,35 +103,6 @@ class Target:
 
     name: str  # checkpoint tensor name (`...weight`)
     quantize: bool  # a --targets Linear (else a BF16 tensor that AWQ may rescale)
-
-
-class LayerWeights:
-    """The MLP's Linear weights as they will be rounded, read on demand (never all held):
-    float32 source (FP8 dequantized) * AWQ column scales / AWQ row scales."""
-
-    def __init__(self, ckpt: Checkpoint, units: dict[str, Unit], device: torch.device) -> None:
-        self.ckpt, self.units, self.device = ckpt, units, device
-        self.col: dict[str, torch.Tensor] = {}  # name -> (K,) input scales (weight columns * s)
-        self.row: dict[str, torch.Tensor] = {}  # name -> (N,) output scales (weight rows / s)
-
-    def source(self, name: str) -> torch.Tensor:
-        from quantize.source.weights import source_weight
-
-        return source_weight(self.ckpt, self.units[name], self.device)  # (N, K) float32
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.ckpt.tensors[name].shape
-
-    def scaled(self, name: str) -> bool:
-        return name in self.col or name in self.row
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        w = self.source(name)
-        if name in self.col:
-            w = scale_linear_inputs(w, self.col[name])
-        if name in self.row:
-            w = fold_into_linear_rows(w, self.row[name])
-        return w
 
 
 def gptq_batch(shape: tuple[int, ...], E: int, device: torch.device, dist: Dist | None) -> int:
@@ -256,7 +219,11 @@ class LayerRounding:
             if self.topped_up:
                 report["topped_up"] = self.topped_up
         if "awq" in self.opts.method:
-            report["awq"] = self._awq()
+            f = search_and_fold(self.L, self.kind, self.E,
+                                {n: t.quantize for n, t in self.targets.items()}, stats, self.W,
+                                self.norm_fold, self.awq_cfg, self.x_sample,
+                                self.expert_inter_sample, self.dtype)
+            report["awq"], self.s_in, self.mods, self.awq_scales = f.report, f.s_in, f.mods, f.scales
         lap("awq_search")
         quant = [n for n, t in self.targets.items() if t.quantize]
         if "gptq" not in self.opts.method:
@@ -280,75 +247,6 @@ class LayerRounding:
             gate, up = (self.x_sample @ W_gu.t()).chunk(2, dim=-1)
             return self.mlp.experts.act_fn(gate) * up
         return torch.cat(stats.inter_e[e])
-
-    # -- AWQ ------------------------------------------------------------------------------------
-
-    def _awq(self) -> dict:
-        """Search the scales and fold them into the producing ops (exactly, before rounding)."""
-        stats, W, p, targets, E = self.stats, self.W, self.p, self.targets, self.E
-        awq: dict = {}
-        alphas = []
-        stems = ([(f"{p}experts.{e}.", e) for e in range(E)] if self.kind == "moe" else []) + \
-            [(p + ("shared_experts." if self.kind == "moe" else ""), None)]
-        stems = [(st, e) for st, e in stems if targets.get(st + "down_proj.weight")
-                 and targets[st + "down_proj.weight"].quantize]
-        for c in range(0, len(stems), EXPERT_BATCH):  # down_proj: one search per expert, batched
-            chunk = stems[c: c + EXPERT_BATCH]
-            Xs = [self.expert_inter_sample(e) if e is not None else torch.cat(stats.inter_sample)
-                  for _, e in chunk]
-            T = max(x.shape[0] for x in Xs)
-            X = torch.stack([F.pad(x, (0, 0, 0, T - x.shape[0])) for x in Xs])  # (e, T, I)
-            Wd = torch.stack([W[st + "down_proj.weight"] for st, _ in chunk])  # (e, H, I)
-            r = awq_search([Wd], X, self.awq_cfg)  # zero rows pad: no effect on s or error
-            for i, (st, _) in enumerate(chunk):
-                W.col[st + "down_proj.weight"] = r.scales[i]  # down_proj columns * s
-                W.row[st + "up_proj.weight"] = r.scales[i]  # its own up_proj rows / s: exact
-                self.awq_scales[st + "down_proj.awq_input_scale"] = r.scales[i].float().cpu()
-            alphas += r.alpha.tolist()
-        gate_up = [n for n, t in targets.items() if t.quantize and
-                   n.endswith(("gate_proj.weight", "up_proj.weight"))]
-        if gate_up:
-            # One s for every reader of the norm's output, searched on the shared / dense
-            # projections and the AWQ_SEARCH_EXPERTS most-routed experts (bounded memory;
-            # the error of the busiest experts dominates the layer's), as (sum N, H).
-            busiest = sorted(range(E), key=lambda e: -stats.expert_tokens[e])[:AWQ_SEARCH_EXPERTS]
-            keep = {f"{p}experts.{e}." for e in busiest}
-            search = [n for n in gate_up if ".experts." not in n or n.rsplit(".", 2)[0] + "." in keep]
-            r = awq_search([torch.cat([W[n].to(self.dtype) for n in search])], self.x_sample,
-                           self.awq_cfg)
-            # MoE: powers of two, so dividing the BF16 norm and multiplying the BF16 router
-            # (and non-target shared experts) is exact and no token changes its experts
-            # (bf16-rounded arbitrary scales flipped near-tie routings and cost more than they
-            # gained on the tiny models: layer error 0.141 vs 0.137 glm4_moe). Dense MLPs:
-            # the exact scales (the norm's bf16 rounding, 2^-9 relative, is negligible).
-            s_in = torch.exp2(torch.round(torch.log2(r.scales))) if self.kind == "moe" else r.scales
-            fold = self.norm_fold
-            if fold is None:
-                raise RuntimeError(f"internal: layer {self.L}: AWQ on gate/up without a norm fold")
-            norm = fold.tensor(self.L)
-            w_norm = self.ckpt.read(norm, self.device).float()
-            # the scale the stored norm really applies (folds.NormFold.realized: the powers of
-            # two of a MoE layer's x * w norm are exact, s_eff == s)
-            s_in = fold.realized(w_norm, s_in, torch_dtype(W.units[norm].outputs[0].dtype))
-            self.s_in = s_in
-            self.awq_scales[p + "awq_input_scale"] = s_in.float().cpu()
-            for n in targets:  # every consumer of the norm's output
-                if n.endswith(("gate_proj.weight", "up_proj.weight")):
-                    W.col[n] = s_in
-            self.mods[norm] = fold.apply(w_norm, s_in)
-            if fold.bias:
-                b = fold.tensor(self.L, "bias")
-                self.mods[b] = fold.apply_bias(self.ckpt.read(b, self.device).float(), s_in)
-            awq["norm_fold"] = {"norm": fold.module, "formula": fold.formula, "bias": fold.bias}
-            if self.kind == "moe":
-                router = p + "gate.weight"
-                self.mods[router] = scale_linear_inputs(
-                    self.ckpt.read(router, self.device).float(), s_in)
-            awq["alpha_in"] = float(r.alpha)
-            awq["error_in"] = {"rtn": float(r.err_before), "awq": float(r.err_after)}
-        if alphas:
-            awq["alpha_down_mean"] = sum(alphas) / len(alphas)
-        return awq
 
     # -- GPTQ -----------------------------------------------------------------------------------
 
