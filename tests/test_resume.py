@@ -129,7 +129,7 @@ def test_killed_four_times_then_resumed_is_byte_identical(dsa_fp8, reference, tm
     # 3. the same command again (no --resume): detects the manifest, says so, continues; killed
     #    after its 2nd shard was renamed into place but before the manifest recorded it
     _, err = run_cli(*cli_args(dsa_fp8, out), stall="shard:2")
-    assert f"{len(recorded)} of {n_shards} shards recorded): resuming" in err
+    assert f"found an interrupted conversion in {out} ({len(recorded)} of {n_shards} shards done): resuming" in err
     on_disk = {p.name for p in out.glob("*.safetensors")}
     recorded2 = set(json.loads((out / MANIFEST).read_text())["files"])
     assert len(on_disk - recorded2) == 1  # a complete shard the manifest does not vouch for
