@@ -52,7 +52,15 @@ plain torch / SGLang's Triton version. The JSON names what ran.
 
 Import-only stubs (never called on this path; recorded with every name touched): see
 `IMPORT_ONLY`. Run on the GPU machine, with the wheels SGLang's import chain needs in .whl
-(CPython 3.12; torch, triton and transformers are the machine's own):
+(CPython 3.12; torch, triton and transformers are the machine's own; 45 MB):
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+        sglang==0.5.23 compressed-tensors==0.18.0 pydantic==2.14.4 pydantic-core==2.50.5 \
+        annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 loguru==0.7.3 \
+        msgspec==0.19.0 orjson==3.13.0 pybase64==1.5.1 dill==0.4.1 openai==2.8.0 jiter==0.19.0 \
+        distro==1.9.0 sniffio==1.3.1 apache-tvm-ffi==0.1.11
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
