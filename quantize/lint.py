@@ -34,7 +34,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["Check", "kept_fp8", "lint", "needs_shared_fusion_off", "routed_zero_points"]
+__all__ = ["Check", "kept_fp8", "lint", "needs_shared_fusion_off", "routed_zero_points",
+           "sglang_refusals"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,24 @@ def routed_zero_points(names) -> list[str]:
                   and _ROUTED.match(m := n[: -len(".weight_zero_point")]))
 
 
+def _mixed(qc: dict | None, fp8: list[str]) -> bool:
+    """The checkpoint is `mixed-precision` (FP8 Linears kept beside the INT4 ones)."""
+    return bool(fp8) or (qc or {}).get("format") == "mixed-precision"
+
+
+def sglang_refusals(qc: dict | None, names) -> list[str]:
+    """Why SGLang (0.5.23) loads this layout under no flag, each with the fix ([]: it loads);
+    the model card prints these instead of an SGLang command (the rules below, in its words)."""
+    why = []
+    if _mixed(qc, kept_fp8(names)):
+        why.append("`--keep-fp8` writes the `mixed-precision` format and SGLang's fused-MoE "
+                   "schemes take `pack-quantized` only: convert without --keep-fp8")
+    if routed_zero_points(names):
+        why.append("the routed experts store zero points (`--asymmetric`) and SGLang's MoE "
+                   "weight loader fails on them: convert without --asymmetric")
+    return why
+
+
 def lint(qc: dict, names) -> list[Check]:
     """The rules above on a `quantization_config` and the output's tensor names."""
     names = set(names)
@@ -109,7 +128,7 @@ def lint(qc: dict, names) -> list[Check]:
                              f"symmetric={w.get('symmetric')}: the CUTLASS W4A8 MoE kernels need "
                              "group 128, symmetric (convert with --scheme w4afp8 --group-size 128)"))
     fp8 = kept_fp8(names)
-    mixed = bool(fp8) or (qc or {}).get("format") == "mixed-precision"
+    mixed = _mixed(qc, fp8)
     zp = routed_zero_points(names)
     if needs_shared_fusion_off(names) and not (mixed or zp):  # (no SGLang flag serves those)
         out.append(Check("warn", "layout: shared experts not INT4",

@@ -98,6 +98,7 @@ class CardFacts:
     scheme: str = "w4a16"  # w4a16 | w4afp8 (FP8 input activations declared)
     mtp: str = "int4"  # int4 | keep
     sglang_no_shared_fusion: bool = False  # routed INT4, shared BF16 (quantize/lint.py)
+    sglang_refusals: tuple[str, ...] = ()  # why SGLang loads it under no flag (lint.sglang_refusals)
     keep_fp8: bool = False  # --keep-fp8: a second, FP8 group
     eval_verdict: dict | None = None  # eval.json's verdict: ok, the thresholds it used, what failed
 
@@ -377,19 +378,6 @@ def _flat(d: dict, prefix: str = "") -> list[tuple[str, object]]:
     return out
 
 
-def _sglang_refusals(f: CardFacts) -> list[str]:
-    """Why SGLang (0.5.23) loads this checkpoint under no flag, each with the fix
-    (quantize/lint.py's SGLang rules, on the options that produce those layouts)."""
-    why = []
-    if f.keep_fp8:
-        why.append("`--keep-fp8` writes the `mixed-precision` format and SGLang's fused-MoE "
-                   "schemes take `pack-quantized` only: convert without --keep-fp8")
-    if not f.symmetric and "routed" in f.targets:
-        why.append("the routed experts store zero points (`--asymmetric`) and SGLang's MoE "
-                   "weight loader fails on them: convert without --asymmetric")
-    return why
-
-
 def _serving(f: CardFacts) -> list[str]:
     model = f.repo_id or "PATH_OR_REPO_ID"
     tps = ", ".join(map(str, f.valid_tp)) or "none in 1..16"
@@ -401,7 +389,7 @@ def _serving(f: CardFacts) -> list[str]:
     vllm_kernels = "CUTLASS W4A8 MoE with FP8 activations, Hopper" if w4a8 else \
         "Marlin / Machete W4A16 kernels"
     sglang_kernels = "CompressedTensorsW4AFP8MoE" if w4a8 else "MoE WNA16 kernels"
-    refused = _sglang_refusals(f)
+    refused = f.sglang_refusals
     sglang = [f"SGLang: none; SGLang 0.5.23 does not load this checkpoint: {'; '.join(refused)}.",
               ""] if refused else [
         f"SGLang ({sglang_kernels}):",

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from quantize import __version__
 from quantize.errors import QuantizeError
-from quantize.lint import needs_shared_fusion_off
+from quantize.lint import needs_shared_fusion_off, sglang_refusals
 from quantize.names import CALIB_REPORT, CARD, EVAL_JSON, PICTURES, VERIFY_JSON
 from quantize.options import ConvertOptions
 from quantize.plan import Plan, clip_words, gptq_extras, make_plan, tp_checks
@@ -222,6 +222,7 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
         mtp=opts.mtp,
         keep_fp8=opts.keep_fp8,
         sglang_no_shared_fusion=needs_shared_fusion_off(names),
+        sglang_refusals=tuple(sglang_refusals(qc, names)),
     )
 
 
