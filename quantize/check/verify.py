@@ -55,7 +55,7 @@ from quantize.rounding.int4 import REFIT_RANGE, Int4Weight, dequantize, rtn_qpar
 from quantize.source.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor_table
 from quantize.source.layout import layer_of
 from quantize.source.weights import resolve_device, source_weight
-from quantize.write.manifest import MANIFEST, finished_manifest
+from quantize.write.manifest import MANIFEST, finished_manifest, index_sha256
 from quantize.write.qconfig import quantization_config, quantization_config_difference
 from quantize.write.shards import sha256_file
 
@@ -583,17 +583,13 @@ def _same_source(src: Path, manifest: dict) -> None:
     """A local SRC whose index is not the one the conversion recorded is another checkpoint:
     said as that, before any file is compared (its files would each read as missing from the
     output, with "reconvert" as the fix)."""
-    import hashlib
-
     from quantize.names import INDEX_NAME
 
     recorded = (manifest.get("source") or {}).get("index_sha256")
-    index = src / INDEX_NAME
-    if not recorded or not index.is_file():
-        return
-    if hashlib.sha256(index.read_bytes()).hexdigest() != recorded:
+    now = index_sha256(src) if src.is_dir() else None
+    if recorded and now is not None and now != recorded:
         raise QuantizeError("SRC is not the checkpoint this output was converted from", [Problem(
-            str(index), None, "a weight index other than the one the conversion recorded "
+            str(src / INDEX_NAME), None, "a weight index other than the one the conversion recorded "
             f"(source {(manifest.get('source') or {}).get('name')!r})",
             "the source the output was converted from",
             "pass that checkpoint as SRC (the output's quantize-manifest.json names it)")])

@@ -33,12 +33,18 @@ from quantize.plan import Plan
 from quantize.source.checkpoint import INDEX_NAME, Checkpoint
 from quantize.write.shards import sha256_file, write_json_atomic
 
-__all__ = ["CALIB_IDENTITY", "MANIFEST", "Manifest", "finished_manifest", "manifest_status", "output_state",
-           "read_manifest", "source_fingerprint"]
+__all__ = ["CALIB_IDENTITY", "MANIFEST", "Manifest", "finished_manifest", "index_sha256",
+           "manifest_status", "output_state", "read_manifest", "source_fingerprint"]
 
 
 # The keys of "calibration" a resumed run must match (`Calibrator.identity`).
 CALIB_IDENTITY = ("tokens_sha256", "device", "compute_dtype", "processes")
+
+
+def index_sha256(root: Path) -> str | None:
+    """The sha256 of a checkpoint folder's weight index (None: an unsharded one)."""
+    index = root / INDEX_NAME
+    return hashlib.sha256(index.read_bytes()).hexdigest() if index.is_file() else None
 
 
 def source_fingerprint(ckpt: Checkpoint, base_model: str | None = None) -> dict:
@@ -48,8 +54,7 @@ def source_fingerprint(ckpt: Checkpoint, base_model: str | None = None) -> dict:
     from quantize.source.hub import source_identity
 
     root = ckpt.root
-    index = root / INDEX_NAME
-    index_sha = hashlib.sha256(index.read_bytes()).hexdigest() if index.is_file() else None
+    index_sha = index_sha256(root)
     files = {}
     for f in ckpt.files + ["config.json"]:
         st = (root / f).stat()
