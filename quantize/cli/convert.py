@@ -3,7 +3,6 @@ and the calibration's summary table."""
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -338,12 +337,12 @@ def calibration_table(rep: dict, dst: Path, console) -> None:
     from rich.table import Table
 
     c = rep["calibration"]
-    f = dst / CALIB_TIMINGS
-    try:  # the times are beside the report, not in it (a report of ours: a small regular file)
-        if f.is_symlink() or not f.is_file() or f.stat().st_size > 1 << 24:
-            raise ValueError(f"{f} is not our timings file")
-        seconds = {lay["layer"]: lay.get("seconds", 0) for lay in json.loads(f.read_text())["layers"]}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    from quantize.write.shards import read_own_json
+
+    timings = read_own_json(dst / CALIB_TIMINGS, max_bytes=1 << 24)  # beside the report, not in it
+    try:
+        seconds = {lay["layer"]: lay.get("seconds", 0) for lay in (timings or {}).get("layers", [])}
+    except (KeyError, TypeError, AttributeError):
         seconds = {}
     t = Table(title=f"calibration: {rep['method']}, {c['num_samples']} x {c['seq_len']} tokens "
                     f"from {c['source']}, experts {rep['expert_calibration']}")

@@ -32,6 +32,7 @@ from quantize.publish.card import CalibrationFacts, CardFacts, Sizes, render_car
 from quantize.source.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from quantize.source.hub import hub_source, source_license, valid_repo_id
 from quantize.write.manifest import read_manifest
+from quantize.write.shards import read_own_json, write_bytes_atomic
 
 __all__ = ["CARD", "EVAL_JSON", "card_facts", "card_text", "hub_source", "refresh_readme",
            "write_readme"]
@@ -48,22 +49,6 @@ def _source_plan(manifest: dict) -> Plan | None:
         return make_plan(open_checkpoint(path), ConvertOptions.from_json(manifest["options"]))
     except (QuantizeError, ValueError, OSError):
         return None  # moved or changed since conversion: fall back to the output's own figures
-
-
-REPORT_MAX_BYTES = 64 << 20  # our reports are kilobytes; a link to /dev/zero is no report
-
-
-def _read_json(p: Path) -> dict | None:
-    """A report of ours in the output folder, or None where there is none to show: absent, a
-    link (never followed), not a regular file, too large, or not a JSON object (a stale or
-    foreign file: the card leaves it out; verify / push judge the folder)."""
-    try:
-        if p.is_symlink() or not p.is_file() or p.stat().st_size > REPORT_MAX_BYTES:
-            return None
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _data_name(source: str) -> str:
@@ -190,7 +175,7 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
     width = config.get("moe_intermediate_size")
     tp, valid = _tp(dst, config, opts, manifest, tp)
     qc = config.get("quantization_config") or {}
-    eval_ = _read_json(dst / EVAL_JSON)
+    eval_ = read_own_json(dst / EVAL_JSON)
     return CardFacts(
         source_name=source_name,
         base_model=base,
@@ -209,8 +194,8 @@ def card_facts(dst: str | Path, plan: Plan | None = None, repo_id: str | None = 
         tp=tp,
         valid_tp=valid,
         expert_width=int(width) if width else None,
-        calibration=_calibration(_read_json(dst / CALIB_REPORT), opts),
-        verify=_read_json(dst / VERIFY_JSON),
+        calibration=_calibration(read_own_json(dst / CALIB_REPORT), opts),
+        verify=read_own_json(dst / VERIFY_JSON),
         eval=(eval_.get("summary", eval_) if isinstance(eval_, dict) else None),
         eval_verdict=eval_.get("verdict") if isinstance(eval_, dict) else None,
         tool_version=manifest.get("tool_version") or __version__,
@@ -236,8 +221,6 @@ def write_readme(dst: str | Path, plan: Plan | None = None, repo_id: str | None 
     """(Re)write DST/README.md; return its path."""
     p = Path(dst) / CARD
     text = card_text(dst, plan, repo_id, base_model, tp)  # (any error: nothing written yet)
-    from quantize.write.shards import write_bytes_atomic
-
     write_bytes_atomic(p, text.encode("utf-8"))  # (through a fresh .partial: no link followed)
     return p
 

@@ -43,8 +43,8 @@ if TYPE_CHECKING:  # (torch is imported where tensors are written: the file help
     import torch  # serve the header-only commands too)
 
 __all__ = [
-    "ShardWriter", "copy_file_atomic", "folder_lock", "fsync_dir", "open_fresh", "sha256_file",
-    "stall_point", "write_bytes_atomic", "write_failed", "write_json_atomic",
+    "ShardWriter", "copy_file_atomic", "folder_lock", "fsync_dir", "open_fresh", "read_own_json",
+    "sha256_file", "stall_point", "write_bytes_atomic", "write_failed", "write_json_atomic",
 ]
 
 STALL_ENV = "QUANTIZE_TEST_STALL_AT"
@@ -163,6 +163,20 @@ def finite(obj: object) -> object:
 def json_text(obj: object, indent: int | None = 2) -> str:
     """Strict JSON (no NaN / Infinity): non-finite numbers as null."""
     return json.dumps(finite(obj), indent=indent, sort_keys=False, allow_nan=False)
+
+
+def read_own_json(path: Path, max_bytes: int = 64 << 20) -> dict | None:
+    """A JSON report this tool wrote into an output folder, or None where there is none to use:
+    absent, a link (never followed), not a regular file (a FIFO would block the read), over
+    `max_bytes` (our reports are kilobytes; a link to /dev/zero is no report), unreadable, or
+    not a JSON object (a stale or foreign file)."""
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > max_bytes:
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
