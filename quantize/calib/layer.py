@@ -213,6 +213,7 @@ class LayerRunner:
         self.check_stop, self.before_overwrite, self.warm = check_stop, before_overwrite, warm
         self.report_rows = 0  # several ranks: this rank's chunk-0 rows the errors are taken over
         self.skip = 0  # positions at each window's start left out of the MLP statistics
+        self.paces: list[float] = []  # the last layers' seconds, for the time left the log says
         # the rounded weights: into the layer for pass 2, to the host for the writer
         self.outputs = LayerOutputs(device, dist)
         # the next decoder layer's weights, loaded during this layer's pass 2 (`load_ahead`)
@@ -258,7 +259,7 @@ class LayerRunner:
         entry["finish_s"] = round(time.perf_counter() - t_end, 3)  # the host copies' tail
         entry["seconds"] = round(time.perf_counter() - t0, 3)
         fb = entry.get("fallback") or []
-        pace = self._paces = [*getattr(self, "_paces", [])[-2:], entry["seconds"]]
+        pace = self.paces = [*self.paces[-2:], entry["seconds"]]
         left = max(self.num_layers - 1 - L, 0) * sorted(pace)[len(pace) // 2]  # the last 3's median
         self.log(f"layer {L}{' (MTP)' if L >= self.num_layers else ''}: "
                  f"{entry.get('quantized', 0)} Linears {self.opts.method}"

@@ -29,6 +29,8 @@ err = Console(stderr=True, soft_wrap=True, markup=False, emoji=False)  # one lin
 def tag(label: str, style: str) -> Text:
     """A coloured label (`error:`, `warning:`) to print before a message."""
     return Text(label, style=style)
+
+
 # -q / -v (before the command): quiet drops progress bars and progress lines (results,
 # warnings and errors stay); verbose shows tracebacks, as each command's --debug does
 VERBOSITY = {"quiet": False, "verbose": False}
